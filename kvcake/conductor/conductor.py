@@ -1,0 +1,307 @@
+"""The Conductor: KVCache-centric global scheduling (seed section IX, Algorithm 1) and baselines.
+
+Lifecycle of one request, as the caller (simulator or live frontend) drives it:
+
+    decision = conductor.schedule(req, now_s)        # Placement | Rejection, books the placement
+    if Placement with fetch:  ... on_transfer_done(request_id, now_s)
+                              on_blocks_stored(prefill_id, fetch.keys)   # the new replica
+    on_prefill_started(prefill_id, request_id, now_s)
+    on_prefill_finished(prefill_id, request_id, now_s)
+    on_blocks_stored(prefill_id, keys)  /  on_blocks_removed(holder, keys)   # cache changes
+    on_decode_joined(decode_id, request_id, now_s)
+    on_decode_finished(decode_id, request_id, now_s)
+    on_request_aborted(request_id)                   # at any point: forget its bookings
+
+The fetch threshold: Algorithm 1 fetches when best_len / local_len > threshold. We evaluate it
+cross-multiplied, best_len > threshold * local_len, which is the same for local_len > 0 and
+defines local_len = 0: any remote prefix is fetched (the ratio is +inf), and 0 / 0 (nobody holds
+anything) fetches nothing. Reading 0 as "no ratio, recompute" would forbid exactly the fetches
+to cold instances that spread hot prefixes (hotspot migration) in the first place.
+
+Pure: no I/O, no clock (`now_s` is an argument), no threads.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Sequence
+
+from kvcake.conductor.config import Admission, ConductorConfig, Policy
+from kvcake.conductor.decision import (
+    Decision,
+    DecodeEstimate,
+    FetchPlan,
+    Placement,
+    PrefillEstimate,
+    Rejection,
+    RejectReason,
+    ScheduleRequest,
+)
+from kvcake.conductor.index import GlobalIndex, PrefixMatch
+from kvcake.conductor.load import DecodeLoad, PrefillQueue
+from kvcake.conductor.predictor import DecodeModel, PrefillModel
+
+
+class Conductor:
+    """Places requests on (prefill, decode) instance pairs, or rejects them.
+
+    prefill_ids / decode_ids: the instance pools, in a fixed order that breaks ties. With
+    Policy.COLOCATED every instance prefills and decodes: pass the same ids twice (or no
+    decode_ids). kv_bytes_per_token sizes planned fetches.
+    """
+
+    def __init__(
+        self,
+        config: ConductorConfig,
+        prefill_ids: Sequence[str],
+        decode_ids: Sequence[str],
+        prefill_model: PrefillModel,
+        decode_model: DecodeModel,
+        kv_bytes_per_token: int,
+    ) -> None:
+        if config.policy is Policy.COLOCATED:
+            if decode_ids and list(decode_ids) != list(prefill_ids):
+                raise ValueError("policy colocated: decode_ids must equal prefill_ids (or be empty)")
+            decode_ids = prefill_ids
+        if kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+        self.config = config
+        self.index = GlobalIndex()
+        self._prefill_model = prefill_model
+        self._decode_model = decode_model
+        self._kv_bytes_per_token = kv_bytes_per_token
+        self._bandwidth = config.transfer_bandwidth_bytes_per_s
+        self._rng = random.Random(config.seed)
+        self._queues: dict[str, PrefillQueue] = {}
+        self._decodes: dict[str, DecodeLoad] = {}
+        self._inflight_bytes: dict[str, int] = {}  # fetch source -> bytes planned, not done
+        self._transfers: dict[str, tuple[str, int]] = {}  # request -> (source, bytes)
+        self._placed: dict[str, tuple[str, str]] = {}  # request -> (prefill_id, decode_id)
+        for instance_id in prefill_ids:
+            self.add_prefill_instance(instance_id)
+        for instance_id in decode_ids:
+            self.add_decode_instance(instance_id)
+
+    # ---- pools -------------------------------------------------------------------------------
+
+    @property
+    def prefill_ids(self) -> list[str]:
+        return list(self._queues)
+
+    @property
+    def decode_ids(self) -> list[str]:
+        return list(self._decodes)
+
+    def add_prefill_instance(self, instance_id: str) -> None:
+        if instance_id in self._queues:
+            raise ValueError(f"prefill instance {instance_id!r} is already registered")
+        self._queues[instance_id] = PrefillQueue()
+        self.index.add_holder(instance_id)
+
+    def add_decode_instance(self, instance_id: str) -> None:
+        if instance_id in self._decodes:
+            raise ValueError(f"decode instance {instance_id!r} is already registered")
+        self._decodes[instance_id] = DecodeLoad()
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Forget an instance (it died or was drained), its queue and its cached blocks."""
+        self._queues.pop(instance_id, None)
+        self._decodes.pop(instance_id, None)
+        self.index.remove_holder(instance_id)
+
+    def set_transfer_bandwidth(self, bytes_per_s: float) -> None:
+        """The current KVCache loading speed (e.g. measured by the transfer engine)."""
+        if not bytes_per_s > 0:
+            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
+        self._bandwidth = bytes_per_s
+
+    def queue_s(self, instance_id: str, now_s: float) -> float:
+        return self._queue(instance_id).queue_s(now_s)
+
+    def prefill_queue(self, instance_id: str) -> PrefillQueue:
+        """The live book of one prefill instance (for inspection, or seeding a cluster view)."""
+        return self._queue(instance_id)
+
+    def decode_load(self, instance_id: str) -> DecodeLoad:
+        """The live book of one decode instance."""
+        return self._decode(instance_id)
+
+    def inflight_bytes(self, source: str) -> int:
+        """Bytes of planned fetches from `source` not yet reported done."""
+        return self._inflight_bytes.get(source, 0)
+
+    # ---- scheduling --------------------------------------------------------------------------
+
+    def schedule(self, req: ScheduleRequest, now_s: float) -> Decision:
+        """Place `req` or reject it; a placement is booked at once (queue, decode, fetch, index)."""
+        if req.request_id in self._placed:
+            raise ValueError(f"request {req.request_id!r} is already placed")
+        if not self._queues or not self._decodes:
+            return Rejection(req.request_id, RejectReason.NO_INSTANCE, self.config.min_retry_after_s,
+                             float("inf"), float("inf"), (), ())
+        match = self.index.match(req.block_keys)
+        candidates = tuple(self._estimate(req, instance_id, match, now_s) for instance_id in self._queues)
+        chosen = self._choose_prefill(candidates)
+        ttft_s = chosen.ttft_s
+        decode_candidates = self._estimate_decodes(req, chosen.instance_id, now_s, ttft_s)
+        best_decode = self._choose_decode(decode_candidates)
+        rejection = self._admit(req, now_s, ttft_s, best_decode, candidates, decode_candidates)
+        if rejection is not None:
+            return rejection
+        fetch = self._fetch_plan(req, chosen, match)
+        self._book(req, now_s, chosen, best_decode.instance_id, fetch)
+        return Placement(req.request_id, chosen.instance_id, best_decode.instance_id,
+                         chosen.prefix_len, fetch, ttft_s, best_decode.tbt_s, candidates,
+                         decode_candidates)
+
+    def _reuse_len(self, req: ScheduleRequest, num_blocks: int) -> int:
+        # The last prompt token is always computed: its logits give the first output token.
+        return min(req.tokens_of_blocks(num_blocks), req.prompt_len - 1)
+
+    def _estimate(self, req: ScheduleRequest, instance_id: str, match: PrefixMatch,
+                  now_s: float) -> PrefillEstimate:
+        local_len = self._reuse_len(req, match.blocks(instance_id))
+        queue_s = self._queues[instance_id].queue_s(now_s)
+        predict = self._prefill_model.predict
+        recompute = PrefillEstimate(instance_id, local_len, local_len, 0.0, queue_s,
+                                    predict(req.prompt_len, local_len))
+        if self.config.policy is not Policy.GLOBAL_CACHE or match.best_holder is None:
+            return recompute
+        best_len = self._reuse_len(req, match.best_blocks)
+        if not best_len > self.config.kvcache_balancing_threshold * local_len:
+            return recompute
+        fetch_bytes = (best_len - local_len) * self._kv_bytes_per_token
+        backlog = self._inflight_bytes.get(match.best_holder, 0)
+        transfer_s = (backlog + fetch_bytes) / self._bandwidth
+        fetched = PrefillEstimate(instance_id, local_len, best_len, transfer_s, queue_s,
+                                  predict(req.prompt_len, best_len))
+        if self.config.fetch_only_if_faster and recompute.ttft_s <= fetched.ttft_s:
+            return recompute
+        return fetched
+
+    def _choose_prefill(self, candidates: tuple[PrefillEstimate, ...]) -> PrefillEstimate:
+        policy = self.config.policy
+        if policy is Policy.RANDOM:
+            return candidates[self._rng.randrange(len(candidates))]
+        if policy is Policy.LOAD_BALANCE:
+            return min(candidates, key=lambda c: c.queue_s)
+        return min(candidates, key=lambda c: c.ttft_s)  # first of equals: pool order
+
+    def _estimate_decodes(self, req: ScheduleRequest, prefill_id: str, now_s: float,
+                          ttft_s: float) -> tuple[DecodeEstimate, ...]:
+        at_s = now_s + ttft_s if self.config.admission is Admission.EARLY else now_s
+        context = req.prompt_len + req.max_output_len // 2
+        ids = [prefill_id] if self.config.policy is Policy.COLOCATED else list(self._decodes)
+        step = self._decode_model.decode_step_time_s
+        estimates = []
+        for instance_id in ids:
+            batch, tokens = self._decodes[instance_id].batch_at(at_s)
+            estimates.append(DecodeEstimate(instance_id, batch + 1, tokens + context,
+                                            step(batch + 1, tokens + context)))
+        return tuple(estimates)
+
+    def _choose_decode(self, candidates: tuple[DecodeEstimate, ...]) -> DecodeEstimate:
+        # Least predicted TBT; among equals (e.g. all idle at the forecast time) the instance with
+        # the fewest requests booked, so a burst does not pile onto the first instance.
+        return min(candidates, key=lambda d: (d.tbt_s, self._decodes[d.instance_id].num_booked))
+
+    def _admit(self, req: ScheduleRequest, now_s: float, ttft_s: float, decode: DecodeEstimate,
+               candidates: tuple[PrefillEstimate, ...],
+               decode_candidates: tuple[DecodeEstimate, ...]) -> Rejection | None:
+        cfg = self.config
+        if cfg.admission is Admission.NONE:
+            return None
+        if ttft_s > cfg.ttft_slo_s:
+            reason, retry_s = RejectReason.TTFT_SLO, ttft_s - cfg.ttft_slo_s
+        elif decode.tbt_s > cfg.tbt_slo_s:
+            at_s = now_s + ttft_s if cfg.admission is Admission.EARLY else now_s
+            next_finish = self._decodes[decode.instance_id].next_finish_after(at_s)
+            reason, retry_s = RejectReason.TBT_SLO, (0.0 if next_finish is None else next_finish - now_s)
+        else:
+            return None
+        return Rejection(req.request_id, reason, max(cfg.min_retry_after_s, retry_s), ttft_s,
+                         decode.tbt_s, candidates, decode_candidates)
+
+    def _fetch_plan(self, req: ScheduleRequest, chosen: PrefillEstimate,
+                    match: PrefixMatch) -> FetchPlan | None:
+        if chosen.prefix_len <= chosen.local_len or match.best_holder is None:
+            return None
+        first = match.blocks(chosen.instance_id)
+        last = -(-chosen.prefix_len // req.block_size)  # blocks covering the reused tokens
+        keys = tuple(req.block_keys[first:last])
+        num_bytes = (chosen.prefix_len - chosen.local_len) * self._kv_bytes_per_token
+        return FetchPlan(match.best_holder, keys, chosen.local_len, chosen.prefix_len, num_bytes,
+                         chosen.transfer_s)
+
+    def _book(self, req: ScheduleRequest, now_s: float, chosen: PrefillEstimate, decode_id: str,
+              fetch: FetchPlan | None) -> None:
+        rid = req.request_id
+        self._queues[chosen.instance_id].add(rid, chosen.prefill_s)
+        context = req.prompt_len + req.max_output_len // 2
+        self._decodes[decode_id].expect(rid, now_s + chosen.ttft_s, context, req.max_output_len)
+        self._placed[rid] = (chosen.instance_id, decode_id)
+        if fetch is not None:
+            self._inflight_bytes[fetch.source] = self._inflight_bytes.get(fetch.source, 0) + fetch.num_bytes
+            self._transfers[rid] = (fetch.source, fetch.num_bytes)
+        if self.config.index_on_placement:
+            self.index.add(chosen.instance_id, req.block_keys)
+
+    # ---- reports from the caller --------------------------------------------------------------
+
+    def on_prefill_started(self, instance_id: str, request_id: str, now_s: float) -> None:
+        self._queue(instance_id).start(request_id, now_s)
+
+    def on_prefill_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
+        self._queue(instance_id).remove(request_id)
+
+    def on_transfer_done(self, request_id: str, now_s: float) -> None:
+        """The planned fetch of `request_id` completed (or failed): its bytes no longer queue."""
+        source, num_bytes = self._transfers.pop(request_id, ("", 0))
+        if num_bytes:
+            left = self._inflight_bytes.get(source, 0) - num_bytes
+            if left > 0:
+                self._inflight_bytes[source] = left
+            else:
+                self._inflight_bytes.pop(source, None)
+
+    def on_blocks_stored(self, holder: str, keys: Sequence[Hashable]) -> None:
+        """`holder` (a prefill instance or a store tier such as "store") now has `keys`."""
+        self.index.add(holder, keys)
+
+    def on_blocks_removed(self, holder: str, keys: Sequence[Hashable]) -> None:
+        self.index.remove(holder, keys)
+
+    def on_decode_joined(self, instance_id: str, request_id: str, now_s: float) -> None:
+        load = self._decode(instance_id)
+        batch, tokens = load.batch_at(now_s)
+        load.join(request_id, now_s, self._decode_model.decode_step_time_s(max(1, batch), tokens))
+
+    def on_decode_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
+        self._decode(instance_id).remove(request_id)
+        self._placed.pop(request_id, None)
+
+    def on_request_aborted(self, request_id: str) -> None:
+        """Forget every booking of `request_id` (client gone, instance failed)."""
+        self.on_transfer_done(request_id, 0.0)
+        placed = self._placed.pop(request_id, None)
+        if placed is None:
+            return
+        prefill_id, decode_id = placed
+        if prefill_id in self._queues:
+            self._queues[prefill_id].remove(request_id)
+        if decode_id in self._decodes:
+            self._decodes[decode_id].remove(request_id)
+
+    def _queue(self, instance_id: str) -> PrefillQueue:
+        try:
+            return self._queues[instance_id]
+        except KeyError:
+            raise ValueError(f"unknown prefill instance {instance_id!r}; known: "
+                             f"{', '.join(self._queues)}") from None
+
+    def _decode(self, instance_id: str) -> DecodeLoad:
+        try:
+            return self._decodes[instance_id]
+        except KeyError:
+            raise ValueError(f"unknown decode instance {instance_id!r}; known: "
+                             f"{', '.join(self._decodes)}") from None

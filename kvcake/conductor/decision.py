@@ -1,0 +1,148 @@
+"""What goes into the Conductor (`ScheduleRequest`) and what comes out (`Placement` | `Rejection`).
+
+Plain frozen data, so the simulator and the live frontend consume decisions the same way and a
+user can read why a request went where it went: every decision carries a per-candidate breakdown.
+
+Block keys are opaque hashables: `BlockKey` ints in the live cluster, trace `hash_ids` in the
+simulator. Token counts (`*_len`) are tokens, not blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from enum import StrEnum
+
+Holder = str
+"""Who holds a copy of a block: a prefill instance id, or a store tier name such as "store"."""
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """One request to place.
+
+    block_keys: chained prefix keys of the prompt's blocks, in order (a trailing partial block may
+        have a key, as in Mooncake traces; it counts as `prompt_len - (n - 1) * block_size` tokens).
+    max_output_len: tokens the request will (at most) generate; drives the decode-load forecast.
+    """
+
+    request_id: str
+    prompt_len: int
+    block_keys: tuple[Hashable, ...]
+    block_size: int
+    max_output_len: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_keys, tuple):
+            object.__setattr__(self, "block_keys", tuple(self.block_keys))
+        if self.prompt_len < 1:
+            raise ValueError(f"request {self.request_id}: prompt_len must be >= 1, got {self.prompt_len}")
+        if self.block_size < 1:
+            raise ValueError(f"request {self.request_id}: block_size must be >= 1, got {self.block_size}")
+        if self.max_output_len < 1:
+            raise ValueError(f"request {self.request_id}: max_output_len must be >= 1, "
+                             f"got {self.max_output_len}")
+        if len(self.block_keys) * self.block_size > self.prompt_len + self.block_size - 1:
+            raise ValueError(f"request {self.request_id}: {len(self.block_keys)} block keys of "
+                             f"{self.block_size} tokens exceed prompt_len {self.prompt_len}")
+
+    def tokens_of_blocks(self, num_blocks: int) -> int:
+        """Tokens covered by the first `num_blocks` blocks (the last one may be partial)."""
+        return min(num_blocks * self.block_size, self.prompt_len)
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """Fetch the KVCache of `keys` (tokens `start_len`..`end_len`) from `source` before prefill.
+
+    The prefill instance keeps what it fetched: hot prefixes are replicated as a side effect of
+    routing. The caller reports the new replica with `on_blocks_stored` (or the Conductor records
+    it at placement when `index_on_placement` is set) and the end of the transfer with
+    `on_transfer_done`.
+    """
+
+    source: Holder
+    keys: tuple[Hashable, ...]
+    start_len: int
+    end_len: int
+    num_bytes: int
+    transfer_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end_len - self.start_len
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """One prefill candidate as the policy saw it.
+
+    local_len: prefix tokens the instance holds itself. prefix_len: prefix tokens the prefill
+    would reuse (local_len, or the fetched best_len). ttft_s = transfer_s + queue_s + prefill_s.
+    """
+
+    instance_id: str
+    local_len: int
+    prefix_len: int
+    transfer_s: float
+    queue_s: float
+    prefill_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.transfer_s + self.queue_s + self.prefill_s
+
+
+@dataclass(frozen=True)
+class DecodeEstimate:
+    """One decode candidate: its predicted batch when this request joins, and the step time (TBT)."""
+
+    instance_id: str
+    batch_size: int
+    context_tokens: int
+    tbt_s: float
+
+
+class RejectReason(StrEnum):
+    TTFT_SLO = "ttft_slo"
+    TBT_SLO = "tbt_slo"
+    NO_INSTANCE = "no_instance"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Run the prefill on `prefill_id` (after `fetch`, if any) and decode on `decode_id`.
+
+    prefix_len: prompt tokens whose KVCache is reused (never the last prompt token, whose logits
+    give the first output token). In COLOCATED mode prefill_id == decode_id.
+    """
+
+    request_id: str
+    prefill_id: str
+    decode_id: str
+    prefix_len: int
+    fetch: FetchPlan | None
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+    prefill_candidates: tuple[PrefillEstimate, ...]
+    decode_candidates: tuple[DecodeEstimate, ...]
+
+    @property
+    def chosen(self) -> PrefillEstimate:
+        return next(c for c in self.prefill_candidates if c.instance_id == self.prefill_id)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Answer 429 with Retry-After `retry_after_s` (an estimate); nothing was booked."""
+
+    request_id: str
+    reason: RejectReason
+    retry_after_s: float
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+    prefill_candidates: tuple[PrefillEstimate, ...]
+    decode_candidates: tuple[DecodeEstimate, ...]
+
+
+Decision = Placement | Rejection

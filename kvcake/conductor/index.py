@@ -1,0 +1,125 @@
+"""Global index of block key -> holders (prefill instances and store tiers).
+
+Each holder gets one bit; each key maps to the bitmask of its holders. Matching a request walks
+its keys once, AND-ing the masks: a holder's prefix match ends at the first key it lacks, and the
+walk stops as soon as no holder is left. That is one dict lookup and one int AND per block,
+however many holders there are, which keeps the live path well under a millisecond.
+
+A holder's match is the *contiguous* run of keys from the first one, as a prefix cache reuses
+them: a holder that lacks key 3 but has key 4 matches 3 blocks.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Matched blocks per holder (holders with 0 omitted) and the best of them.
+
+    best_holder: the holder with the longest match; ties go to the holder registered first.
+    None (with best_blocks 0) when nobody holds the first key.
+    """
+
+    blocks_by_holder: dict[str, int]
+    best_blocks: int
+    best_holder: str | None
+
+    def blocks(self, holder: str) -> int:
+        return self.blocks_by_holder.get(holder, 0)
+
+
+class GlobalIndex:
+    """Which holders have which block keys. Adds and removes are idempotent."""
+
+    def __init__(self) -> None:
+        self._masks: dict[Hashable, int] = {}
+        self._bit: dict[str, int] = {}
+        self._holder_of_bit: dict[int, str] = {}
+        self._keys: dict[str, set[Hashable]] = {}
+        self._free_bits: list[int] = []
+
+    def add_holder(self, holder: str) -> None:
+        """Register `holder` (done implicitly by `add`). Registration order breaks best-match ties."""
+        if holder in self._bit:
+            return
+        bit = self._free_bits.pop() if self._free_bits else len(self._bit)
+        self._bit[holder] = bit
+        self._holder_of_bit[bit] = holder
+        self._keys[holder] = set()
+
+    def remove_holder(self, holder: str) -> None:
+        """Forget `holder` and everything it held (a node that died, an instance removed)."""
+        if holder not in self._bit:
+            return
+        self.remove(holder, list(self._keys[holder]))
+        bit = self._bit.pop(holder)
+        del self._holder_of_bit[bit], self._keys[holder]
+        self._free_bits.append(bit)
+
+    @property
+    def holders(self) -> list[str]:
+        return sorted(self._bit, key=self._bit.__getitem__)
+
+    def add(self, holder: str, keys: Iterable[Hashable]) -> None:
+        self.add_holder(holder)
+        flag = 1 << self._bit[holder]
+        masks, held = self._masks, self._keys[holder]
+        for key in keys:
+            masks[key] = masks.get(key, 0) | flag
+            held.add(key)
+
+    def remove(self, holder: str, keys: Iterable[Hashable]) -> None:
+        if holder not in self._bit:
+            return
+        keep = ~(1 << self._bit[holder])
+        masks, held = self._masks, self._keys[holder]
+        for key in keys:
+            mask = masks.get(key, 0) & keep
+            if mask:
+                masks[key] = mask
+            else:
+                masks.pop(key, None)
+            held.discard(key)
+
+    def holders_of(self, key: Hashable) -> list[str]:
+        mask = self._masks.get(key, 0)
+        return [h for h, bit in sorted(self._bit.items(), key=lambda kv: kv[1]) if mask >> bit & 1]
+
+    def num_keys(self, holder: str) -> int:
+        return len(self._keys.get(holder, ()))
+
+    def __len__(self) -> int:
+        """Distinct keys held by anyone."""
+        return len(self._masks)
+
+    def match(self, keys: Sequence[Hashable]) -> PrefixMatch:
+        """Longest contiguous prefix of `keys` held by each holder, in one pass over the keys."""
+        masks = self._masks
+        alive = masks.get(keys[0], 0) if keys else 0
+        ended: dict[int, int] = {}  # bit -> matched blocks
+        i = 1
+        while alive and i < len(keys):
+            nxt = alive & masks.get(keys[i], 0)
+            if nxt != alive:
+                self._record(alive & ~nxt, i, ended)
+                alive = nxt
+            i += 1
+        self._record(alive, i, ended)
+        if not ended:
+            return PrefixMatch({}, 0, None)
+        best_blocks = max(ended.values())
+        best_bit = min(bit for bit, n in ended.items() if n == best_blocks)
+        by_holder = {self._holder_of_bit[bit]: n for bit, n in ended.items()}
+        return PrefixMatch(by_holder, best_blocks, self._holder_of_bit[best_bit])
+
+    @staticmethod
+    def _record(dropped: int, num_blocks: int, ended: dict[int, int]) -> None:
+        while dropped:
+            low = dropped & -dropped
+            ended[low.bit_length() - 1] = num_blocks
+            dropped ^= low

@@ -1,0 +1,173 @@
+"""Per-instance load books: the prefill queue and the decode batch, as the Conductor predicts them.
+
+`PrefillQueue`: predicted prefill seconds of the requests placed on an instance, waiting or
+running; its queue time is what a new request would wait (seed section IX: "aggregating the
+prefill times of all queued requests").
+`DecodeLoad`: the requests decoding on an instance, each with a predicted finish time, and the
+requests placed there whose prefill has not finished yet, each with a predicted join time; it
+answers "what batch will this instance run at time t".
+
+Both are updated only through the caller's reports (with `now_s` as an argument); reports about
+unknown requests are ignored, so a duplicate or late report is harmless.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+
+class PrefillQueue:
+    """Predicted prefill work placed on one instance."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, float] = {}
+        self._waiting_s = 0.0
+        self._running: dict[str, tuple[float, float]] = {}  # request -> (start_s, predicted_s)
+
+    def __len__(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._waiting or request_id in self._running
+
+    def add(self, request_id: str, predicted_s: float) -> None:
+        self._waiting[request_id] = predicted_s
+        self._waiting_s += predicted_s
+
+    def start(self, request_id: str, now_s: float) -> None:
+        predicted = self._pop_waiting(request_id)
+        if predicted is not None:
+            self._running[request_id] = (now_s, predicted)
+
+    def remove(self, request_id: str) -> None:
+        """The prefill finished or the request was aborted."""
+        self._pop_waiting(request_id)
+        self._running.pop(request_id, None)
+
+    def queue_s(self, now_s: float) -> float:
+        """Seconds until this instance has worked off everything placed on it, as predicted.
+
+        A running prefill counts for its predicted time not yet elapsed (0 once overdue).
+        """
+        left = self._waiting_s
+        for start_s, predicted_s in self._running.values():
+            left += max(0.0, predicted_s - (now_s - start_s))
+        return left
+
+    def _pop_waiting(self, request_id: str) -> float | None:
+        predicted = self._waiting.pop(request_id, None)
+        if predicted is not None:
+            # Reset when empty so float drift cannot accumulate over a long run.
+            self._waiting_s = self._waiting_s - predicted if self._waiting else 0.0
+        return predicted
+
+
+@dataclass(frozen=True)
+class _Pending:
+    join_s: float
+    context_tokens: int
+    output_len: int
+
+
+class _TimedBag:
+    """Requests sorted by a predicted time, each with a context size; prefix sums by bisect."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[float, str]] = []
+        self._contexts: list[int] = []
+        self.context_sum = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def insert(self, time_s: float, request_id: str, context_tokens: int) -> None:
+        key = (time_s, request_id)
+        idx = bisect_right(self._keys, key)
+        self._keys.insert(idx, key)
+        self._contexts.insert(idx, context_tokens)
+        self.context_sum += context_tokens
+
+    def delete(self, time_s: float, request_id: str) -> None:
+        idx = bisect_right(self._keys, (time_s, request_id)) - 1
+        if idx >= 0 and self._keys[idx] == (time_s, request_id):
+            del self._keys[idx]
+            self.context_sum -= self._contexts.pop(idx)
+
+    def until(self, time_s: float) -> tuple[int, int]:
+        """(count, context sum) of the requests whose time is <= time_s."""
+        idx = bisect_right(self._keys, (time_s, "\U0010ffff"))
+        if idx == len(self._keys):
+            return idx, self.context_sum
+        return idx, sum(self._contexts[:idx])
+
+    def first_after(self, time_s: float) -> float | None:
+        idx = bisect_right(self._keys, (time_s, "\U0010ffff"))
+        return self._keys[idx][0] if idx < len(self._keys) else None
+
+
+class DecodeLoad:
+    """Decoding and expected requests of one decode instance.
+
+    A request's context is counted as prompt_len + max_output_len // 2: the KV it holds on
+    average over its decode, which is what the steps it shares a batch with read.
+    """
+
+    def __init__(self) -> None:
+        self._active = _TimedBag()  # keyed by predicted finish time
+        self._finish_s: dict[str, float] = {}
+        self._pending = _TimedBag()  # keyed by predicted join time
+        self._pending_info: dict[str, _Pending] = {}
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_booked(self) -> int:
+        """Requests decoding here or placed here and still to join."""
+        return len(self._active) + len(self._pending)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._finish_s or request_id in self._pending_info
+
+    def expect(self, request_id: str, join_s: float, context_tokens: int, output_len: int) -> None:
+        """A request was placed here; it should join at `join_s` (when its prefill finishes)."""
+        self._pending_info[request_id] = _Pending(join_s, context_tokens, output_len)
+        self._pending.insert(join_s, request_id, context_tokens)
+
+    def join(self, request_id: str, now_s: float, step_s: float) -> None:
+        """The request joined the batch now; it should finish after output_len steps of step_s."""
+        info = self._pending_info.pop(request_id, None)
+        if info is None:
+            return
+        self._pending.delete(info.join_s, request_id)
+        finish_s = now_s + info.output_len * step_s
+        self._finish_s[request_id] = finish_s
+        self._active.insert(finish_s, request_id, info.context_tokens)
+
+    def remove(self, request_id: str) -> None:
+        """The request finished decoding, or was aborted before or after joining."""
+        finish_s = self._finish_s.pop(request_id, None)
+        if finish_s is not None:
+            self._active.delete(finish_s, request_id)
+        info = self._pending_info.pop(request_id, None)
+        if info is not None:
+            self._pending.delete(info.join_s, request_id)
+
+    def batch_at(self, time_s: float) -> tuple[int, int]:
+        """(batch size, context tokens) predicted at `time_s`: the decoding requests not
+        predicted to have finished by then, plus the expected ones predicted to have joined."""
+        done, done_ctx = self._active.until(time_s)
+        joined, joined_ctx = self._pending.until(time_s)
+        return (len(self._active) - done + joined,
+                self._active.context_sum - done_ctx + joined_ctx)
+
+    def next_finish_after(self, time_s: float) -> float | None:
+        return self._active.first_after(time_s)

@@ -1,0 +1,336 @@
+"""One engine instance: the model, its paged KV pool, prefix cache and continuous batching.
+
+Contract for the worker loop (issue 5) and for `LLM`. The engine is single-threaded: one caller
+drives it; nothing here starts a thread or a process.
+
+Request lifecycle (colocated):
+  add_request -> WAITING -> (admitted by step(): blocks allocated, cached prefix reused) ->
+  RUNNING (prefill in chunks, then one token per step) -> FINISHED (stop token, EOS,
+  max_tokens, or abort) -> blocks freed; full blocks stay in the prefix cache.
+
+Prefill role (disaggregation): `add_request(..., prefill_only=True)` stops after the first token
+(finish reason PREFILL_DONE) and keeps its blocks; `request_block_ids` lists them and
+`step(layer_hook=...)` calls `layer_hook(layer_idx)` after each layer's KV is written during the
+forward, so a worker can stream a layer of the request's blocks (`export_layer_kv`) while later
+layers compute. `release(request_id)` frees the blocks once the decode side has them.
+
+Decode role: `add_request_with_kv` admits a request whose prompt KV (and first token) came from
+elsewhere; it joins continuous batching at the next step().
+
+Prefix cache by block key (keys = `kvcake.hashing.block_keys(ids, block_size, namespace)`):
+`num_cached_tokens`, `export_block_kv` / `import_block_kv` (one block's bytes: its layers'
+K|V slices in layer order), and `drain_kv_events` (blocks stored / removed, for the
+Conductor's index).
+
+Errors: bad user input raises ValueError naming the field and leaves the engine unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcake.clock import Clock, SystemClock
+from kvcake.engine.batcher import BatchPlan, Batcher, ScheduledChunk
+from kvcake.engine.block_manager import BlockManager, KvEvent
+from kvcake.engine.config import EngineConfig, ModelConfig
+from kvcake.engine.kv_pool import KVPool
+from kvcake.engine.loader import load_weights, resolve
+from kvcake.engine.model import LlamaModel
+from kvcake.engine.runner import ModelRunner
+from kvcake.engine.sampling import Sampler, SamplingParams
+from kvcake.engine.sequence import FinishReason
+from kvcake.engine.sequence import Sequence as Seq
+from kvcake.engine.tokenizer import Tokenizer
+from kvcake.hashing import block_keys
+from kvcake.types import BlockId, BlockKey, RequestId
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step() produced for one request (only requests that sampled, or aborted)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None  # None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    arrival_s: float
+    first_token_s: float | None  # clock time of the first token; None before it
+
+
+class Engine:
+    def __init__(self, model: str = "tiny", config: EngineConfig | None = None,
+                 clock: Clock | None = None) -> None:
+        """Load `model` (a preset name or a Hugging Face directory) and allocate the KV pool.
+
+        Raises ValueError for an unknown preset, a cost-model-only preset or a bad directory.
+        """
+        self.config = config or EngineConfig()
+        self.clock = clock or SystemClock()
+        source = resolve(model)
+        self.model_config: ModelConfig = source.config
+        self.tokenizer: Tokenizer | None = source.tokenizer
+        self.device = _pick_device(self.config.device)
+        self.dtype = _DTYPES[self.config.dtype]
+        self.block_size = self.config.block_size
+        mc = self.model_config
+        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        weights = f"seed{self.config.seed}" if source.directory is None else "hf"
+        self.namespace = f"kvcake/{mc.name}/{weights}/{self.config.dtype}/b{self.block_size}"
+        self.model = LlamaModel(mc)
+        try:
+            self.model.load_hf_state_dict(load_weights(source, self.config.seed))
+        except KeyError as exc:
+            raise ValueError(f"model: weight {exc.args[0]!r} is missing from {model!r}") from None
+        except RuntimeError as exc:  # shape mismatch between config.json and the weights
+            raise ValueError(f"model: weights do not match config.json ({exc})") from None
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        num_blocks = self.config.num_blocks or max(
+            1, self.config.kv_cache_bytes // KVPool.bytes_per_block(mc, self.block_size, self.dtype))
+        self.pool = KVPool(mc, num_blocks, self.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, self.block_size,
+                                          self.config.enable_prefix_caching)
+        self.batcher = Batcher(self.block_manager, self.config.max_num_batched_tokens,
+                               self.config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.sampler = Sampler()
+        self._seqs: dict[str, Seq] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self._held: dict[str, Seq] = {}  # finished prefill-only requests still holding blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model_config.eos_token_ids
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None, *,
+                    prefill_only: bool = False, arrival_s: float | None = None) -> None:
+        """Queue a request; it is admitted by a later step(). ValueError on bad input."""
+        params = sampling_params or SamplingParams()
+        ids = self._validate(request_id, prompt_token_ids, params)
+        seq = Seq(RequestId(request_id), ids, len(ids), params.max_tokens, self.block_size,
+                  self.namespace, prefill_only=prefill_only,
+                  arrival_s=self.clock.now_s() if arrival_s is None else arrival_s)
+        self._seqs[request_id] = seq
+        self._params[request_id] = params
+        self.batcher.add(seq)
+
+    def add_request_with_kv(self, request_id: str, prompt_token_ids: Sequence[int],
+                            first_token_id: int, kv_blocks: Sequence[bytes],
+                            sampling_params: SamplingParams | None = None) -> bool:
+        """Admit a request whose prompt KV was computed elsewhere (decode role).
+
+        `kv_blocks[i]` holds block i of the prompt (ceil(len(prompt) / block_size) blocks, each
+        `pool.block_nbytes`). Blocks already in the local prefix cache are reused, not written.
+        Returns False, changing nothing, when the pool has no room now (retry later).
+        """
+        params = sampling_params or SamplingParams()
+        ids = self._validate(request_id, prompt_token_ids, params)
+        if params.max_tokens < 2:
+            raise ValueError("max_tokens: must be >= 2 for a request whose first token is "
+                             "already generated")
+        if len(kv_blocks) != -(-len(ids) // self.block_size):
+            raise ValueError(f"kv_blocks: the prompt needs {-(-len(ids) // self.block_size)} "
+                             f"blocks, got {len(kv_blocks)}")
+        if any(len(b) != self.pool.block_nbytes for b in kv_blocks):
+            raise ValueError(f"kv_blocks: each block must be {self.pool.block_nbytes} bytes")
+        seq = Seq(RequestId(request_id), [*ids, int(first_token_id)], len(ids),
+                  params.max_tokens, self.block_size, self.namespace,
+                  arrival_s=self.clock.now_s())
+        prompt_keys = seq.block_keys[:len(ids) // self.block_size]
+        cached = self.block_manager.allocate(request_id, seq.num_tokens, prompt_keys)
+        if cached is None:
+            return False
+        table = self.block_manager.block_ids(request_id)
+        for i in range(cached // self.block_size, len(kv_blocks)):
+            self.pool.import_block(table[i], kv_blocks[i])
+        seq.num_computed_tokens = len(ids)
+        seq.num_cached_tokens = cached
+        seq.first_token_s = seq.arrival_s
+        self.block_manager.cache_full_blocks(request_id, prompt_keys)
+        self._seqs[request_id] = seq
+        self._params[request_id] = params
+        self.batcher.add_running(seq)
+        return True
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks. Unknown or finished ids are ignored, so a racing
+        abort is harmless."""
+        if request_id in self._held:
+            self.release(request_id)
+            return
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            seq.finish_reason = FinishReason.ABORT
+            self.batcher.finish(seq)
+            self._params.pop(request_id, None)
+            self.sampler.forget(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a finished prefill-only request kept (no-op if none)."""
+        if self._held.pop(request_id, None) is not None:
+            self.block_manager.free(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.batcher.has_unfinished()
+
+    def request_block_ids(self, request_id: str) -> list[BlockId]:
+        """Blocks a request holds (after admission), in token order."""
+        return self.block_manager.block_ids(request_id)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, and report every request that got a token."""
+        plan = self.batcher.schedule()
+        if not plan.chunks:
+            return []
+        tables = {c.request_id: self.block_manager.block_ids(c.request_id) for c in plan.chunks}
+        logits = self.runner.run(plan, self._seqs, tables, layer_hook)
+        sampling = [c.request_id for c in plan.chunks if c.samples]
+        new_ids = self.sampler.sample(logits, sampling, [self._params[r] for r in sampling])
+        sampled = dict(zip(sampling, new_ids, strict=True))
+        now_s = self.clock.now_s()
+        outputs: list[RequestOutput] = []
+        for chunk in plan.chunks:
+            seq = self._seqs[chunk.request_id]
+            seq.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                self._append_token(seq, sampled[chunk.request_id], now_s)
+            seq.update_block_keys()
+            self.block_manager.cache_full_blocks(
+                seq.request_id, seq.block_keys[:seq.num_computed_tokens // self.block_size])
+            if chunk.samples:
+                outputs.append(self._output(seq, [sampled[chunk.request_id]]))
+                if seq.finish_reason is not None:
+                    self._finish(seq)
+        return outputs
+
+    def _append_token(self, seq: Seq, token_id: int, now_s: float) -> None:
+        params = self._params[seq.request_id]
+        seq.token_ids.append(token_id)
+        if seq.first_token_s is None:
+            seq.first_token_s = now_s
+        if token_id in params.stop_token_ids or (
+                not params.ignore_eos and token_id in self.eos_token_ids):
+            seq.finish_reason = FinishReason.STOP
+        elif seq.num_output_tokens >= params.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+        elif seq.prefill_only:
+            seq.finish_reason = FinishReason.PREFILL_DONE
+
+    def _finish(self, seq: Seq) -> None:
+        keep = seq.prefill_only
+        self.batcher.finish(seq, keep_blocks=keep)
+        if keep:
+            self._held[seq.request_id] = seq
+        del self._seqs[seq.request_id]
+        del self._params[seq.request_id]
+        self.sampler.forget(seq.request_id)
+
+    def _output(self, seq: Seq, new_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_ids,
+            finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens or 0,
+            arrival_s=seq.arrival_s, first_token_s=seq.first_token_s)
+
+    def _validate(self, request_id: str, prompt_token_ids: Sequence[int],
+                  params: SamplingParams) -> list[int]:
+        if request_id in self._seqs or request_id in self._held:
+            raise ValueError(f"request_id: {request_id!r} is already in use; pass a new id")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt: the prompt is empty; pass at least one token")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids: token id {t!r} at index {i} is outside the "
+                                 f"vocabulary [0, {vocab}); pass ids below vocab_size")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) = {total} exceeds max_model_len "
+                             f"{self.max_model_len}; lower max_tokens or shorten the prompt")
+        if -(-total // self.block_size) > self.num_blocks:
+            raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens needs more KV "
+                             f"blocks than the pool has ({self.num_blocks} of "
+                             f"{self.block_size}); lower max_tokens or raise kv_cache_bytes")
+        return ids
+
+    def prompt_logits(self, token_ids: Sequence[int]) -> tuple[int, torch.Tensor]:
+        """Score a prompt: (num_cached_tokens, fp32 logits [n - cached, vocab] of positions
+        cached..n-1). Runs in chunks of max_num_batched_tokens through the same paged path as
+        step(), then frees its blocks (full blocks stay cached). Needs no other request running.
+        """
+        if self.batcher.has_unfinished():
+            raise ValueError("prompt_logits: the engine is busy; finish or abort requests first")
+        rid = "__prompt_logits__"
+        ids = self._validate(rid, token_ids, SamplingParams(max_tokens=1))
+        seq = Seq(RequestId(rid), ids, len(ids), 1, self.block_size, self.namespace)
+        cached = self.block_manager.allocate(rid, len(ids), seq.block_keys)
+        if cached is None:
+            raise ValueError("prompt_logits: the prompt does not fit in the free KV blocks")
+        table = {rid: self.block_manager.block_ids(rid)}
+        parts = []
+        try:
+            for start in range(cached, len(ids), self.config.max_num_batched_tokens):
+                n = min(self.config.max_num_batched_tokens, len(ids) - start)
+                plan = BatchPlan([ScheduledChunk(rid, start, n, start + n == len(ids))])
+                parts.append(self.runner.run(plan, {rid: seq}, table, all_rows=True))
+            self.block_manager.cache_full_blocks(rid, seq.block_keys)
+        finally:
+            self.block_manager.free(rid)
+        return cached, torch.cat(parts)
+
+    # -- prefix cache by key -----------------------------------------------------------------
+    def prompt_block_keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
+        return block_keys(token_ids, self.block_size, self.namespace)
+
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """Prompt tokens whose KV this instance holds now (full blocks only; no side effects)."""
+        return self.block_manager.num_cached_blocks(self.prompt_block_keys(token_ids)) * \
+            self.block_size
+
+    def export_block_kv(self, key: BlockKey) -> bytes | None:
+        """One cached block's KV bytes (all layers), or None when `key` is not cached here."""
+        block = self.block_manager.lookup(key)
+        return None if block is None else self.pool.export_block(block)
+
+    def export_layer_kv(self, block_id: BlockId, layer_idx: int) -> bytes:
+        """One layer of one block by block id (for layer-wise streaming from a layer_hook)."""
+        return self.pool.export_layer(block_id, layer_idx)
+
+    def import_block_kv(self, key: BlockKey, data: bytes) -> bool:
+        """Insert a fetched block into the prefix cache; a later prompt with this key reuses it.
+        False when the key is already cached or no block is free; ValueError on a wrong size."""
+        if len(data) != self.pool.block_nbytes:
+            raise ValueError(f"kv bytes: one block is {self.pool.block_nbytes} bytes, "
+                             f"got {len(data)}")
+        block = self.block_manager.import_block(key)
+        if block is None:
+            return False
+        self.pool.import_block(block, data)
+        return True
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        return self.block_manager.drain_events()
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but CUDA is not available; use cpu")
+    return torch.device(device)

@@ -1,0 +1,202 @@
+"""A Llama-family decoder (RMSNorm, RoPE with optional Llama-3 scaling, GQA, SwiGLU) on paged KV.
+
+The model computes; it decides nothing. One forward takes the flat tokens of every scheduled
+sequence (prefill chunks and decode steps mixed) plus an `AttentionBatch` that says, per
+sequence, where its queries sit in the flat batch, how long its context is and which KV blocks
+hold it. Each layer writes its new K/V into the pool before attending, then calls the optional
+`layer_hook(layer_idx)` so a worker can stream that layer's KV while later layers compute.
+
+Weights are held in Hugging Face naming at load time and fused here (q|k|v and gate|up) so each
+layer does three matmuls instead of seven.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvcake.engine.config import ModelConfig
+from kvcake.engine.kv_pool import KVPool
+
+
+@dataclass
+class AttentionBatch:
+    """Per-forward attention metadata (built by the runner, read by every layer).
+
+    prefill: sequences with more than one query token, each (q_start, q_len, ctx_len,
+      block_ids tensor); queries are flat rows q_start..q_start+q_len, at positions
+      ctx_len-q_len..ctx_len-1 of their sequence.
+    decode_rows: flat rows of single-token sequences, which are attended in one padded call
+      using `decode_block_table` [B, max_blocks] and `decode_mask` [B, 1, 1, max_blocks*bs].
+    slot_blocks / slot_offsets: where each flat token's K/V is written in the pool.
+    """
+
+    prefill: list[tuple[int, int, int, Tensor]]
+    decode_rows: Tensor | None
+    decode_block_table: Tensor | None
+    decode_mask: Tensor | None
+    slot_blocks: Tensor
+    slot_offsets: Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 as transformers does, then cast back before the weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
+    dim = config.head_size
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq.float()
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled).float()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, hd = config.hidden_size, config.head_size
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.q_size, self.kv_size = config.num_heads * hd, config.num_kv_heads * hd
+        self.qkv_proj = nn.Linear(d, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, d, bias=config.attention_bias)
+        self.gate_up_proj = nn.Linear(d, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, d, bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.scale = hd**-0.5
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, kv: Tensor,
+                batch: AttentionBatch) -> Tensor:
+        x = self.input_layernorm(h)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = h.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        kv[batch.slot_blocks, 0, batch.slot_offsets] = k
+        kv[batch.slot_blocks, 1, batch.slot_offsets] = v
+        attn = self._attend(q, k, v, kv, batch)
+        h = h + self.o_proj(attn.reshape(n, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
+                batch: AttentionBatch) -> Tensor:
+        out = torch.empty_like(q)
+        for q_start, q_len, ctx_len, block_ids in batch.prefill:
+            qs = q[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0)
+            if ctx_len == q_len:  # no cached prefix: attend to the fresh K/V directly
+                ks = k[q_start:q_start + q_len]
+                vs = v[q_start:q_start + q_len]
+                mask = None
+            else:
+                blocks = kv[block_ids]  # [nb, 2, bs, H, D]
+                ks = blocks[:, 0].flatten(0, 1)[:ctx_len]
+                vs = blocks[:, 1].flatten(0, 1)[:ctx_len]
+                pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+                mask = torch.arange(ctx_len, device=q.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
+            out[q_start:q_start + q_len] = o[0].transpose(0, 1)
+        if batch.decode_rows is not None:
+            assert batch.decode_block_table is not None and batch.decode_mask is not None
+            blocks = kv[batch.decode_block_table]  # [B, nb, 2, bs, H, D]
+            ks = blocks[:, :, 0].flatten(1, 2).transpose(1, 2)  # [B, H, ctx, D]
+            vs = blocks[:, :, 1].flatten(1, 2).transpose(1, 2)
+            qs = q[batch.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=batch.decode_mask,
+                                               scale=self.scale, enable_gqa=True)
+            out[batch.decode_rows] = o.squeeze(2)
+        return out
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch,
+                pool: KVPool, logit_rows: Tensor,
+                layer_hook: Callable[[int], None] | None = None) -> Tensor:
+        """Logits (fp32) of the flat rows `logit_rows` only: one per sequence that samples."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        h = self.embed_tokens(input_ids)
+        cos = emb.cos().to(h.dtype)[:, None, :]
+        sin = emb.sin().to(h.dtype)[:, None, :]
+        for idx, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, pool.layer(idx), batch)
+            if layer_hook is not None:
+                layer_hook(idx)
+        return self.lm_head(self.norm(h[logit_rows])).float()
+
+    def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load weights named as in transformers' LlamaForCausalLM (fusing qkv and gate|up)."""
+        cfg = self.config
+        own: dict[str, Tensor] = {"embed_tokens.weight": state["model.embed_tokens.weight"],
+                                  "norm.weight": state["model.norm.weight"]}
+        if not cfg.tie_word_embeddings:
+            own["lm_head.weight"] = state["lm_head.weight"]
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            own[f"layers.{i}.qkv_proj.weight"] = torch.cat(
+                [state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            own[f"layers.{i}.o_proj.weight"] = state[p + "self_attn.o_proj.weight"]
+            if cfg.attention_bias:
+                own[f"layers.{i}.qkv_proj.bias"] = torch.cat(
+                    [state[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+                own[f"layers.{i}.o_proj.bias"] = state[p + "self_attn.o_proj.bias"]
+            own[f"layers.{i}.gate_up_proj.weight"] = torch.cat(
+                [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
+            own[f"layers.{i}.down_proj.weight"] = state[p + "mlp.down_proj.weight"]
+            if cfg.mlp_bias:
+                own[f"layers.{i}.gate_up_proj.bias"] = torch.cat(
+                    [state[p + "mlp.gate_proj.bias"], state[p + "mlp.up_proj.bias"]])
+                own[f"layers.{i}.down_proj.bias"] = state[p + "mlp.down_proj.bias"]
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                own[f"layers.{i}.{norm}.weight"] = state[p + f"{norm}.weight"]
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights: missing {missing[:5]}, unexpected {unexpected[:5]}")

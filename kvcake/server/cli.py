@@ -1,0 +1,116 @@
+"""`kvcake serve`: the OpenAI-compatible server.
+
+Modes: `colocated` (one engine instance prefills and decodes, local prefix cache only: the
+vLLM-like baseline) is implemented; `disaggregated` (prefill and decode workers driven by the
+Conductor) is named but not built yet and is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import uvicorn
+
+from kvcake.engine.config import EngineConfig
+from kvcake.server.api import create_app
+from kvcake.server.local_backend import LocalBackend, LocalBackendConfig
+from kvcake.units import parse_size
+
+
+class ServeMode(StrEnum):
+    COLOCATED = "colocated"
+    DISAGGREGATED = "disaggregated"
+
+
+_IMPLEMENTED_MODES = (ServeMode.COLOCATED,)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of `kvcake serve`; the CLI reads its defaults from here."""
+
+    model: str = "tiny"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mode: str = ServeMode.COLOCATED.value
+    max_waiting_requests: int | None = None
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in {m.value for m in ServeMode}:
+            raise ValueError(f"--mode: unknown mode {self.mode!r}; choose one of "
+                             f"{', '.join(m.value for m in ServeMode)}")
+        if ServeMode(self.mode) not in _IMPLEMENTED_MODES:
+            raise ValueError(f"--mode {self.mode} is not implemented yet; use --mode "
+                             f"{ServeMode.COLOCATED.value}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+
+
+def register(subparsers: Any) -> None:
+    d, e = ServeConfig(), EngineConfig()
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
+                              description=__doc__)
+    p.add_argument("--model", default=d.model,
+                   help="preset name (tiny, small) or a Hugging Face directory")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0: let the OS choose")
+    p.add_argument("--mode", default=d.mode,
+                   help=f"{' | '.join(m.value for m in ServeMode)} (default %(default)s)")
+    p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="answer 429 while this many requests wait for prefill (default: no limit)")
+    p.add_argument("--retry-after-s", type=float, default=d.retry_after_s)
+    p.add_argument("--kv-cache-bytes", default=str(e.kv_cache_bytes),
+                   help="size of the paged KV pool, e.g. 256MiB")
+    p.add_argument("--block-size", type=int, default=e.block_size)
+    p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=e.max_model_len)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--device", default=e.device)
+    p.add_argument("--dtype", default=e.dtype)
+    p.add_argument("--seed", type=int, default=e.seed, help="seed of a preset's dummy weights")
+    p.set_defaults(func=serve)
+
+
+def backend_config(args: argparse.Namespace) -> LocalBackendConfig:
+    engine = EngineConfig(
+        block_size=args.block_size, kv_cache_bytes=parse_size(args.kv_cache_bytes,
+                                                              "--kv-cache-bytes"),
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed,
+        enable_prefix_caching=not args.no_prefix_caching)
+    return LocalBackendConfig(model=args.model, engine=engine,
+                              max_waiting_requests=args.max_waiting_requests,
+                              retry_after_s=args.retry_after_s)
+
+
+def serve(args: argparse.Namespace) -> int:
+    config = ServeConfig(model=args.model, host=args.host, port=args.port, mode=args.mode,
+                         max_waiting_requests=args.max_waiting_requests,
+                         retry_after_s=args.retry_after_s)
+    backend = LocalBackend.from_config(backend_config(args))
+    # Bind first, so that --port 0 can report the port it got before serving.
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as exc:
+        raise ValueError(f"--port: cannot listen on {config.host}:{config.port} ({exc})") from None
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(backend), log_level="warning",
+                                           lifespan="off"))
+    backend.start()
+    print(f"kvcake serve: http://{config.host}:{port} (model {backend.model_name}, mode "
+          f"{config.mode}, max_model_len {backend.max_model_len})", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        backend.close()
+        sock.close()
+    return 0

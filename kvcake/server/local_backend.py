@@ -1,0 +1,301 @@
+"""One engine instance in-process, behind the `Backend` contract: the colocated serving path.
+
+The engine is single-threaded, so one engine-loop thread (started by `start()`) owns it: it
+takes commands (add, abort, stop) from a thread-safe inbox, calls `engine.step()` while any
+request is unfinished (continuous batching across every concurrent HTTP request), and hands
+each request's new tokens to that request's asyncio queue with `call_soon_threadsafe`. When
+nothing is unfinished the thread blocks on the inbox, so an idle server burns no CPU.
+
+Admission control (a real feature, not a test hook): with `max_waiting_requests = N`, a request
+that arrives while N requests are still waiting for their first token is refused with
+`Rejected` (HTTP 429, `Retry-After: retry_after_s`) before it reaches the engine.
+
+Lifecycle of one request:
+  generate() -> [admission check] -> inbox "add" -> engine.add_request (ValueError -> 400)
+  -> step() outputs -> TokenEvent per step -> final event (finish_reason) -> stream ends.
+  Closing the stream early sends "abort": the engine frees the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcake.engine.config import EngineConfig
+from kvcake.engine.engine import Engine, RequestOutput
+from kvcake.engine.sampling import SamplingParams
+from kvcake.engine.sequence import FinishReason as EngineFinish
+from kvcake.server.backend import BackendStats, FinishReason, GenerateRequest, Rejected, TokenEvent
+from kvcake.server.protocol import render_chat_text
+
+_FINISH = {EngineFinish.STOP: FinishReason.STOP, EngineFinish.LENGTH: FinishReason.LENGTH,
+           EngineFinish.ABORT: FinishReason.ABORT}
+
+
+@dataclass(frozen=True)
+class LocalBackendConfig:
+    model: str = "tiny"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_waiting_requests: int | None = None  # None: no admission limit
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 or None (no limit), got "
+                             f"{self.max_waiting_requests}")
+        if not self.retry_after_s > 0:
+            raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s}")
+
+
+@dataclass
+class _Add:
+    request: GenerateRequest
+    sink: asyncio.Queue[TokenEvent | BaseException]
+    loop: asyncio.AbstractEventLoop
+    admitted: concurrent.futures.Future[None]
+    started: bool = False  # produced its first token (no longer waiting)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _LocalStream:
+    """The token stream of one request; `aclose()` before the end aborts it in the engine."""
+
+    def __init__(self, backend: LocalBackend, request_id: str,
+                 sink: asyncio.Queue[TokenEvent | BaseException]) -> None:
+        self._backend, self._request_id, self._sink = backend, request_id, sink
+        self._done = False
+
+    def __aiter__(self) -> _LocalStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._sink.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finish_reason is not None
+        return item
+
+    async def aclose(self) -> None:
+        # No await here: this may run in a task that is being cancelled (client disconnect).
+        if not self._done:
+            self._done = True
+            self._backend._inbox.put(_Abort(self._request_id))
+
+
+class LocalBackend:
+    """See the module docstring. `start()` before `generate`; `close()` stops the thread."""
+
+    def __init__(self, engine: Engine, config: LocalBackendConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or LocalBackendConfig()
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._num_waiting = 0  # admitted, no token yet (guarded by _lock)
+        self._stats = BackendStats()
+        self._num_live = 0  # requests the engine thread holds (written by it only)
+        self._chat_template = _load_chat_template(self.config.model)
+
+    @classmethod
+    def from_config(cls, config: LocalBackendConfig) -> LocalBackend:
+        return cls(Engine(config.model, config.engine), config)
+
+    # -- the Backend contract ------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_config.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer.json; send token ids instead "
+                             "of text")
+        return self.engine.tokenizer.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        if self.engine.tokenizer is None:
+            return ""
+        return self.engine.tokenizer.decode(list(token_ids))
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        if self._chat_template is None:
+            return self.encode(render_chat_text(messages))
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        template = ImmutableSandboxedEnvironment().from_string(self._chat_template)
+        # The tokenizer adds BOS itself, so the template's own bos_token renders empty.
+        text = template.render(messages=[{"role": r, "content": c} for r, c in messages],
+                               add_generation_prompt=True, bos_token="", eos_token="")
+        return self.encode(text)
+
+    async def generate(self, request: GenerateRequest) -> _LocalStream:
+        """Admit `request` (Rejected when the waiting queue is full; ValueError when the engine
+        refuses it) and return its token stream."""
+        if self._thread is None:
+            raise RuntimeError("LocalBackend.generate() before start()")
+        limit = self.config.max_waiting_requests
+        with self._lock:
+            if limit is not None and self._num_waiting >= limit:
+                raise Rejected(f"{self._num_waiting} requests are already waiting for prefill "
+                               f"(limit {limit}); retry later", self.config.retry_after_s)
+            self._num_waiting += 1
+        sink: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._inbox.put(_Add(request, sink, asyncio.get_running_loop(), admitted))
+        try:
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:
+            self._inbox.put(_Abort(request.request_id))
+            raise
+        return _LocalStream(self, request.request_id, sink)
+
+    def stats(self) -> BackendStats:
+        return self._stats
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests in the engine now (admitted, not finished or aborted)."""
+        return self._num_live
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("LocalBackend already started")
+        self._thread = threading.Thread(target=self._loop, name="kvcake-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> LocalBackend:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the engine-loop thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        live: dict[str, _Add] = {}
+        while True:
+            for command in self._drain(block=not self.engine.has_unfinished()):
+                if command is None:
+                    self._fail_all(live, RuntimeError("the server is shutting down"))
+                    return
+                self._apply(command, live)
+            self._num_live = len(live)
+            self._update_stats()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug in the engine: fail these requests, keep serving
+                self._fail_all(live, RuntimeError(f"engine step failed: {exc!r}"))
+                continue
+            for output in outputs:
+                self._deliver(output, live)
+            self._num_live = len(live)
+            self._update_stats()
+
+    def _drain(self, block: bool) -> list[_Add | _Abort | None]:
+        commands = [self._inbox.get()] if block else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Add | _Abort, live: dict[str, _Add]) -> None:
+        if isinstance(command, _Abort):
+            add = live.pop(command.request_id, None)
+            if add is not None:
+                self.engine.abort(command.request_id)
+                if not add.started:
+                    self._leave_waiting()
+            return
+        request = command.request
+        try:
+            self.engine.add_request(request.request_id, request.prompt_token_ids,
+                                    _sampling_params(request))
+        except ValueError as exc:
+            self._leave_waiting()
+            command.admitted.set_exception(exc)
+            return
+        live[request.request_id] = command
+        command.admitted.set_result(None)
+
+    def _deliver(self, output: RequestOutput, live: dict[str, _Add]) -> None:
+        add = live.get(output.request_id)
+        if add is None:  # aborted in the meantime
+            return
+        if not add.started:
+            add.started = True
+            self._leave_waiting()
+        reason = _FINISH.get(output.finish_reason) if output.finish_reason else None
+        event = TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason)
+        add.loop.call_soon_threadsafe(add.sink.put_nowait, event)
+        if output.finished:
+            del live[output.request_id]
+
+    def _fail_all(self, live: dict[str, _Add], error: Exception) -> None:
+        for request_id, add in list(live.items()):
+            self.engine.abort(request_id)
+            if not add.started:
+                self._leave_waiting()
+            add.loop.call_soon_threadsafe(add.sink.put_nowait, error)
+        live.clear()
+
+    def _leave_waiting(self) -> None:
+        with self._lock:
+            self._num_waiting -= 1
+
+    def _update_stats(self) -> None:
+        batcher, blocks = self.engine.batcher, self.engine.block_manager
+        self._stats = BackendStats(
+            num_waiting_requests=len(batcher.waiting), num_running_requests=len(batcher.running),
+            kv_cache_usage=1.0 - blocks.num_free_blocks / blocks.num_blocks)
+
+
+def _sampling_params(request: GenerateRequest) -> SamplingParams:
+    if request.min_tokens > 1 and not (request.ignore_eos and not request.stop_token_ids):
+        # The engine has no min_tokens; with ignore_eos and no stop ids every request runs to
+        # max_tokens >= min_tokens, which is what the benchmark client asks for.
+        raise ValueError("min_tokens > 1 is supported only with ignore_eos=true and no "
+                         "stop_token_ids on this backend")
+    return SamplingParams(
+        max_tokens=request.max_tokens, temperature=request.temperature,
+        top_k=request.top_k or None, top_p=request.top_p, seed=request.seed,
+        stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos)
+
+
+def _load_chat_template(model: str) -> str | None:
+    """The `chat_template` of a Hugging Face directory's tokenizer_config.json, if any."""
+    path = Path(model) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    raw: Any = json.loads(path.read_text()).get("chat_template")
+    return raw if isinstance(raw, str) else None

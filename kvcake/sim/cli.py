@@ -1,0 +1,201 @@
+"""`kvcake simulate`, `kvcake reproduce` and `kvcake trace {stats,gen}`.
+
+Defaults come from `SimConfig`. A bad flag ends with exit status 2 and one line on stderr that
+names the flag (argparse's usage block is not printed); a bad value that only the config can
+judge raises ValueError, which `kvcake.cli` turns into the same one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from kvcake.sim.config import POLICIES, SimConfig
+from kvcake.sim.trace import load_trace
+
+_D = SimConfig()
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def parse_tokens(text: str) -> int:
+    """A token count such as 3000000, 3M or 500k (decimal suffixes)."""
+    raw = text.strip().lower()
+    unit = raw[-1:] if raw[-1:] in _SUFFIXES else ""
+    number = raw[: len(raw) - len(unit)]
+    try:
+        value = float(number) * _SUFFIXES[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a token count; write e.g. 3000000, 3M or 500k") from None
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"a token count must be >= 0, got {text!r}")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _one_line_errors(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    def error(message: str) -> NoReturn:
+        print(f"kvcake {name}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `simulate` and `reproduce` (the cluster and the load)."""
+    p.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
+    p.add_argument("--profile", default=_D.profile, help="MODEL@HARDWARE cost profile")
+    p.add_argument("--speed", type=_positive_float, default=_D.speed,
+                   help="replay speed: arrival times are divided by this")
+    p.add_argument("--max-requests", type=_positive_int, default=None,
+                   help="simulate only the first N requests")
+    p.add_argument("--seed", type=int, default=_D.seed, help="seed of all randomness")
+    p.add_argument("--ttft-slo-s", type=_positive_float, default=_D.ttft_slo_s)
+    p.add_argument("--tbt-slo-ms", type=_positive_float, default=_D.tbt_slo_ms)
+
+
+def register(subparsers: Any) -> None:
+    sim = _one_line_errors(subparsers.add_parser(
+        "simulate", help="run a trace on a simulated cluster driven by the Conductor"), "simulate")
+    add_cluster_flags(sim)
+    sim.add_argument("--prefill", type=_positive_int, default=_D.num_prefill,
+                     help="prefill instances (nodes)")
+    sim.add_argument("--decode", type=_positive_int, default=_D.num_decode,
+                     help="decode instances (nodes)")
+    sim.add_argument("--policy", choices=POLICIES, default=_D.policy)
+    sim.add_argument("--admission", choices=("none", "slo", "early"), default=_D.admission,
+                     help="when the Conductor rejects (colocated never rejects)")
+    sim.add_argument("--kvcache-balancing-threshold", type=float,
+                     default=_D.kvcache_balancing_threshold)
+    sim.add_argument("--local-cache-tokens", type=parse_tokens, default=None,
+                     help="prefix cache per prefill node (default: the node's DRAM)")
+    sim.add_argument("--store-tokens", type=parse_tokens, default=_D.store_tokens,
+                     help="pooled store tier on the decode nodes (0: off)")
+    sim.add_argument("--nic-gbps", type=_positive_float, default=None,
+                     help="per-node NIC bandwidth in Gbit/s (default: the profile's)")
+    sim.add_argument("--chunked-prefill", action="store_true",
+                     help="colocated: prefill chunks piggy-back on decode steps")
+    sim.add_argument("--chunk-budget-tokens", type=_positive_int, default=_D.chunk_budget_tokens)
+    sim.add_argument("--no-prefix-cache", action="store_true",
+                     help="colocated: no HBM prefix cache (plain vLLM)")
+    sim.add_argument("--max-batch-size", type=_positive_int, default=_D.max_batch_size)
+    sim.add_argument("--records", type=Path, default=None, help="write per-request JSONL here")
+    sim.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT and TBT here")
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.set_defaults(func=_simulate)
+
+    from kvcake.sim.reproduce import EXPERIMENTS
+
+    rep = _one_line_errors(subparsers.add_parser(
+        "reproduce", help="rerun one of the paper's experiments; write a report and a PNG"),
+        "reproduce")
+    rep.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    add_cluster_flags(rep)
+    rep.add_argument("--out", type=Path, required=True, help="directory for the report and PNG")
+    rep.set_defaults(func=_reproduce)
+
+    trace = _one_line_errors(subparsers.add_parser("trace", help="Mooncake trace tools"), "trace")
+    sub = trace.add_subparsers(dest="trace_command", metavar="{stats,gen}")
+    sub.required = True
+    stats = _one_line_errors(sub.add_parser("stats", help="Table 2 statistics of a trace"),
+                             "trace stats")
+    stats.add_argument("file", type=Path)
+    stats.set_defaults(func=_trace_stats)
+    gen = _one_line_errors(sub.add_parser("gen", help="write a seeded synthetic trace"),
+                           "trace gen")
+    gen.add_argument("--out", type=Path, required=True)
+    gen.add_argument("--num-requests", type=_positive_int, default=1000)
+    gen.add_argument("--rate-per-s", type=_positive_float, default=3.4)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=_trace_gen)
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        num_prefill=args.prefill, num_decode=args.decode, policy=args.policy,
+        profile=args.profile, speed=args.speed, ttft_slo_s=args.ttft_slo_s,
+        tbt_slo_ms=args.tbt_slo_ms, seed=args.seed, max_requests=args.max_requests,
+        kvcache_balancing_threshold=args.kvcache_balancing_threshold, admission=args.admission,
+        local_cache_tokens=args.local_cache_tokens, store_tokens=args.store_tokens,
+        nic_gbps=args.nic_gbps, chunked_prefill=args.chunked_prefill,
+        chunk_budget_tokens=args.chunk_budget_tokens, prefix_cache=not args.no_prefix_cache,
+        max_batch_size=args.max_batch_size,
+    )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from kvcake.sim.records import write_records
+    from kvcake.sim.run import simulate
+
+    config = config_from_args(args)  # validate flags before reading a large trace
+    result = simulate(config, load_trace(args.trace))
+    if args.records is not None:
+        write_records(args.records, result.states)
+    if args.plot is not None:
+        from kvcake.sim.plots import plot_run
+
+        plot_run(result.states, args.plot, title=f"{config.policy} on {args.trace.name}")
+    if args.json:
+        print(json.dumps(result.summary, sort_keys=True))
+    else:
+        print(format_summary(result.summary))
+    return 0
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = []
+    for key, value in summary.items():
+        if isinstance(value, dict) and set(value) == {"mean", "p50", "p90", "p99"}:
+            value = "  ".join(f"{k} {v:.4g}" for k, v in value.items())
+        elif isinstance(value, float):
+            value = f"{value:.4g}"
+        lines.append(f"{key:28s} {value}")
+    return "\n".join(lines)
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from kvcake.sim.reproduce import run_experiment
+
+    path = run_experiment(args.experiment, args.trace, args.out, speed=args.speed,
+                          max_requests=args.max_requests, profile=args.profile, seed=args.seed,
+                          ttft_slo_s=args.ttft_slo_s)
+    print(path)
+    return 0
+
+
+def _trace_stats(args: argparse.Namespace) -> int:
+    print(json.dumps(load_trace(args.file).stats().to_dict(), sort_keys=True))
+    return 0
+
+
+def _trace_gen(args: argparse.Namespace) -> int:
+    from kvcake.sim.tracegen import TraceGenConfig, generate_trace
+
+    cfg = TraceGenConfig(num_requests=args.num_requests, rate_per_s=args.rate_per_s,
+                         seed=args.seed)
+    generate_trace(cfg).write(args.out)
+    print(args.out)
+    return 0

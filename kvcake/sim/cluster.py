@@ -1,0 +1,350 @@
+"""The simulated cluster: instances, network and the Conductor, driven by one event loop.
+
+The path of one request (disaggregated policies):
+
+    ARRIVAL      Conductor.schedule -> Placement (p, d, fetch?) or Rejection (recorded, done)
+    fetch        if planned: flows from the holder's node(s) to p's node; the fetched blocks
+                 join p's cache (hotspot replication) when they land
+    prefill      FIFO on p; at its start the KV stream to d starts (layer-wise, overlapped);
+                 PREFILL_DONE is the first token; p caches the prompt's blocks (and the store
+                 tier, if any, takes them too)
+    decode       when the prefill is done and the KV stream has landed, the request joins d's
+                 continuous batch at the next step boundary; it finishes after output_len - 1
+                 more tokens
+
+Colocated (vLLM-like): the Conductor (policy colocated) picks one instance, which prefills (with
+its HBM prefix cache) and then decodes the request itself; nothing crosses the network.
+
+Nodes: prefill instance i is node i, decode instance j is node num_prefill + j. The Conductor is
+used unchanged: the simulator only reports to it what happened (starts, finishes, cache
+changes), as the live frontend will.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvcake.conductor import (
+    Conductor,
+    ConductorConfig,
+    CostModel,
+    Placement,
+    PrefillTimePredictor,
+    ScheduleRequest,
+    profile_grid,
+)
+from kvcake.sim.cache import BlockLRU
+from kvcake.sim.config import SimConfig
+from kvcake.sim.decode import DecodeInstance, Seq, StepCosts
+from kvcake.sim.events import Event, EventKind, EventQueue
+from kvcake.sim.network import Network
+from kvcake.sim.prefill import PrefillInstance, QueuedPrefill
+from kvcake.sim.records import Arrival, RequestState, summarize
+
+STORE = "store"  # the Conductor's holder name of the pooled store tier
+_HBM_RESERVE = 0.9  # share of HBM left to weights + KV after activations and workspace
+_FETCH, _KV = 0, 1
+
+
+class Cluster:
+    """One simulated run of `arrivals` (sorted by time) on the cluster `config` describes."""
+
+    def __init__(self, config: SimConfig, arrivals: Sequence[Arrival]) -> None:
+        self.config = config
+        self.cost = CostModel.from_spec(config.profile)
+        model, hw = self.cost.model, self.cost.hardware
+        self.kv_per_token = model.kv_bytes_per_token
+        nic = hw.nic_bandwidth_bytes_per_s if config.nic_gbps is None else config.nic_gbps * 1e9 / 8
+        self.kv_capacity_tokens = max(1, int((hw.hbm_bytes * _HBM_RESERVE - model.weight_bytes)
+                                             // self.kv_per_token))
+        local_tokens = (hw.dram_bytes // self.kv_per_token if config.local_cache_tokens is None
+                        else config.local_cache_tokens)
+        block = config.block_size
+        costs = StepCosts(self.cost.decode_step_time_s, self.cost.prefill_time_s)
+        if config.colocated:
+            n = config.num_prefill + config.num_decode
+            self.prefills: list[PrefillInstance] = []
+            self.decodes = [DecodeInstance(i, costs, self.kv_capacity_tokens, config.max_batch_size,
+                                           colocated=True,
+                                           chunk_budget_tokens=config.chunk_budget_tokens
+                                           if config.chunked_prefill else None)
+                            for i in range(n)]
+            self.hbm_caches = [BlockLRU(self.kv_capacity_tokens // block if config.prefix_cache
+                                        else 0) for _ in range(n)]
+            prefill_ids = decode_ids = [f"colocated-{i}" for i in range(n)]
+        else:
+            self.prefills = [PrefillInstance(i, local_tokens // block)
+                             for i in range(config.num_prefill)]
+            self.decodes = [DecodeInstance(i, costs, self.kv_capacity_tokens, config.max_batch_size)
+                            for i in range(config.num_decode)]
+            self.hbm_caches = []
+            prefill_ids = [f"prefill-{i}" for i in range(config.num_prefill)]
+            decode_ids = [f"decode-{i}" for i in range(config.num_decode)]
+        self.prefill_ids, self.decode_ids = prefill_ids, decode_ids
+        self._prefill_index = {name: i for i, name in enumerate(prefill_ids)}
+        self._decode_index = {name: i for i, name in enumerate(decode_ids)}
+        self.store = BlockLRU(config.store_tokens // block) if config.store_tokens else None
+        self.num_nodes = config.num_prefill + config.num_decode
+        self.network = Network(max(2, self.num_nodes), nic)
+        max_input = max((a.input_len for a in arrivals), default=2)
+        predictor = PrefillTimePredictor.fit(profile_grid(self.cost, max(2, max_input)))
+        self.conductor = Conductor(
+            ConductorConfig(
+                policy=config.policy,
+                admission="none" if config.colocated else config.admission,
+                kvcache_balancing_threshold=config.kvcache_balancing_threshold,
+                ttft_slo_s=config.ttft_slo_s,
+                tbt_slo_s=config.tbt_slo_ms / 1000.0,
+                transfer_bandwidth_bytes_per_s=nic,
+                seed=config.seed,
+            ),
+            prefill_ids, decode_ids, predictor, self.cost, self.kv_per_token,
+        )
+        self.states = [RequestState(i, f"req-{i}", a) for i, a in enumerate(arrivals)]
+        self.queue = EventQueue()
+        self._flows: dict[int, tuple[int, int]] = {}  # flow id -> (_FETCH | _KV, request)
+        self._next_flow = 0
+        self.num_events = 0
+        self.local_fetch_tokens = 0
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Simulate every arrival to the end; return the summary."""
+        for state in self.states:
+            self.queue.push(Event(state.arrival.arrival_s, EventKind.ARRIVAL, state.index))
+        handlers = {
+            EventKind.ARRIVAL: self._on_arrival,
+            EventKind.FLOW_DONE: self._on_flow_done,
+            EventKind.PREFILL_DONE: self._on_prefill_done,
+            EventKind.DECODE_STEP_DONE: self._on_step_done,
+        }
+        queue = self.queue
+        while len(queue):
+            event = queue.pop()
+            self.num_events += 1
+            for follow in handlers[event.kind](event):
+                queue.push(follow)
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        cfg = self.config
+        if cfg.colocated:
+            compute_s = sum(d.prefill_compute_s for d in self.decodes)
+        else:
+            compute_s = sum(p.busy_s for p in self.prefills)
+        end_s = max((s.finish_s or 0.0 for s in self.states), default=0.0)
+        extra = {
+            "policy": cfg.policy,
+            "prefill_instances": 0 if cfg.colocated else cfg.num_prefill,
+            "decode_instances": len(self.decodes),
+            "prefill_compute_s": compute_s,
+            "transfer_bytes": int(self.network.total_bytes),
+            "makespan_s": end_s,
+            "num_events": self.num_events,
+        }
+        return summarize(self.states, cfg.ttft_slo_s, cfg.tbt_slo_ms / 1000.0, extra)
+
+    # ---- arrival and placement ---------------------------------------------------------------
+
+    def _on_arrival(self, event: Event) -> list[Event]:
+        state = self.states[event.target]
+        a = state.arrival
+        req = ScheduleRequest(state.request_id, a.input_len, a.block_keys, self.config.block_size,
+                              max(1, a.output_len))
+        decision = self.conductor.schedule(req, event.time_s)
+        if not isinstance(decision, Placement):
+            state.rejected = decision.reason.value
+            state.predicted_ttft_s = decision.predicted_ttft_s
+            return []
+        state.prefill_instance, state.decode_instance = decision.prefill_id, decision.decode_id
+        state.predicted_ttft_s = decision.predicted_ttft_s
+        if self.config.colocated:
+            return self._place_colocated(state, event.time_s)
+        state.prefix_len = decision.prefix_len
+        if decision.fetch is None:
+            return self._enqueue_prefill(state, event.time_s)
+        state.fetched_len = decision.fetch.num_tokens
+        return self._start_fetch(state, decision, event.time_s)
+
+    def _start_fetch(self, state: RequestState, decision: Placement, now_s: float) -> list[Event]:
+        fetch = decision.fetch
+        assert fetch is not None
+        dst = self._prefill_index[decision.prefill_id]
+        block = self.config.block_size
+        first_block = -(-fetch.end_len // block) - len(fetch.keys)  # absolute index of keys[0]
+        by_node: dict[int, int] = {}
+        for i, key in enumerate(fetch.keys):
+            begin = max((first_block + i) * block, fetch.start_len)
+            tokens = min((first_block + i + 1) * block, fetch.end_len) - begin
+            node = self._holder_node(fetch.source, key)
+            by_node[node] = by_node.get(node, 0) + max(0, tokens)
+        events: list[Event] = []
+        self.network.advance(now_s)
+        for node in sorted(by_node):
+            if node == dst or by_node[node] == 0:
+                self.local_fetch_tokens += by_node[node]
+                continue
+            state.pending_fetches += 1
+            self._start_flow(now_s, _FETCH, state.index, node, dst, by_node[node] * self.kv_per_token)
+        if state.pending_fetches == 0:
+            return self._fetch_landed(state, now_s)
+        events.extend(self._flow_event())
+        return events
+
+    def _holder_node(self, holder: str, key: int) -> int:
+        """The node whose memory holds `key` for `holder`: a prefill node, or for the store tier
+        a decode node chosen by key (the store pools the decode nodes' DRAM)."""
+        if holder == STORE:
+            return self.config.num_prefill + key % self.config.num_decode
+        return self._prefill_index[holder]
+
+    def _fetch_landed(self, state: RequestState, now_s: float) -> list[Event]:
+        self.conductor.on_transfer_done(state.request_id, now_s)
+        p = self._prefill_index[state.prefill_instance or ""]
+        keys = state.arrival.block_keys
+        self._cache_insert(p, keys[: -(-state.prefix_len // self.config.block_size)])
+        return self._enqueue_prefill(state, now_s)
+
+    def _enqueue_prefill(self, state: RequestState, now_s: float) -> list[Event]:
+        p = self._prefill_index[state.prefill_instance or ""]
+        instance = self.prefills[p]
+        block = self.config.block_size
+        keys = state.arrival.block_keys
+        instance.cache.touch(keys[: -(-state.prefix_len // block)])
+        prefill_s = self.cost.prefill_time_s(state.arrival.input_len, state.prefix_len)
+        event = instance.enqueue(now_s, QueuedPrefill(state.index, prefill_s))
+        return self._prefill_started(p, now_s, event)
+
+    def _prefill_started(self, p: int, now_s: float, event: Event | None) -> list[Event]:
+        """Report a prefill that just started and start streaming its KV to its decode node."""
+        if event is None:
+            return []
+        started = self.prefills[p].running
+        assert started is not None
+        state = self.states[started.req]
+        self.conductor.on_prefill_started(self.prefill_ids[p], state.request_id, now_s)
+        d = self._decode_index[state.decode_instance or ""]
+        self.network.advance(now_s)
+        self._start_flow(now_s, _KV, state.index, p, self.config.num_prefill + d,
+                         state.arrival.input_len * self.kv_per_token)
+        return [event, *self._flow_event()]
+
+    # ---- completions -------------------------------------------------------------------------
+
+    def _on_prefill_done(self, event: Event) -> list[Event]:
+        p, now_s = event.target, event.time_s
+        done, nxt = self.prefills[p].on_done(now_s)
+        state = self.states[done.req]
+        state.first_token_s = now_s
+        state.prefill_done = True
+        self.conductor.on_prefill_finished(self.prefill_ids[p], state.request_id, now_s)
+        self._cache_insert(p, state.arrival.block_keys)
+        if self.store is not None:
+            evicted = self.store.insert(state.arrival.block_keys)
+            self.conductor.on_blocks_stored(STORE, state.arrival.block_keys)
+            if evicted:
+                self.conductor.on_blocks_removed(STORE, evicted)
+        events = self._prefill_started(p, now_s, nxt)
+        if state.kv_arrived:
+            events.extend(self._to_decode(state, now_s))
+        return events
+
+    def _to_decode(self, state: RequestState, now_s: float) -> list[Event]:
+        if state.arrival.output_len <= 1:  # the prefill's token was the only one
+            state.finish_s = now_s
+            self.conductor.on_decode_finished(state.decode_instance or "", state.request_id, now_s)
+            return []
+        d = self._decode_index[state.decode_instance or ""]
+        a = state.arrival
+        seq = Seq(state.index, a.input_len, a.output_len - 1, a.input_len + a.output_len,
+                  state.first_token_s or now_s, state.gaps)
+        self.conductor.on_decode_joined(self.decode_ids[d], state.request_id, now_s)
+        event = self.decodes[d].add(now_s, seq)
+        return [] if event is None else [event]
+
+    def _on_step_done(self, event: Event) -> list[Event]:
+        d, now_s = event.target, event.time_s
+        instance = self.decodes[d]
+        first_tokens, finished, nxt = instance.on_step_done(now_s, event.token)
+        name = self.decode_ids[d]
+        for seq in first_tokens:  # colocated prefills that just finished
+            state = self.states[seq.req]
+            state.first_token_s = now_s
+            self.conductor.on_prefill_finished(name, state.request_id, now_s)
+            self.conductor.on_decode_joined(name, state.request_id, now_s)
+            self._hbm_insert(d, state.arrival.block_keys)
+        for seq in finished:
+            state = self.states[seq.req]
+            state.finish_s = now_s
+            self.conductor.on_decode_finished(name, state.request_id, now_s)
+        return [] if nxt is None else [nxt]
+
+    # ---- network -----------------------------------------------------------------------------
+
+    def _start_flow(self, now_s: float, kind: int, req: int, src: int, dst: int,
+                    num_bytes: float) -> None:
+        flow_id = self._next_flow
+        self._next_flow += 1
+        self._flows[flow_id] = (kind, req)
+        self.network.start_flow(now_s, flow_id, src, dst, num_bytes)
+
+    def _flow_event(self) -> list[Event]:
+        finish_s = self.network.next_finish_s()
+        if finish_s is None:
+            return []
+        return [Event(finish_s, EventKind.FLOW_DONE, 0, self.network.version)]
+
+    def _on_flow_done(self, event: Event) -> list[Event]:
+        if event.token != self.network.version:
+            return []  # the flows changed since this was scheduled
+        events: list[Event] = []
+        for flow_id in self.network.advance(event.time_s):
+            kind, req = self._flows.pop(flow_id)
+            state = self.states[req]
+            if kind == _FETCH:
+                state.pending_fetches -= 1
+                if state.pending_fetches == 0:
+                    events.extend(self._fetch_landed(state, event.time_s))
+            else:
+                state.kv_arrived = True
+                if state.prefill_done:
+                    events.extend(self._to_decode(state, event.time_s))
+        events.extend(self._flow_event())
+        return events
+
+    # ---- caches ------------------------------------------------------------------------------
+
+    def _cache_insert(self, p: int, keys: Sequence[int]) -> None:
+        evicted = self.prefills[p].cache.insert(keys)
+        name = self.prefill_ids[p]
+        self.conductor.on_blocks_stored(name, keys)
+        if evicted:
+            self.conductor.on_blocks_removed(name, evicted)
+
+    # ---- colocated ---------------------------------------------------------------------------
+
+    def _place_colocated(self, state: RequestState, now_s: float) -> list[Event]:
+        i = self._prefill_index[state.prefill_instance or ""]
+        a = state.arrival
+        cache = self.hbm_caches[i]
+        matched = cache.match_len(a.block_keys)
+        cache.touch(a.block_keys[:matched])
+        state.prefix_len = min(matched * self.config.block_size, a.input_len - 1)
+        seq = Seq(state.index, a.input_len, max(0, a.output_len - 1), a.input_len + a.output_len,
+                  now_s, state.gaps, prefill_done_len=state.prefix_len)
+        event = self.decodes[i].add_prefill(now_s, seq)
+        return [] if event is None else [event]
+
+    def _hbm_insert(self, i: int, keys: Sequence[int]) -> None:
+        """Cache a prompt's blocks in the free HBM of colocated instance i (LRU)."""
+        if not self.config.prefix_cache:
+            return
+        instance, cache, name = self.decodes[i], self.hbm_caches[i], self.prefill_ids[i]
+        free = max(0, self.kv_capacity_tokens - instance.reserved_tokens)
+        evicted = cache.resize(free // self.config.block_size)
+        evicted += cache.insert(keys)
+        self.conductor.on_blocks_stored(name, keys)
+        if evicted:
+            self.conductor.on_blocks_removed(name, evicted)

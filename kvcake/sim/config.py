@@ -1,0 +1,103 @@
+"""The simulated cluster's configuration: frozen, validated; the CLI takes its defaults from here.
+
+Sizes left as None come from the hardware profile: a prefill node's local prefix cache is its
+DRAM (1 TB holds ~3M llama3-70b tokens, the paper's figure), a decode instance's KV capacity is
+its HBM less the weights and a 10% activation reserve, and a node's NIC is the profile's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvcake.conductor.config import Admission, Policy
+
+POLICIES = tuple(p.value for p in Policy)
+TRACE_BLOCK_SIZE = 512  # tokens per hash id in the published Mooncake traces
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run.
+
+    num_prefill, num_decode: instances (nodes) per pool; with policy "colocated" all
+        num_prefill + num_decode instances both prefill and decode (the same hardware budget).
+    speed: arrival-time divisor (2.0 replays the trace twice as fast).
+    max_requests: simulate only the first requests of the trace (None: all).
+    local_cache_tokens: each prefill node's prefix cache (None: the node's DRAM).
+    store_tokens: an extra pooled store tier (Mooncake Store on the decode nodes' DRAM) that every
+        prefill writes its blocks to and any prefill may fetch from; 0 turns it off.
+    nic_gbps: per-node NIC bandwidth, each direction (None: the profile's).
+    chunked_prefill: colocated only: prefill chunks piggy-back on decode steps.
+    chunk_budget_tokens: colocated chunked prefill: tokens per step (decodes included).
+    prefix_cache: colocated only: keep a prefix cache in free HBM (vLLM prefix caching).
+    max_batch_size: most sequences in one decode batch.
+    admission: the Conductor's admission mode; colocated runs never reject (vLLM has no
+        admission control), so this only applies to the disaggregated policies.
+    """
+
+    num_prefill: int = 8
+    num_decode: int = 8
+    policy: str = "global_cache"
+    profile: str = "llama3-70b@a800x8"
+    speed: float = 1.0
+    ttft_slo_s: float = 30.0
+    tbt_slo_ms: float = 100.0
+    seed: int = 0
+    max_requests: int | None = None
+    kvcache_balancing_threshold: float = 1.5
+    admission: str = "early"
+    local_cache_tokens: int | None = None
+    store_tokens: int = 0
+    nic_gbps: float | None = None
+    chunked_prefill: bool = False
+    chunk_budget_tokens: int = 512
+    prefix_cache: bool = True
+    max_batch_size: int = 256
+    block_size: int = TRACE_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        admissions = tuple(a.value for a in Admission)
+        if self.admission not in admissions:
+            raise ValueError(f"admission must be one of {', '.join(admissions)}; "
+                             f"got {self.admission!r}")
+        for name in ("num_prefill", "num_decode", "max_batch_size", "block_size"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("speed", "ttft_slo_s", "tbt_slo_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1 (or unset), got {self.max_requests}")
+        if self.local_cache_tokens is not None and self.local_cache_tokens < 0:
+            raise ValueError(f"local_cache_tokens must be >= 0, got {self.local_cache_tokens}")
+        if self.store_tokens < 0:
+            raise ValueError(f"store_tokens must be >= 0 (0 turns the store tier off), "
+                             f"got {self.store_tokens}")
+        if self.nic_gbps is not None and not (math.isfinite(self.nic_gbps) and self.nic_gbps > 0):
+            raise ValueError(f"nic_gbps must be a finite number > 0, got {self.nic_gbps}")
+        if self.chunk_budget_tokens <= self.max_batch_size:
+            raise ValueError(f"chunk_budget_tokens ({self.chunk_budget_tokens}) must exceed "
+                             f"max_batch_size ({self.max_batch_size}); raise the budget or "
+                             "lower --max-batch-size")
+        if not (math.isfinite(self.kvcache_balancing_threshold)
+                and self.kvcache_balancing_threshold >= 1.0):
+            raise ValueError("kvcache_balancing_threshold must be a finite number >= 1.0, got "
+                             f"{self.kvcache_balancing_threshold!r}")
+
+    @property
+    def colocated(self) -> bool:
+        return self.policy == Policy.COLOCATED.value
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SimConfig:
+        """Build from a plain mapping; unknown keys are errors."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown simulator config keys {unknown}; known: {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,253 @@
+"""A simulated instance that decodes with continuous batching, and optionally prefills too.
+
+Lifecycle of a sequence on a disaggregated decode instance:
+
+    add(seq)  ->  waiting  --(next step boundary, KV capacity free)-->  running
+              ->  one token per step  ->  finished (remaining == 0), its KV freed
+
+Runs of identical steps are planned in closed form (`steps.StepRun`): one DECODE_STEP_DONE
+event per run, not per token. A run ends when its first member finishes; a sequence that arrives
+meanwhile cuts the run at the next step boundary (continuous batching admits new sequences only
+between steps).
+
+A colocated (vLLM-like) instance also holds a prefill queue. Without chunked prefill a waiting
+prefill runs as one step of its own and every decoding sequence stalls for it (its next token
+gap holds the whole prefill). With chunked prefill each step carries the decode batch plus a
+chunk of the head prefill, `chunk_budget_tokens - batch_size` tokens, and lasts the decode step
+plus the chunk's prefill time: decodes never stall but every step is slower.
+
+Passive state: the cluster calls `add`/`add_prefill`/`on_step_done` and schedules the events
+they return.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvcake.sim.events import Event, EventKind
+from kvcake.sim.metrics import GapLog
+from kvcake.sim.steps import StepRun, plan_run
+
+
+@dataclass(slots=True)
+class Seq:
+    """One request on a decode-capable instance.
+
+    context_len: KV tokens it holds now. remaining: output tokens still to generate.
+    reserve_len: KV tokens reserved for its whole life (prompt + output), so it is never
+    preempted. prefill_done_len / prefix_len: colocated prefill progress (tokens).
+    """
+
+    req: int
+    context_len: int
+    remaining: int
+    reserve_len: int
+    last_token_s: float = 0.0
+    gaps: GapLog = field(default_factory=GapLog)
+    prefill_done_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """Seconds of one decode step and of one prefill chunk (from the cost model)."""
+
+    decode_step_s: Callable[[int, int], float]  # (batch_size, context_tokens)
+    prefill_s: Callable[[int, int], float]  # (input_len, prefix_len)
+
+
+class DecodeInstance:
+    """Continuous batching on one instance; with `colocated`, it also prefills."""
+
+    def __init__(
+        self,
+        index: int,
+        costs: StepCosts,
+        max_kv_tokens: int,
+        max_batch_size: int,
+        colocated: bool = False,
+        chunk_budget_tokens: int | None = None,
+    ) -> None:
+        if max_kv_tokens < 1 or max_batch_size < 1:
+            raise ValueError(f"max_kv_tokens ({max_kv_tokens}) and max_batch_size "
+                             f"({max_batch_size}) must be >= 1")
+        if chunk_budget_tokens is not None and chunk_budget_tokens <= max_batch_size:
+            raise ValueError(f"chunk_budget_tokens ({chunk_budget_tokens}) must exceed "
+                             f"max_batch_size ({max_batch_size}) to leave room for a chunk")
+        self.index = index
+        self.costs = costs
+        self.max_kv_tokens = max_kv_tokens
+        self.max_batch_size = max_batch_size
+        self.colocated = colocated
+        self.chunk_budget_tokens = chunk_budget_tokens
+        self.running: list[Seq] = []
+        self.waiting: deque[Seq] = deque()  # KV here (or prefilled), waiting to join
+        self.prefills: deque[Seq] = deque()  # colocated: waiting to be prefilled
+        self.reserved_tokens = 0
+        self.run: StepRun | None = None
+        self._run_prefill: Seq | None = None  # the prefill this run works on, if any
+        self._run_chunk = 0  # prefill tokens per step of this run
+        self._reserved_head: Seq | None = None  # the head prefill whose KV is reserved
+        self.token = 0
+        self.busy_s = 0.0
+        self.prefill_compute_s = 0.0
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    def add(self, now_s: float, seq: Seq) -> Event | None:
+        """A sequence whose KV is here; it joins at the next step boundary."""
+        self.waiting.append(seq)
+        return self._nudge(now_s)
+
+    def add_prefill(self, now_s: float, seq: Seq) -> Event | None:
+        """Colocated: a request to prefill here, then decode here."""
+        if not self.colocated:
+            raise ValueError(f"instance {self.index} is not colocated; it does not prefill")
+        self.prefills.append(seq)
+        return self._nudge(now_s)
+
+    def on_step_done(self, now_s: float, token: int) -> tuple[list[Seq], list[Seq], Event | None]:
+        """End of a run: returns (sequences that got their first token, finished, next event)."""
+        if token != self.token or self.run is None:
+            return [], [], None  # a run that was cut short
+        run, self.run = self.run, None
+        n = run.num_steps
+        self.busy_s += run.elapsed_s(n)
+        head = self._run_prefill
+        whole_prefill = head is not None and self.chunk_budget_tokens is None
+        if not whole_prefill:  # a whole-prompt prefill step gives the batch no token
+            for seq in self.running:
+                _log_run(seq, run)
+        first_tokens: list[Seq] = []
+        if head is not None:
+            self.prefill_compute_s += self._prefill_share_s(head.prefill_done_len, n)
+            head.prefill_done_len += n * self._run_chunk
+            if head.prefill_done_len >= head.context_len:
+                self.prefills.popleft()
+                self._reserved_head = None
+                head.last_token_s = run.end_s
+                first_tokens.append(head)
+        finished = [s for s in self.running if s.remaining == 0]
+        if finished:
+            self.running = [s for s in self.running if s.remaining > 0]
+        for seq in first_tokens:
+            if seq.remaining > 0:
+                self.running.append(seq)
+            else:
+                finished.append(seq)
+        for seq in finished:
+            self.reserved_tokens -= seq.reserve_len
+        return first_tokens, finished, self._start(now_s)
+
+    # -- planning -------------------------------------------------------------------------
+
+    @property
+    def is_idle(self) -> bool:
+        return self.run is None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(s.context_len for s in self.running)
+
+    def _nudge(self, now_s: float) -> Event | None:
+        if self.run is None:
+            return self._start(now_s)
+        if self._run_prefill is not None and self.chunk_budget_tokens is None:
+            return None  # a whole prefill is running; it cannot be cut
+        k = self.run.steps_done_by(now_s)
+        if k + 1 >= self.run.num_steps:
+            return None  # the run ends at the next boundary anyway
+        self.run = self.run.truncated(k + 1)
+        self.token += 1
+        return Event(self.run.end_s, EventKind.DECODE_STEP_DONE, self.index, self.token)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if self.reserved_tokens + seq.reserve_len > self.max_kv_tokens and self.running:
+                break  # no room: it waits for a sequence to finish (an empty batch takes it)
+            self.waiting.popleft()
+            self.reserved_tokens += seq.reserve_len
+            self.running.append(seq)
+
+    def _start(self, now_s: float) -> Event | None:
+        self._admit()
+        self._run_prefill, self._run_chunk = None, 0
+        if self.prefills and self._reserve_head():
+            self.run = self._plan_prefill(now_s, self.prefills[0])
+        elif self.running:
+            self.run = self._plan_decode(now_s)
+        else:
+            self.run = None
+            return None
+        self.token += 1
+        return Event(self.run.end_s, EventKind.DECODE_STEP_DONE, self.index, self.token)
+
+    def _reserve_head(self) -> bool:
+        head = self.prefills[0]
+        if head.prefill_done_len > 0 or head is self._reserved_head:
+            return True
+        fits = self.reserved_tokens + head.reserve_len <= self.max_kv_tokens
+        if fits or not self.running:
+            self.reserved_tokens += head.reserve_len
+            self._reserved_head = head
+            return True
+        return False
+
+    def _plan_decode(self, now_s: float) -> StepRun:
+        batch, context = len(self.running), self.context_tokens
+        max_steps = min(s.remaining for s in self.running)
+        step = self.costs.decode_step_s
+        return plan_run(now_s, max_steps, lambda i: step(batch, context + i * batch))
+
+    def _plan_prefill(self, now_s: float, head: Seq) -> StepRun:
+        self._run_prefill = head
+        start, total = head.prefill_done_len, head.context_len
+        if self.chunk_budget_tokens is None:  # the whole prompt in one step; decodes stall
+            self._run_chunk = total - start
+            return StepRun(now_s, 1, self.costs.prefill_s(total, start), 0.0)
+        batch, context = len(self.running), self.context_tokens
+        chunk = self.chunk_budget_tokens - batch
+        full_chunks = (total - start) // chunk
+        if full_chunks == 0:  # the last, partial chunk: a run of one step
+            self._run_chunk = total - start
+            return StepRun(now_s, 1, self._chunk_step_s(batch, context, total, start), 0.0)
+        max_steps = min([full_chunks] + [s.remaining for s in self.running])
+        self._run_chunk = chunk
+
+        def step_s(i: int) -> float:
+            begin = start + i * chunk
+            return self._chunk_step_s(batch, context + i * batch, begin + chunk, begin)
+
+        return plan_run(now_s, max_steps, step_s)
+
+    def _prefill_share_s(self, begin: int, num_steps: int) -> float:
+        """Prefill seconds of `num_steps` chunks from token `begin` (the decode share excluded).
+
+        A chunk's prefill time is affine in its offset, so the sum is a trapezoid."""
+        chunk, prefill_s = self._run_chunk, self.costs.prefill_s
+        last = begin + (num_steps - 1) * chunk
+        return num_steps * (prefill_s(begin + chunk, begin) + prefill_s(last + chunk, last)) / 2.0
+
+    def _chunk_step_s(self, batch: int, context: int, end: int, begin: int) -> float:
+        decode_s = self.costs.decode_step_s(batch, context) if batch else 0.0
+        return decode_s + self.costs.prefill_s(end, begin)
+
+
+def _log_run(seq: Seq, run: StepRun) -> None:
+    """Give `seq` one token per step of `run` and log the gaps."""
+    n = run.num_steps
+    wait_s = run.start_s - seq.last_token_s  # > 0 for a sequence that just joined or stalled
+    if wait_s > 1e-12:
+        seq.gaps.add(1, wait_s + run.first_s)
+        seq.gaps.add(n - 1, run.first_s + run.delta_s, run.delta_s)
+    else:
+        seq.gaps.add(n, run.first_s, run.delta_s)
+    seq.remaining -= n
+    seq.context_len += n
+    seq.last_token_s = run.end_s

@@ -1,0 +1,128 @@
+"""A seeded generator of conversation-like traces in the Mooncake format.
+
+Requests arrive as a Poisson process. Each one either opens a new session (a chat that starts
+with one of a few global system prompts, picked with Zipf-like popularity, then a first user
+message) or continues an open session: its prompt is the session's previous prompt, plus the
+previous answer, plus a new user message. Hash ids are chained as in the published traces: full
+blocks of a shared prefix keep their ids, every other block gets a fresh id. So the output has
+the structure the scheduler cares about (hot system prompts, multi-turn prefix reuse) and runs
+everything without ../shared/traces. Same config (seed included) -> byte-identical file.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvcake.sim.trace import DEFAULT_BLOCK_SIZE, Trace, TraceRequest
+
+
+@dataclass(frozen=True)
+class TraceGenConfig:
+    """Shape of a generated trace. Lengths in tokens; defaults resemble the conversation trace."""
+
+    num_requests: int = 1000
+    rate_per_s: float = 3.4
+    num_system_prompts: int = 8
+    system_prompt_len: int = 1024
+    mean_first_message_len: int = 9000
+    mean_followup_len: int = 1500
+    mean_output_len: int = 340
+    max_output_len: int = 2000
+    new_session_prob: float = 0.6
+    max_turns: int = 8
+    max_input_len: int = 128_000
+    block_size: int = DEFAULT_BLOCK_SIZE
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "num_system_prompts", "system_prompt_len",
+                     "mean_first_message_len", "mean_followup_len", "mean_output_len",
+                     "max_output_len", "max_turns", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.rate_per_s > 0:
+            raise ValueError(f"rate_per_s must be > 0, got {self.rate_per_s}")
+        if not 0 < self.new_session_prob <= 1:
+            raise ValueError(f"new_session_prob must be in (0, 1], got {self.new_session_prob}")
+        if self.max_input_len < self.system_prompt_len + 1:
+            raise ValueError("max_input_len must exceed system_prompt_len")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TraceGenConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown trace generator keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+@dataclass
+class _Session:
+    length: int  # tokens of the last prompt
+    full_ids: list[int]  # ids of the last prompt's full blocks
+    last_output: int
+    turns: int
+
+
+class _Generator:
+    def __init__(self, cfg: TraceGenConfig) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.next_id = 0
+        bs = cfg.block_size
+        # System prompts: their full blocks are shared by every session that starts with them.
+        self.system_ids = [self._fresh(cfg.system_prompt_len // bs) for _ in range(cfg.num_system_prompts)]
+        self.weights = [1.0 / (k + 1) for k in range(cfg.num_system_prompts)]
+        self.open: list[_Session] = []
+
+    def _fresh(self, count: int) -> list[int]:
+        ids = list(range(self.next_id, self.next_id + count))
+        self.next_id += count
+        return ids
+
+    def _length(self, mean: int, upper: int) -> int:
+        # Lognormal with the given mean and sigma 0.8: heavy-tailed like real prompts.
+        sigma = 0.8
+        value = self.rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)
+        return max(1, min(upper, round(value)))
+
+    def _prompt(self, prefix_len: int, prefix_ids: list[int], input_len: int) -> list[int]:
+        bs = self.cfg.block_size
+        kept = prefix_ids[: min(prefix_len, input_len) // bs]
+        return kept + self._fresh(-(-input_len // bs) - len(kept))
+
+    def request(self, index: int, timestamp_ms: int) -> TraceRequest:
+        cfg, rng = self.cfg, self.rng
+        if not self.open or rng.random() < cfg.new_session_prob:
+            which = rng.choices(range(cfg.num_system_prompts), weights=self.weights)[0]
+            budget = cfg.max_input_len - cfg.system_prompt_len
+            input_len = cfg.system_prompt_len + self._length(cfg.mean_first_message_len, budget)
+            ids = self._prompt(cfg.system_prompt_len, self.system_ids[which], input_len)
+            session = _Session(input_len, [], 0, 0)
+            self.open.append(session)
+        else:
+            session = self.open[rng.randrange(len(self.open))]
+            grow = session.last_output + self._length(cfg.mean_followup_len, cfg.max_input_len)
+            input_len = min(cfg.max_input_len, session.length + grow)
+            ids = self._prompt(session.length, session.full_ids, input_len)
+        output_len = self._length(cfg.mean_output_len, cfg.max_output_len)
+        session.length, session.last_output = input_len, output_len
+        session.full_ids = ids[: input_len // cfg.block_size]
+        session.turns += 1
+        if session.turns >= cfg.max_turns or input_len >= cfg.max_input_len:
+            self.open.remove(session)
+        return TraceRequest(index, float(timestamp_ms), input_len, output_len, tuple(ids))
+
+
+def generate_trace(cfg: TraceGenConfig) -> Trace:
+    """A seeded conversation-like trace (integer millisecond timestamps)."""
+    gen = _Generator(cfg)
+    t_s = 0.0
+    requests = []
+    for index in range(cfg.num_requests):
+        requests.append(gen.request(index, round(t_s * 1000)))
+        t_s += gen.rng.expovariate(cfg.rate_per_s)
+    return Trace(tuple(requests), f"generated(seed={cfg.seed})", cfg.block_size)

@@ -1,0 +1,374 @@
+"""`StoreClient`: put and get objects; metadata from the master, bytes through the transfer engine.
+
+    with StoreClient("127.0.0.1:21000") as store:
+        store.put("ns:00ab..", data)            # 1. master allocates replicas  2. client writes
+        store.get("ns:00ab..") -> bytes         #    each one  3. commit;  get: descriptors from
+        store.get_into("ns:00ab..", buffer)     #    the master, bytes read straight from a node
+
+Every read is checked: the replica's header must carry the version the master handed out (so a
+range reused by another object is never served) and the payload's crc32 must match the object's.
+A replica that fails the check, or whose node is gone, is skipped for the next; after every
+replica failed the client asks the master again, which may say the object is gone (KeyError).
+On any error the contents of a caller's destination buffer are undefined.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgpack
+
+from kvcake.store.errors import (
+    WIRE_ERRORS,
+    InvalidRequest,
+    ObjectExists,
+    ObjectNotFound,
+    ObjectUnavailable,
+    StoreError,
+    TransferFailed,
+)
+from kvcake.store.layout import HEADER_BYTES, CorruptObject, checksum, pack_header, verify
+from kvcake.transfer import (
+    SegmentDesc,
+    TransferConfig,
+    TransferEngine,
+    TransferError,
+    TransferOp,
+    TransferRequest,
+    buffer_view,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcake.store.embedded import EmbeddedStore
+
+log = logging.getLogger(__name__)
+
+_READ_ROUNDS = 3  # how many times the client asks the master again after every replica failed
+
+
+class Master(Protocol):
+    """What the client needs of a master: `MasterService` in-process or `RemoteMaster`."""
+
+    def put_start(self, key: str, size_bytes: int, crc: int, num_replicas: int | None = None,
+                  local_node: str | None = None) -> list[dict[str, Any]]: ...
+    def put_commit(self, key: str) -> None: ...
+    def put_revoke(self, key: str) -> None: ...
+    def get(self, key: str) -> dict[str, Any]: ...
+    def exists(self, key: str) -> bool: ...
+    def remove(self, key: str) -> None: ...
+    def pin(self, key: str, pinned: bool) -> None: ...
+    def add_replicas(self, key: str, num_replicas: int) -> dict[str, Any]: ...
+    def replicas_done(self, key: str, versions: list[int], ok: bool) -> None: ...
+    def drop_replicas(self, key: str, num_replicas: int) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
+    def put_start_batch(self, items: list[Any], num_replicas: int | None = None,
+                        local_node: str | None = None) -> list[Any]: ...
+    def put_commit_batch(self, keys: list[Any]) -> list[Any]: ...
+    def get_batch(self, keys: list[Any]) -> list[Any]: ...
+    def exists_batch(self, keys: list[Any]) -> list[Any]: ...
+    def remove_batch(self, keys: list[Any]) -> list[Any]: ...
+
+
+def _unwrap(item: dict[str, Any]) -> Any:
+    """The result of one batch entry, or its error raised again."""
+    if item.get("ok"):
+        return item.get("result")
+    error = item.get("error") or {}
+    raise WIRE_ERRORS.get(str(error.get("type")), StoreError)(str(error.get("message", "")))
+
+
+class StoreClient:
+    """A client of one store. `master` is "HOST:PORT" or an in-process master service.
+
+    The transfer engine starts on first use (or pass a started `engine` to share one). Set
+    `transfer_config.use_shared_memory=False` to force TCP even to nodes on this host.
+    """
+
+    def __init__(self, master: str | Master, *, engine: TransferEngine | None = None,
+                 transfer_config: TransferConfig | None = None, num_replicas: int | None = None,
+                 local_node: str | None = None) -> None:
+        if isinstance(master, str):
+            from kvcake.store.remote import RemoteMaster
+
+            master = RemoteMaster(master)
+        self.master: Master = master
+        self._own_engine = engine is None
+        self._engine = engine
+        self._transfer_config = transfer_config or TransferConfig(serve=False)
+        self._started = engine is not None
+        self.num_replicas = num_replicas
+        self.local_node = local_node
+        self._embedded: EmbeddedStore | None = None
+
+    @classmethod
+    def embedded(cls, dram_bytes: int, *, disk_dir: str | None = None, disk_bytes: int = 0,
+                 **kwargs: Any) -> StoreClient:
+        """A client with its own in-process master and one node of `dram_bytes`; close() stops
+        them. kwargs go to `EmbeddedStore` (config, clock, num_nodes)."""
+        from kvcake.store.embedded import EmbeddedStore
+
+        store = EmbeddedStore(dram_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes, **kwargs)
+        store.start()
+        client = store.client()
+        client._embedded = store
+        return client
+
+    @property
+    def engine(self) -> TransferEngine:
+        if self._engine is None:
+            self._engine = TransferEngine(self._transfer_config)
+        if not self._started:
+            self._engine.start()
+            self._started = True
+        return self._engine
+
+    def close(self) -> None:
+        if self._own_engine and self._engine is not None and self._started:
+            self._engine.close()
+            self._started = False
+        close = getattr(self.master, "close", None)
+        if close is not None and self._embedded is None:
+            close()
+        if self._embedded is not None:
+            self._embedded.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- put -------------------------------------------------------------------------------------
+    def put(self, key: str, data: Any) -> bool:
+        """Store `data` (bytes-like, numpy array, CPU tensor) under `key`. Returns False, writing
+        nothing, if the key is already stored or being written (keys name content)."""
+        return self.put_batch([key], [data])[0]
+
+    def put_batch(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
+        """Put every (key, value); one master round trip per phase and one transfer batch."""
+        if len(keys) != len(values):
+            raise InvalidRequest(f"put_batch: {len(keys)} keys but {len(values)} values")
+        views = [buffer_view(v, field=f"value of {k!r}") for k, v in zip(keys, values, strict=True)]
+        crcs = [checksum(v) for v in views]
+        items = [[k, len(v), c] for k, v, c in zip(keys, views, crcs, strict=True)]
+        starts = self.master.put_start_batch(items, self.num_replicas, self.local_node)
+        written, requests, headers = [], [], []
+        for view, crc, item in zip(views, crcs, starts, strict=True):
+            try:
+                descs = _unwrap(item)
+            except ObjectExists:
+                written.append(False)
+                continue
+            written.append(True)
+            for desc in descs:
+                segment = SegmentDesc.from_dict(desc["segment"])
+                header = pack_header(crc, desc["version"], len(view))
+                headers.append(header)
+                requests.append(TransferRequest(TransferOp.WRITE, header, segment, desc["offset"]))
+                if len(view):
+                    requests.append(TransferRequest(TransferOp.WRITE, view, segment,
+                                                    desc["offset"] + HEADER_BYTES))
+        todo = [k for k, w in zip(keys, written, strict=True) if w]
+        if requests:
+            try:
+                self.engine.transfer(requests)
+            except (TransferError, ValueError) as exc:
+                for key in todo:
+                    self._revoke(key)
+                raise TransferFailed(f"put of {len(todo)} objects failed: {exc}") from exc
+        for result in self.master.put_commit_batch(todo):
+            _unwrap(result)
+        return written
+
+    def _revoke(self, key: str) -> None:
+        try:
+            self.master.put_revoke(key)
+        except StoreError as exc:
+            log.warning("revoke of %r failed: %s", key, exc)
+
+    # ---- get -------------------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        """The object's bytes; ObjectNotFound (a KeyError) if the key is not stored."""
+        meta = self.master.get(key)
+        buffer = bytearray(meta["size_bytes"])
+        self._read(key, meta, memoryview(buffer))
+        return bytes(buffer)
+
+    def get_into(self, key: str, buffer: Any) -> int:
+        """Read the object into the start of `buffer` (writable, large enough); returns its
+        size in bytes."""
+        dest = buffer_view(buffer, writable=True, field="buffer")
+        meta = self.master.get(key)
+        return self._read(key, meta, dest)
+
+    def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
+        """Read each key into its buffer; returns each size, None for a key that is not stored."""
+        if len(keys) != len(buffers):
+            raise InvalidRequest(f"get_batch_into: {len(keys)} keys but {len(buffers)} buffers")
+        dests = [buffer_view(b, writable=True, field=f"buffer of {k!r}")
+                 for k, b in zip(keys, buffers, strict=True)]
+        metas: list[dict[str, Any] | None] = []
+        for item in self.master.get_batch(list(keys)):
+            try:
+                metas.append(_unwrap(item))
+            except ObjectNotFound:
+                metas.append(None)
+        jobs = [(k, m, d) for k, m, d in zip(keys, metas, dests, strict=True) if m is not None]
+        for key, meta, dest in jobs:
+            _check_room(key, meta, dest)
+        headers = [bytearray(HEADER_BYTES) for _ in jobs]
+        requests = []
+        for (_, meta, dest), header in zip(jobs, headers, strict=True):
+            requests.extend(_read_requests(meta["replicas"][0], meta, header, dest))
+        batch_ok = True
+        try:
+            if requests:
+                self.engine.transfer(requests)
+        except TransferError:
+            batch_ok = False
+        for (key, meta, dest), header in zip(jobs, headers, strict=True):
+            if not batch_ok or not _valid(meta["replicas"][0], meta, header, dest):
+                self._read(key, meta, dest)  # replica by replica, asking the master again
+        sizes: list[int | None] = [None if m is None else int(m["size_bytes"]) for m in metas]
+        return sizes
+
+    def _read(self, key: str, meta: dict[str, Any], dest: memoryview) -> int:
+        _check_room(key, meta, dest)
+        header = bytearray(HEADER_BYTES)
+        errors: list[str] = []
+        num_corrupt = 0
+        for _ in range(_READ_ROUNDS):
+            for replica in meta["replicas"]:
+                try:
+                    self.engine.transfer(_read_requests(replica, meta, header, dest))
+                except (TransferError, ValueError) as exc:
+                    errors.append(f"{replica['node_id']}: {exc}")
+                    continue
+                if _valid(replica, meta, header, dest):
+                    return int(meta["size_bytes"])
+                num_corrupt += 1
+                errors.append(f"{replica['node_id']}: bad bytes")
+            meta = self.master.get(key)  # ObjectNotFound if the object went with its nodes
+            _check_room(key, meta, dest)
+        if num_corrupt == 0:
+            raise ObjectUnavailable(f"no replica of {key!r} is reachable (nodes down?): "
+                                    f"{errors[-2:]}")
+        raise TransferFailed(f"no replica of {key!r} could be read intact: {errors[-3:]}")
+
+    # ---- the rest ----------------------------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.master.exists(key)
+
+    def exists_batch(self, keys: Sequence[str]) -> list[bool]:
+        return [bool(_unwrap(item)) for item in self.master.exists_batch(list(keys))]
+
+    def remove(self, key: str) -> None:
+        """Forget `key` (ObjectNotFound if absent). Readers holding a lease finish safely."""
+        self.master.remove(key)
+
+    def remove_batch(self, keys: Sequence[str]) -> list[bool]:
+        """True for each key removed, False for each that was not stored."""
+        out = []
+        for item in self.master.remove_batch(list(keys)):
+            try:
+                _unwrap(item)
+                out.append(True)
+            except ObjectNotFound:
+                out.append(False)
+        return out
+
+    def pin(self, key: str, pinned: bool = True) -> None:
+        """A soft pin: the object is evicted only when nothing unpinned can be."""
+        self.master.pin(key, pinned)
+
+    def change_replica(self, key: str, num_replicas: int) -> int:
+        """Bring `key` to `num_replicas` DRAM replicas (at most one per node); returns how many
+        it has now. New replicas are copied by this client from an existing one."""
+        if num_replicas < 1:
+            raise InvalidRequest(f"num_replicas: must be >= 1, got {num_replicas}")
+        current = len(self.master.get(key)["replicas"])
+        if num_replicas < current:
+            self.master.drop_replicas(key, num_replicas)
+            return num_replicas
+        plan = self.master.add_replicas(key, num_replicas)
+        targets = plan["targets"]
+        if not targets:
+            return current
+        source = plan["source"]
+        data = bytearray(source["size_bytes"])
+        versions = [t["version"] for t in targets]
+        try:
+            self._read(key, source, memoryview(data))
+            requests = []
+            for target in targets:
+                segment = SegmentDesc.from_dict(target["segment"])
+                header = pack_header(source["crc"], target["version"], len(data))
+                requests.append(TransferRequest(TransferOp.WRITE, header, segment,
+                                                target["offset"]))
+                if data:
+                    requests.append(TransferRequest(TransferOp.WRITE, data, segment,
+                                                    target["offset"] + HEADER_BYTES))
+            self.engine.transfer(requests)
+        except (StoreError, TransferError) as exc:
+            self.master.replicas_done(key, versions, False)
+            raise TransferFailed(f"change_replica of {key!r} failed: {exc}") from exc
+        self.master.replicas_done(key, versions, True)
+        return current + len(targets)
+
+    def stats(self) -> dict[str, Any]:
+        return self.master.stats()
+
+    # ---- tensors -----------------------------------------------------------------------------------
+    def put_tensor(self, key: str, tensor: torch.Tensor) -> bool:
+        """Store a CPU tensor with its dtype and shape (read back with `get_tensor`)."""
+        tensor = tensor.detach().contiguous()
+        meta = msgpack.packb({"dtype": str(tensor.dtype).removeprefix("torch."),
+                              "shape": list(tensor.shape)})
+        body = buffer_view(tensor, field="tensor")
+        return self.put(key, len(meta).to_bytes(4, "little") + meta + bytes(body))
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        import torch
+
+        data = self.get(key)
+        meta_len = int.from_bytes(data[:4], "little")
+        try:
+            meta = msgpack.unpackb(data[4:4 + meta_len])
+            dtype = getattr(torch, meta["dtype"])
+            shape = tuple(meta["shape"])
+        except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException):
+            raise InvalidRequest(f"key {key!r} was not stored with put_tensor") from None
+        flat = torch.frombuffer(bytearray(data[4 + meta_len:]), dtype=torch.uint8)
+        return flat.view(dtype).reshape(shape)
+
+
+def _check_room(key: str, meta: dict[str, Any], dest: memoryview) -> None:
+    if len(dest) < meta["size_bytes"]:
+        raise InvalidRequest(f"buffer: {len(dest)} bytes cannot hold {key!r} of "
+                             f"{meta['size_bytes']} bytes")
+
+
+def _read_requests(replica: dict[str, Any], meta: dict[str, Any], header: bytearray,
+                   dest: memoryview) -> list[TransferRequest]:
+    segment = SegmentDesc.from_dict(replica["segment"])
+    requests = [TransferRequest(TransferOp.READ, header, segment, replica["offset"])]
+    size = int(meta["size_bytes"])
+    if size:
+        requests.append(TransferRequest(TransferOp.READ, dest, segment,
+                                        replica["offset"] + HEADER_BYTES, size))
+    return requests
+
+
+def _valid(replica: dict[str, Any], meta: dict[str, Any], header: bytearray,
+           dest: memoryview) -> bool:
+    try:
+        verify(header, dest[:meta["size_bytes"]], replica["version"], meta["crc"])
+        return True
+    except CorruptObject as exc:
+        log.warning("replica of version %d on %s rejected: %s", replica["version"],
+                    replica["node_id"], exc)
+        return False

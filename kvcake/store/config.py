@@ -1,0 +1,87 @@
+"""Frozen, validated configs of the store master and a store node. The CLI reads its defaults here."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class Strategy(StrEnum):
+    """How the master picks the segments of a new object's replicas."""
+
+    RANDOM = "random"
+    LOCAL_FIRST = "local_first"  # the writer's own node first, then most free
+    MOST_FREE_FIRST = "most_free_first"
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """Policy knobs of the metadata master. Times are seconds on the master's injected clock."""
+
+    high_watermark: float = 0.95  # evict when DRAM use of the pool exceeds this share ...
+    low_watermark: float = 0.85  # ... down to this share
+    put_timeout_s: float = 30.0  # an allocation not committed by then is reclaimed
+    lease_s: float = 5.0  # a get protects the object from eviction and reuse this long
+    heartbeat_timeout_s: float = 10.0  # a node silent this long is dead
+    default_replicas: int = 1
+    strategy: Strategy = Strategy.MOST_FREE_FIRST
+    alignment_bytes: int = 64
+    max_key_len: int = 1024
+    seed: int = 0  # for the random strategy
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError(
+                "watermarks: need 0 < low_watermark <= high_watermark <= 1, got "
+                f"low_watermark={self.low_watermark}, high_watermark={self.high_watermark}"
+            )
+        for name in ("put_timeout_s", "lease_s", "heartbeat_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.default_replicas < 1:
+            raise ValueError(f"default_replicas: must be >= 1, got {self.default_replicas}")
+        if self.alignment_bytes < 1 or self.alignment_bytes & (self.alignment_bytes - 1):
+            raise ValueError(f"alignment_bytes: must be a power of two, got {self.alignment_bytes}")
+        if self.max_key_len < 1:
+            raise ValueError(f"max_key_len: must be >= 1, got {self.max_key_len}")
+        object.__setattr__(self, "strategy", Strategy(self.strategy))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MasterConfig:
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One store node: its DRAM segment and optional SSD tier."""
+
+    dram_bytes: int
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    heartbeat_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes <= 0:
+            raise ValueError(f"dram_bytes: must be > 0, got {self.dram_bytes}")
+        if self.disk_bytes < 0:
+            raise ValueError(f"disk_bytes: must be >= 0, got {self.disk_bytes}")
+        if self.disk_bytes > 0 and not self.disk_dir:
+            raise ValueError("disk_dir: a disk tier of disk_bytes > 0 needs a directory")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(
+                f"heartbeat_interval_s: must be > 0, got {self.heartbeat_interval_s}"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NodeConfig:
+        return _from_dict(cls, data)
+
+
+def _from_dict(cls: Any, data: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known keys are {sorted(known)}")
+    return cls(**data)

@@ -1,0 +1,327 @@
+"""The store master: a thread-safe service around the pure `StoreIndex`, and its TCP server.
+
+The master holds metadata only. Replica descriptors it hands out name a node's segment, an offset
+and a version; clients move the bytes themselves through the transfer engine. The only work the
+master asks of nodes is moving an object between that node's DRAM and its disk (`NodeHandle`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Protocol
+
+from kvcake.clock import Clock, SystemClock
+from kvcake.store.config import MasterConfig
+from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
+from kvcake.store.index import ActionKind, ObjectMeta, Replica, StoreIndex, TierAction
+from kvcake.store.protocol import RpcConnection
+from kvcake.store.rpc_server import RpcServer
+
+log = logging.getLogger(__name__)
+
+
+class NodeHandle(Protocol):
+    """What the master may ask of a node. Each call returns when the copy is done or raises."""
+
+    def demote(self, key: str, offset: int, alloc_bytes: int, version: int,
+               disk_version: int) -> None: ...
+
+    def promote(self, key: str, offset: int, alloc_bytes: int, version: int,
+                disk_version: int) -> None: ...
+
+    def drop_disk(self, key: str, disk_version: int) -> None: ...
+
+
+class RemoteNode:
+    """A node reached through its control server."""
+
+    def __init__(self, address: str) -> None:
+        self._address = address
+        self._conn: RpcConnection | None = None
+
+    def _call(self, op: str, **args: Any) -> None:
+        if self._conn is None:
+            self._conn = RpcConnection(self._address)
+        self._conn.call(op, **args)
+
+    def demote(self, key: str, offset: int, alloc_bytes: int, version: int,
+               disk_version: int) -> None:
+        self._call("demote", key=key, offset=offset, alloc_bytes=alloc_bytes, version=version,
+                   disk_version=disk_version)
+
+    def promote(self, key: str, offset: int, alloc_bytes: int, version: int,
+                disk_version: int) -> None:
+        self._call("promote", key=key, offset=offset, alloc_bytes=alloc_bytes, version=version,
+                   disk_version=disk_version)
+
+    def drop_disk(self, key: str, disk_version: int) -> None:
+        self._call("drop_disk", key=key, disk_version=disk_version)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+
+def replica_desc(index: StoreIndex, replica: Replica) -> dict[str, Any]:
+    node = index.nodes[replica.node_id]
+    return {"node_id": replica.node_id, "segment": node.endpoint.get("segment"),
+            "offset": replica.offset, "alloc_bytes": replica.alloc_bytes,
+            "version": replica.version}
+
+
+class MasterService:
+    """Every master operation, serialised by one lock. Methods mirror the wire ops."""
+
+    def __init__(self, config: MasterConfig | None = None, clock: Clock | None = None) -> None:
+        self.config = config or MasterConfig()
+        self.clock = clock or SystemClock()
+        self.index = StoreIndex(self.config)
+        self._handles: dict[str, NodeHandle] = {}
+        self._lock = threading.RLock()
+
+    # ---- nodes ---------------------------------------------------------------------------------
+    def register_node(self, node_id: str, dram_bytes: int, disk_bytes: int,
+                      endpoint: dict[str, Any], handle: NodeHandle | None = None) -> None:
+        with self._lock:
+            self.index.register_node(node_id, dram_bytes, disk_bytes, endpoint, self.clock.now_s())
+            if handle is not None:
+                self._handles[node_id] = handle
+            log.info("node %s registered: %d DRAM bytes, %d disk bytes", node_id, dram_bytes,
+                     disk_bytes)
+
+    def heartbeat(self, node_id: str, stats: dict[str, Any] | None = None) -> bool:
+        with self._lock:
+            return self.index.heartbeat(node_id, self.clock.now_s(), stats)
+
+    def unregister_node(self, node_id: str) -> list[str]:
+        with self._lock:
+            lost = self.index.remove_node(node_id)
+            self._run_actions()  # drop_disk actions for a gone node are skipped below
+            handle = self._handles.pop(node_id, None)
+        if isinstance(handle, RemoteNode):
+            handle.close()
+        if lost:
+            log.warning("node %s left: %d objects lost with it", node_id, len(lost))
+        return lost
+
+    def tick(self) -> list[str]:
+        """Expire leases, timed-out puts and silent nodes; returns the nodes declared dead."""
+        with self._lock:
+            now_s = self.clock.now_s()
+            for node_id, handle in self._handles.items():
+                if not isinstance(handle, RemoteNode):  # in-process nodes live as long as we do
+                    self.index.heartbeat(node_id, now_s)
+            dead = self.index.expire(now_s)
+            self._run_actions()
+        for node_id in dead:
+            log.warning("node %s missed its heartbeats: declared dead", node_id)
+            handle = self._handles.pop(node_id, None)
+            if isinstance(handle, RemoteNode):
+                handle.close()
+        return dead
+
+    # ---- objects -------------------------------------------------------------------------------
+    def put_start(self, key: str, size_bytes: int, crc: int, num_replicas: int | None = None,
+                  local_node: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            replicas = self.index.put_start(key, size_bytes, crc,
+                                            num_replicas or self.config.default_replicas,
+                                            local_node, self.clock.now_s())
+            self._run_actions()
+            return [replica_desc(self.index, r) for r in replicas]
+
+    def put_commit(self, key: str) -> None:
+        with self._lock:
+            self.index.put_commit(key, self.clock.now_s())
+            self._run_actions()
+
+    def put_revoke(self, key: str) -> None:
+        with self._lock:
+            self.index.put_revoke(key)
+
+    def get(self, key: str) -> dict[str, Any]:
+        """{"size_bytes", "crc", "replicas": [descriptor]} under a read lease."""
+        with self._lock:
+            meta = self.index.get(key, self.clock.now_s())
+            if not meta.dram():
+                self._run_actions()
+                meta = self.index.get(key, self.clock.now_s())
+            if not meta.dram():
+                raise TransferFailed(f"key {key!r} is on disk and could not be promoted")
+            return self._describe(meta)
+
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            return self.index.exists(key)
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            self.index.remove(key, self.clock.now_s())
+            self._run_actions()
+
+    def pin(self, key: str, pinned: bool) -> None:
+        with self._lock:
+            self.index.set_pin(key, pinned)
+
+    def add_replicas(self, key: str, num_replicas: int) -> dict[str, Any]:
+        """{"source": get result, "targets": [new pending descriptors]}."""
+        with self._lock:
+            now_s = self.clock.now_s()
+            new = self.index.add_replicas(key, num_replicas, now_s)
+            self._run_actions()
+            source = self._describe(self.index.get(key, now_s))
+            source["replicas"] = [d for d in source["replicas"]
+                                  if d["version"] not in {r.version for r in new}]
+            return {"source": source, "targets": [replica_desc(self.index, r) for r in new]}
+
+    def replicas_done(self, key: str, versions: list[int], ok: bool) -> None:
+        with self._lock:
+            self.index.replicas_done(key, versions, ok, self.clock.now_s())
+
+    def drop_replicas(self, key: str, num_replicas: int) -> int:
+        with self._lock:
+            dropped = self.index.drop_replicas(key, num_replicas, self.clock.now_s())
+            self._run_actions()
+            return dropped
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            stats = self.index.stats()
+            stats["nodes"] = {n.node_id: {"dram_used_bytes": n.allocator.used_bytes,
+                                          "dram_bytes": n.allocator.capacity_bytes,
+                                          "disk_used_bytes": n.disk_used_bytes}
+                              for n in self.index.nodes.values()}
+            return stats
+
+    # ---- batches: one item's failure does not stop the others -------------------------------
+    def put_start_batch(self, items: list[Any], num_replicas: int | None = None,
+                        local_node: str | None = None) -> list[Any]:
+        return [_item(lambda it=it: self.put_start(*_key_size_crc(it), num_replicas,
+                                                   local_node)) for it in items]
+
+    def put_commit_batch(self, keys: list[Any]) -> list[Any]:
+        return [_item(lambda k=k: self.put_commit(_key(k))) for k in keys]
+
+    def get_batch(self, keys: list[Any]) -> list[Any]:
+        return [_item(lambda k=k: self.get(_key(k))) for k in keys]
+
+    def exists_batch(self, keys: list[Any]) -> list[Any]:
+        return [_item(lambda k=k: self.exists(_key(k))) for k in keys]
+
+    def remove_batch(self, keys: list[Any]) -> list[Any]:
+        return [_item(lambda k=k: self.remove(_key(k))) for k in keys]
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _describe(self, meta: ObjectMeta) -> dict[str, Any]:
+        return {"size_bytes": meta.size_bytes, "crc": meta.crc,
+                "replicas": [replica_desc(self.index, r) for r in meta.dram()]}
+
+    def _run_actions(self) -> None:
+        """Carry out the DRAM<->disk copies the index asked for. Runs under the lock, before any
+        freed range can be handed to a writer, so a demote always reads the evicted bytes."""
+        for action in self.index.take_actions():
+            handle = self._handles.get(action.node_id)
+            ok = handle is not None and self._run_one(handle, action)
+            if action.kind is ActionKind.PROMOTE:
+                self.index.promote_done(action.key, action.version, ok, self.clock.now_s())
+            elif action.kind is ActionKind.DEMOTE and not ok:
+                self.index.disk_lost(action.key, action.disk_version)
+
+    def _run_one(self, handle: NodeHandle, action: TierAction) -> bool:
+        try:
+            if action.kind is ActionKind.DROP_DISK:
+                handle.drop_disk(action.key, action.disk_version)
+            else:
+                method = handle.demote if action.kind is ActionKind.DEMOTE else handle.promote
+                method(action.key, action.offset, action.alloc_bytes, action.version,
+                       action.disk_version)
+            return True
+        except (StoreError, OSError, ValueError) as exc:
+            log.warning("%s of %r on node %s failed: %s", action.kind.value, action.key,
+                        action.node_id, exc)
+            return False
+
+
+def _key(value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"key: must be a string, got {type(value).__name__}")
+    return value
+
+
+def _key_size_crc(item: Any) -> tuple[str, int, int]:
+    if not (isinstance(item, list | tuple) and len(item) == 3 and isinstance(item[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])):
+        raise InvalidRequest("items: each must be [key, size_bytes, crc]")
+    return item[0], item[1], item[2]
+
+
+def _item(call: Any) -> dict[str, Any]:
+    """One batch entry: {"ok": True, "result": ...} or {"ok": False, "error": {...}}."""
+    try:
+        return {"ok": True, "result": call()}
+    except (StoreError, KeyError, ValueError) as exc:
+        name = type(exc).__name__ if isinstance(exc, StoreError) else "StoreError"
+        if isinstance(exc, KeyError) and not isinstance(exc, StoreError):
+            name, exc = "ObjectNotFound", ObjectNotFound(str(exc))
+        return {"ok": False, "error": {"type": name, "message": str(exc)}}
+
+
+class MasterServer:
+    """`MasterService` on TCP, plus a reaper thread that calls `tick()` every `tick_interval_s`
+    (None: no reaper; tests call `service.tick()` after moving their clock)."""
+
+    def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 0,
+                 tick_interval_s: float | None = 0.5) -> None:
+        self.service = service
+        self._server = RpcServer(self._handle, host, port, on_close=self._on_close)
+        self._tick_interval_s = tick_interval_s
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return self._server.address
+
+    def start(self) -> MasterServer:
+        self._server.start()
+        if self._tick_interval_s is not None:
+            self._reaper = threading.Thread(target=self._reap, name="store-reaper", daemon=True)
+            self._reaper.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+
+    def __enter__(self) -> MasterServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _reap(self) -> None:
+        assert self._tick_interval_s is not None
+        while not self._stop.wait(self._tick_interval_s):
+            self.service.tick()
+
+    def _handle(self, op: str, args: dict[str, Any], session: dict[str, Any]) -> Any:
+        if op == "register_node":
+            address = args.pop("control_address", None)
+            handle = RemoteNode(address) if address else None
+            self.service.register_node(handle=handle, **args)
+            session["node_id"] = args["node_id"]
+            return None
+        if op == "unregister_node":
+            session.pop("node_id", None)
+        if op in ("demote", "promote", "drop_disk"):
+            raise InvalidRequest(f"op: {op!r} is a node operation, not a master one")
+        return getattr(self.service, op)(**args)
+
+    def _on_close(self, session: dict[str, Any]) -> None:
+        node_id = session.get("node_id")
+        if node_id is not None and not self._stop.is_set():
+            log.warning("node %s closed its connection: dropping its replicas", node_id)
+            self.service.unregister_node(node_id)

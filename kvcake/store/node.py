@@ -1,0 +1,146 @@
+"""A store node: contributes a DRAM segment (served by its transfer engine) and an optional SSD
+tier to the pool, registers with the master and keeps heartbeating.
+
+Clients read and write the segment directly through the transfer engine; the master only asks the
+node to move objects between its DRAM and its disk (demote / promote / drop_disk).
+
+    node = StoreNode(NodeConfig(dram_bytes=4 << 30), "127.0.0.1:21000")
+    node.start() ... node.close()    # close() unregisters: the master drops this node's replicas
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import Any
+
+from kvcake.store.config import NodeConfig
+from kvcake.store.disk import DiskTier
+from kvcake.store.errors import InvalidRequest, StoreError
+from kvcake.store.master import MasterService
+from kvcake.store.remote import RemoteMaster
+from kvcake.store.rpc_server import RpcServer
+from kvcake.transfer import TransferConfig, TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+class StoreNode:
+    """`master` is "HOST:PORT" (a remote master: the node serves a control port for it) or an
+    in-process `MasterService` (embedded: no sockets for control, no heartbeat thread)."""
+
+    def __init__(self, config: NodeConfig, master: str | MasterService, *,
+                 node_id: str | None = None, engine: TransferEngine | None = None,
+                 transfer_config: TransferConfig | None = None, host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.node_id = node_id or f"node-{uuid.uuid4().hex[:8]}"
+        self._master_arg = master
+        self._master: RemoteMaster | MasterService | None = None
+        self._own_engine = engine is None
+        self.engine = engine or TransferEngine(transfer_config or TransferConfig(host=host))
+        self._host = host
+        self._segment_name = f"store-{self.node_id}"
+        self._disk = DiskTier(config.disk_dir) if config.disk_dir and config.disk_bytes else None
+        self._control: RpcServer | None = None
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> StoreNode:
+        if self._own_engine:
+            self.engine.start()
+        desc = self.engine.allocate_segment(self._segment_name, self.config.dram_bytes)
+        if self._disk is not None:
+            self._disk.open()
+        endpoint = {"segment": desc.to_dict()}
+        if isinstance(self._master_arg, str):
+            self._control = RpcServer(self._handle_control, self._host, 0).start()
+            remote = self._master = RemoteMaster(self._master_arg)
+            remote.register_node(self.node_id, self.config.dram_bytes,
+                                       self.config.disk_bytes, endpoint,
+                                       control_address=self._control.address)
+            self._heartbeat = threading.Thread(target=self._beat, args=(endpoint,),
+                                               name=f"heartbeat-{self.node_id}", daemon=True)
+            self._heartbeat.start()
+        else:
+            local = self._master = self._master_arg
+            local.register_node(self.node_id, self.config.dram_bytes,
+                                       self.config.disk_bytes, endpoint, handle=self)
+        log.info("node %s serving %d DRAM bytes%s", self.node_id, self.config.dram_bytes,
+                 f" and {self.config.disk_bytes} disk bytes" if self._disk else "")
+        return self
+
+    def close(self, unregister: bool = True) -> None:
+        """Leave the pool. `unregister=False` simulates a crash (the master notices by itself)."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        if self._master is not None and unregister:
+            try:
+                self._master.unregister_node(self.node_id)
+            except (StoreError, OSError) as exc:
+                log.warning("could not unregister from the master: %s", exc)
+        if isinstance(self._master, RemoteMaster):
+            self._master.close()
+        self._master = None
+        if self._control is not None:
+            self._control.close()
+        try:
+            self.engine.unregister_segment(self._segment_name)
+        except KeyError:
+            pass
+        if self._own_engine:
+            self.engine.close()
+
+    def __enter__(self) -> StoreNode:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "dram_bytes": self.config.dram_bytes,
+                "disk_used_bytes": self._disk.used_bytes() if self._disk else 0}
+
+    # ---- what the master asks ----------------------------------------------------------------------
+    def demote(self, key: str, offset: int, alloc_bytes: int, version: int,
+               disk_version: int) -> None:
+        self._require_disk().demote(self._view(), offset, alloc_bytes, version, disk_version)
+
+    def promote(self, key: str, offset: int, alloc_bytes: int, version: int,
+                disk_version: int) -> None:
+        self._require_disk().promote(self._view(), offset, alloc_bytes, version, disk_version)
+
+    def drop_disk(self, key: str, disk_version: int) -> None:
+        self._require_disk().drop(disk_version)
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _view(self) -> memoryview:
+        return self.engine.segment(self._segment_name).view
+
+    def _require_disk(self) -> DiskTier:
+        if self._disk is None:
+            raise InvalidRequest(f"node {self.node_id} has no disk tier")
+        return self._disk
+
+    def _handle_control(self, op: str, args: dict[str, Any], session: dict[str, Any]) -> Any:
+        if op not in ("demote", "promote", "drop_disk"):
+            raise InvalidRequest(f"op: a node serves only demote/promote/drop_disk, not {op!r}")
+        return getattr(self, op)(**args)
+
+    def _beat(self, endpoint: dict[str, Any]) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            master = self._master
+            if master is None:
+                return
+            try:
+                if not master.heartbeat(self.node_id, self.stats()):
+                    # Declared dead (e.g. a long pause): whatever it held is forgotten.
+                    log.warning("node %s was declared dead: registering again", self.node_id)
+                    assert self._control is not None and isinstance(master, RemoteMaster)
+                    master.register_node(self.node_id, self.config.dram_bytes,
+                                         self.config.disk_bytes, endpoint,
+                                         control_address=self._control.address)
+            except (StoreError, OSError) as exc:
+                log.warning("heartbeat failed: %s", exc)

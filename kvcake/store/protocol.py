@@ -1,0 +1,169 @@
+"""Control-plane wire format: msgpack maps in length-prefixed frames over TCP.
+
+    frame   = u32 big-endian body length | msgpack body
+    request = {"id": int, "op": str, "args": {name: value}}
+    reply   = {"id": int, "ok": true, "result": value}
+            | {"id": int, "ok": false, "error": {"type": wire name, "message": str}}
+
+Every request is checked against `SCHEMA` before it reaches the master; a malformed frame gets an
+error reply (or, if it cannot even be framed, a closed connection) and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Any
+
+import msgpack
+
+from kvcake.store.errors import WIRE_ERRORS, InvalidRequest, MasterUnavailable, StoreError
+
+MAX_FRAME_BYTES = 16 << 20
+_LEN = struct.Struct(">I")
+
+_STR, _INT, _BOOL, _DICT, _LIST = str, int, bool, dict, list
+# op -> {arg: (type, required)}
+SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
+    "register_node": {"node_id": (_STR, True), "dram_bytes": (_INT, True),
+                      "disk_bytes": (_INT, True), "endpoint": (_DICT, True),
+                      "control_address": (_STR, False)},
+    "heartbeat": {"node_id": (_STR, True), "stats": (_DICT, False)},
+    "unregister_node": {"node_id": (_STR, True)},
+    "put_start": {"key": (_STR, True), "size_bytes": (_INT, True), "crc": (_INT, True),
+                  "num_replicas": (_INT, False), "local_node": (_STR, False)},
+    "put_commit": {"key": (_STR, True)},
+    "put_revoke": {"key": (_STR, True)},
+    "put_start_batch": {"items": (_LIST, True), "num_replicas": (_INT, False),
+                        "local_node": (_STR, False)},
+    "put_commit_batch": {"keys": (_LIST, True)},
+    "get": {"key": (_STR, True)},
+    "get_batch": {"keys": (_LIST, True)},
+    "exists": {"key": (_STR, True)},
+    "exists_batch": {"keys": (_LIST, True)},
+    "remove": {"key": (_STR, True)},
+    "remove_batch": {"keys": (_LIST, True)},
+    "pin": {"key": (_STR, True), "pinned": (_BOOL, True)},
+    "add_replicas": {"key": (_STR, True), "num_replicas": (_INT, True)},
+    "replicas_done": {"key": (_STR, True), "versions": (_LIST, True), "ok": (_BOOL, True)},
+    "drop_replicas": {"key": (_STR, True), "num_replicas": (_INT, True)},
+    "stats": {},
+    # master -> node (a node's control server)
+    "demote": {"key": (_STR, True), "offset": (_INT, True), "alloc_bytes": (_INT, True),
+               "version": (_INT, True), "disk_version": (_INT, True)},
+    "promote": {"key": (_STR, True), "offset": (_INT, True), "alloc_bytes": (_INT, True),
+                "version": (_INT, True), "disk_version": (_INT, True)},
+    "drop_disk": {"key": (_STR, True), "disk_version": (_INT, True)},
+}
+
+
+def validate(message: object) -> tuple[int, str, dict[str, Any]]:
+    """(id, op, args) of a well-formed request; InvalidRequest naming what is wrong otherwise."""
+    if not isinstance(message, dict):
+        raise InvalidRequest("frame: a request must be a msgpack map")
+    req_id, op, args = message.get("id"), message.get("op"), message.get("args", {})
+    if not isinstance(req_id, int) or isinstance(req_id, bool):
+        raise InvalidRequest("id: a request needs an integer id")
+    if not isinstance(op, str) or op not in SCHEMA:
+        raise InvalidRequest(f"op: unknown operation {op!r}")
+    if not isinstance(args, dict):
+        raise InvalidRequest(f"args: must be a map for op {op!r}")
+    spec = SCHEMA[op]
+    unknown = sorted(set(args) - set(spec), key=str)
+    if unknown:
+        raise InvalidRequest(f"args: unknown fields {unknown} for op {op!r}")
+    for name, (kind, required) in spec.items():
+        if name not in args or args[name] is None:
+            if required:
+                raise InvalidRequest(f"{name}: required by op {op!r}")
+            continue
+        value = args[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise InvalidRequest(f"{name}: must be {kind.__name__} for op {op!r}, got "
+                                 f"{type(value).__name__}")
+    return req_id, op, args
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+def error_reply(req_id: int, exc: BaseException) -> dict[str, Any]:
+    name = type(exc).__name__ if type(exc).__name__ in WIRE_ERRORS else "StoreError"
+    return {"id": req_id, "ok": False, "error": {"type": name, "message": str(exc)}}
+
+
+def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes | None:
+    buf = bytearray(num_bytes)
+    view = memoryview(buf)
+    got = 0
+    while got < num_bytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return None
+        got += n
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket) -> object | None:
+    """The decoded body of the next frame, or None at a clean end of stream. Raises
+    InvalidRequest for an oversized or undecodable frame (the stream is then out of sync)."""
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    (length,) = _LEN.unpack(head)
+    if length > MAX_FRAME_BYTES:
+        raise InvalidRequest(f"frame: {length} bytes is over the {MAX_FRAME_BYTES} byte limit")
+    body = _recv_exact(sock, length)
+    if body is None:
+        return None
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise InvalidRequest(f"frame: not valid msgpack ({exc})") from None
+
+
+def parse_address(address: str, field: str = "address") -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{field}: expected HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+class RpcConnection:
+    """A blocking request/reply connection; thread-safe (one call at a time)."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        self.address = address
+        host, port = parse_address(address)
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as exc:
+            raise MasterUnavailable(f"cannot connect to {address}: {exc}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    def call(self, op: str, **args: Any) -> Any:
+        with self._lock:
+            self._next_id += 1
+            try:
+                self._sock.sendall(encode({"id": self._next_id, "op": op, "args": args}))
+                reply = read_frame(self._sock)
+            except OSError as exc:
+                raise MasterUnavailable(f"{self.address}: {exc}") from None
+        if not isinstance(reply, dict) or reply.get("id") != self._next_id:
+            raise MasterUnavailable(f"{self.address}: connection closed or out of sync")
+        if reply.get("ok"):
+            return reply.get("result")
+        error = reply.get("error") or {}
+        cls = WIRE_ERRORS.get(str(error.get("type")), StoreError)
+        raise cls(str(error.get("message", "")))
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass

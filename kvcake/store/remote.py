@@ -1,0 +1,81 @@
+"""`RemoteMaster`: the master's operations over TCP, with the same signatures as `MasterService`,
+so the client and the node work the same against an in-process master or a remote one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcake.store.protocol import RpcConnection
+
+
+class RemoteMaster:
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        self.address = address
+        self._conn = RpcConnection(address, timeout_s)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def register_node(self, node_id: str, dram_bytes: int, disk_bytes: int,
+                      endpoint: dict[str, Any], control_address: str | None = None) -> None:
+        self._conn.call("register_node", node_id=node_id, dram_bytes=dram_bytes,
+                        disk_bytes=disk_bytes, endpoint=endpoint,
+                        control_address=control_address)
+
+    def heartbeat(self, node_id: str, stats: dict[str, Any] | None = None) -> bool:
+        return bool(self._conn.call("heartbeat", node_id=node_id, stats=stats))
+
+    def unregister_node(self, node_id: str) -> list[str]:
+        return list(self._conn.call("unregister_node", node_id=node_id))
+
+    def put_start(self, key: str, size_bytes: int, crc: int, num_replicas: int | None = None,
+                  local_node: str | None = None) -> list[dict[str, Any]]:
+        return list(self._conn.call("put_start", key=key, size_bytes=size_bytes, crc=crc,
+                                    num_replicas=num_replicas, local_node=local_node))
+
+    def put_commit(self, key: str) -> None:
+        self._conn.call("put_commit", key=key)
+
+    def put_revoke(self, key: str) -> None:
+        self._conn.call("put_revoke", key=key)
+
+    def get(self, key: str) -> dict[str, Any]:
+        return dict(self._conn.call("get", key=key))
+
+    def exists(self, key: str) -> bool:
+        return bool(self._conn.call("exists", key=key))
+
+    def remove(self, key: str) -> None:
+        self._conn.call("remove", key=key)
+
+    def pin(self, key: str, pinned: bool) -> None:
+        self._conn.call("pin", key=key, pinned=pinned)
+
+    def add_replicas(self, key: str, num_replicas: int) -> dict[str, Any]:
+        return dict(self._conn.call("add_replicas", key=key, num_replicas=num_replicas))
+
+    def replicas_done(self, key: str, versions: list[int], ok: bool) -> None:
+        self._conn.call("replicas_done", key=key, versions=versions, ok=ok)
+
+    def drop_replicas(self, key: str, num_replicas: int) -> int:
+        return int(self._conn.call("drop_replicas", key=key, num_replicas=num_replicas))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._conn.call("stats"))
+
+    def put_start_batch(self, items: list[Any], num_replicas: int | None = None,
+                        local_node: str | None = None) -> list[Any]:
+        return list(self._conn.call("put_start_batch", items=items, num_replicas=num_replicas,
+                                    local_node=local_node))
+
+    def put_commit_batch(self, keys: list[Any]) -> list[Any]:
+        return list(self._conn.call("put_commit_batch", keys=keys))
+
+    def get_batch(self, keys: list[Any]) -> list[Any]:
+        return list(self._conn.call("get_batch", keys=keys))
+
+    def exists_batch(self, keys: list[Any]) -> list[Any]:
+        return list(self._conn.call("exists_batch", keys=keys))
+
+    def remove_batch(self, keys: list[Any]) -> list[Any]:
+        return list(self._conn.call("remove_batch", keys=keys))

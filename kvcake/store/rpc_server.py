@@ -1,0 +1,125 @@
+"""A small threaded server for control frames (see protocol.py): one thread per connection.
+
+Used by the master and by each node's control endpoint. The handler gets (op, args, session);
+`session` is a dict private to the connection, so the master can remember which node a connection
+belongs to and drop that node's replicas when the connection closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvcake.store.errors import InvalidRequest
+from kvcake.store.protocol import encode, error_reply, read_frame, validate
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, dict[str, Any], dict[str, Any]], Any]
+OnClose = Callable[[dict[str, Any]], None]
+
+
+class RpcServer:
+    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0,
+                 on_close: OnClose | None = None) -> None:
+        self._handler = handler
+        self._on_close = on_close
+        self._host, self._port = host, port
+        self._listener: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        if self._listener is None:
+            raise RuntimeError("server not started: call start() first")
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def start(self) -> RpcServer:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((self._host, self._port))
+        except OSError as exc:
+            listener.close()
+            raise ValueError(f"port: cannot listen on {self._host}:{self._port} ({exc})") from None
+        listener.listen(128)
+        self._listener = listener
+        self._spawn(self._accept_loop, "rpc-accept")
+        return self
+
+    def close(self) -> None:
+        self._closed = True
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            self._spawn(self._serve, "rpc-conn", conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        session: dict[str, Any] = {}
+        try:
+            while not self._closed:
+                try:
+                    message = read_frame(conn)
+                except InvalidRequest as exc:  # cannot resync a broken stream: reply, then close
+                    conn.sendall(encode(error_reply(0, exc)))
+                    return
+                if message is None:
+                    return
+                conn.sendall(encode(self._dispatch(message, session)))
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+            if self._on_close is not None:
+                self._on_close(session)
+
+    def _dispatch(self, message: object, session: dict[str, Any]) -> dict[str, Any]:
+        req_id = message.get("id", 0) if isinstance(message, dict) else 0
+        req_id = req_id if isinstance(req_id, int) else 0
+        try:
+            req_id, op, args = validate(message)
+            return {"id": req_id, "ok": True, "result": self._handler(op, args, session)}
+        except Exception as exc:  # every error becomes a reply; the server keeps serving
+            if not isinstance(exc, (KeyError, ValueError)) and type(exc).__module__ != __package__ \
+                    and not type(exc).__module__.startswith("kvcake.store"):
+                log.exception("op failed")
+            return error_reply(req_id, exc)

@@ -1,0 +1,87 @@
+"""Configuration of one transfer engine: a frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from kvcake.transfer import checksum
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How one engine serves its segments and moves slices.
+
+    slice_bytes: requests are cut into slices of this size, the unit that goes to one rail and is
+      retried alone. The paper uses 16 KiB for RDMA, where a work request costs the CPU nothing. Over
+      TCP from Python each slice costs a round trip and a few interpreter steps, so the default is
+      1 MiB: small enough that a 16 MiB object spreads over every rail, large enough that one
+      `recv_into` loop per slice runs at socket speed.
+    num_rails: connections used in parallel to reach one peer (one per NIC where there are NICs; on
+      loopback, N TCP connections), each driven by its own thread (socket calls release the GIL).
+    rail_bind_hosts: optional local address per rail, to pin a rail's connections to one NIC.
+    max_endpoints_per_rail: bound of each rail's endpoint pool (SIEVE eviction beyond it).
+    max_retries: how many times one slice may be retried on another rail before its request fails.
+    checksum: the per-slice digest: "auto" (xxh3 when the xxhash package is installed, else
+      crc32), "crc32" or "xxh3".
+    checksum_tcp / checksum_shm: carry and verify a digest per slice on that transport. TCP crosses
+      NICs and kernels and is checked by default; shared memory is one memcpy in one host's RAM,
+      and the store checks every object end to end, so it is off by default there.
+    use_shared_memory: map a peer's shared-memory segment when it lives on this host.
+    host, port, port_search: where the segment server listens (`serve=True`); it tries `port`,
+      `port + 1`, ... `port + port_search - 1` and keeps the first free one (0 = any port).
+    io_timeout_s: a socket call that blocks longer than this fails the slice (then it is retried).
+    socket_buffer_bytes: SO_SNDBUF / SO_RCVBUF asked of the kernel for every data connection.
+    """
+
+    slice_bytes: int = 1 * MIB
+    num_rails: int = 4
+    rail_bind_hosts: tuple[str, ...] = ()
+    max_endpoints_per_rail: int = 64
+    max_retries: int = 3
+    checksum: str = "auto"
+    checksum_tcp: bool = True
+    checksum_shm: bool = False
+    use_shared_memory: bool = True
+    serve: bool = True
+    host: str = "127.0.0.1"
+    port: int = 0
+    port_search: int = 1
+    io_timeout_s: float = 30.0
+    socket_buffer_bytes: int = 8 * MIB
+
+    def __post_init__(self) -> None:
+        positive = ("slice_bytes", "num_rails", "max_endpoints_per_rail", "port_search",
+                    "socket_buffer_bytes")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"TransferConfig.{name} must be a positive integer, got {value!r}")
+        if self.slice_bytes < 4096:
+            raise ValueError(f"TransferConfig.slice_bytes must be >= 4096, got {self.slice_bytes}")
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"TransferConfig.max_retries must be >= 0, got {self.max_retries!r}")
+        if self.rail_bind_hosts and len(self.rail_bind_hosts) != self.num_rails:
+            raise ValueError(
+                f"TransferConfig.rail_bind_hosts has {len(self.rail_bind_hosts)} entries; give one "
+                f"per rail (num_rails={self.num_rails}) or none")
+        if not 0 <= self.port <= 65535 or self.port + self.port_search - 1 > 65535:
+            raise ValueError(f"TransferConfig.port must be in 0..65535, got {self.port}")
+        checksum.parse(self.checksum, "TransferConfig.checksum")
+        if not self.io_timeout_s > 0:
+            raise ValueError(f"TransferConfig.io_timeout_s must be > 0, got {self.io_timeout_s}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TransferConfig:
+        """Build from plain data (a TOML table); unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown transfer config keys {unknown}; known keys: {sorted(known)}")
+        fixed = dict(values)
+        if "rail_bind_hosts" in fixed:
+            fixed["rail_bind_hosts"] = tuple(fixed["rail_bind_hosts"])
+        return cls(**fixed)

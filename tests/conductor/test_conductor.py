@@ -1,0 +1,336 @@
+"""Algorithm 1 and the baselines on hand-built cluster views, with exact numbers.
+
+Models used throughout (real predictors with chosen coefficients):
+  prefill_s = (n - p) / 1000          decode step (TBT) = 0.01 + 0.001 * batch_size
+  KV: 1000 bytes per token over 1e7 bytes/s -> a fetch of t tokens takes t / 10000 s.
+Block size 16; keys are small ints.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvcake.conductor import (
+    Admission,
+    Conductor,
+    ConductorConfig,
+    DecodeStepPredictor,
+    Placement,
+    Policy,
+    PrefillTimePredictor,
+    Rejection,
+    RejectReason,
+    ScheduleRequest,
+)
+
+BS = 16
+PREFILL = PrefillTimePredictor(1, 1.0, [0.0, 0.001, -0.001])
+DECODE = DecodeStepPredictor([0.01, 0.001, 0.0])
+
+
+def make(policy: str = "global_cache", num_prefill: int = 2, num_decode: int = 2,
+         **overrides: object) -> Conductor:
+    settings: dict[str, object] = dict(policy=policy, transfer_bandwidth_bytes_per_s=1e7,
+                                       ttft_slo_s=30.0, tbt_slo_s=1.0)
+    settings.update(overrides)
+    config = ConductorConfig.from_dict(settings)
+    return Conductor(config, [f"p{i}" for i in range(num_prefill)],
+                     [f"d{i}" for i in range(num_decode)], PREFILL, DECODE, 1000)
+
+
+def request(rid: str, prompt_len: int = 200, num_keys: int | None = None, first_key: int = 0,
+            output_len: int = 10) -> ScheduleRequest:
+    n = prompt_len // BS if num_keys is None else num_keys
+    return ScheduleRequest(rid, prompt_len, tuple(range(first_key, first_key + n)), BS, output_len)
+
+
+def busy(conductor: Conductor, instance: str, seconds: float) -> None:
+    """Put `seconds` of queued prefill on `instance` (a request placed there earlier)."""
+    conductor.prefill_queue(instance).add(f"filler-{instance}", seconds)
+
+
+def placed(decision: object) -> Placement:
+    assert isinstance(decision, Placement), decision
+    return decision
+
+
+def test_fetches_the_best_prefix_to_an_idle_instance() -> None:
+    c = make(index_on_placement=False)
+    c.on_blocks_stored("p0", range(8))  # 128 tokens of the 200-token prompt
+    busy(c, "p0", 0.5)
+    d = placed(c.schedule(request("r"), now_s=0.0))
+    assert (d.prefill_id, d.prefix_len) == ("p1", 128)
+    assert d.fetch is not None
+    assert (d.fetch.source, d.fetch.keys, d.fetch.start_len, d.fetch.end_len) == ("p0", tuple(range(8)), 0, 128)
+    assert d.fetch.num_bytes == 128_000 and d.fetch.transfer_s == pytest.approx(0.0128)
+    p0, p1 = d.prefill_candidates
+    assert (p0.local_len, p0.prefix_len, p0.transfer_s, p0.queue_s) == (128, 128, 0.0, 0.5)
+    assert p0.prefill_s == pytest.approx(0.072)
+    assert (p1.local_len, p1.prefix_len) == (0, 128)
+    assert p1.ttft_s == pytest.approx(0.0128 + 0.072)
+    assert d.predicted_ttft_s == pytest.approx(p1.ttft_s)
+
+
+def test_stays_on_the_holder_when_its_queue_is_short() -> None:
+    c = make()
+    c.on_blocks_stored("p0", range(8))
+    busy(c, "p0", 0.01)
+    d = placed(c.schedule(request("r"), 0.0))
+    assert (d.prefill_id, d.prefix_len, d.fetch) == ("p0", 128, None)
+    assert d.predicted_ttft_s == pytest.approx(0.01 + 0.072)
+
+
+def test_threshold_boundary_recomputes_at_equality_and_fetches_above() -> None:
+    # p1 holds 4 blocks (64 tokens), p0 holds 8 (128): ratio exactly 2.
+    for threshold, expect_prefix, expect_fetch in [(2.0, 64, False), (1.99, 128, True)]:
+        c = make(kvcache_balancing_threshold=threshold)
+        c.on_blocks_stored("p0", range(8))
+        c.on_blocks_stored("p1", range(4))
+        busy(c, "p0", 5.0)
+        d = placed(c.schedule(request("r"), 0.0))
+        assert d.prefill_id == "p1"
+        assert d.prefix_len == expect_prefix
+        assert (d.fetch is not None) == expect_fetch
+        if d.fetch is not None:
+            assert d.fetch.keys == (4, 5, 6, 7) and d.fetch.start_len == 64
+            assert d.fetch.transfer_s == pytest.approx(64 * 1000 / 1e7)
+
+
+def test_zero_local_prefix_fetches_anything_and_nothing_held_fetches_nothing() -> None:
+    c = make(kvcache_balancing_threshold=1000.0)
+    c.on_blocks_stored("store", [0])  # one block, in the store tier only
+    d = placed(c.schedule(request("r"), 0.0))
+    assert d.fetch is not None and d.fetch.source == "store" and d.prefix_len == 16
+    d2 = placed(c.schedule(request("s", first_key=100), 0.0))
+    assert d2.fetch is None and d2.prefix_len == 0
+
+
+def test_the_last_prompt_token_is_never_reused() -> None:
+    c = make()
+    c.on_blocks_stored("p0", range(3))
+    d = placed(c.schedule(ScheduleRequest("r", 48, (0, 1, 2), BS, 5), 0.0))
+    assert d.prefix_len == 47
+    assert d.chosen.prefill_s == pytest.approx(0.001)
+
+
+def test_fetch_only_if_faster_keeps_recompute_when_the_network_is_slow() -> None:
+    c = make(fetch_only_if_faster=True, transfer_bandwidth_bytes_per_s=1e5)  # 100 tokens/s
+    c.on_blocks_stored("p0", range(8))
+    busy(c, "p0", 5.0)
+    d = placed(c.schedule(request("r"), 0.0))
+    assert (d.prefill_id, d.fetch, d.prefix_len) == ("p1", None, 0)
+    c2 = make(transfer_bandwidth_bytes_per_s=1e5)  # Algorithm 1 as written: threshold only
+    c2.on_blocks_stored("p0", range(8))
+    busy(c2, "p0", 5.0)
+    d2 = placed(c2.schedule(request("r"), 0.0))
+    assert d2.fetch is not None and d2.chosen.transfer_s == pytest.approx(1.28)
+
+
+def test_hotspot_replication_is_recorded_on_placement_or_on_report() -> None:
+    c = make(index_on_placement=True)
+    c.on_blocks_stored("p0", range(8))
+    busy(c, "p0", 5.0)
+    placed(c.schedule(request("r"), 0.0))
+    assert c.index.match(list(range(12))).blocks("p1") == 12  # fetched + computed blocks
+    c2 = make(index_on_placement=False)
+    c2.on_blocks_stored("p0", range(8))
+    busy(c2, "p0", 5.0)
+    d = placed(c2.schedule(request("r"), 0.0))
+    assert c2.index.match(list(range(12))).blocks("p1") == 0
+    assert d.fetch is not None
+    c2.on_blocks_stored("p1", d.fetch.keys)
+    assert c2.index.match(list(range(12))).blocks("p1") == 8
+
+
+def test_congested_source_makes_fetches_slower_until_transfer_done() -> None:
+    c = make(index_on_placement=False, num_prefill=3)
+    c.on_blocks_stored("p0", range(8))
+    busy(c, "p0", 5.0)
+    first = placed(c.schedule(request("a"), 0.0))
+    assert first.prefill_id == "p1" and first.chosen.transfer_s == pytest.approx(0.0128)
+    second = placed(c.schedule(request("b"), 0.0))
+    # p1 now has a queue (0.072); p2 fetches behind a's 128 000 bytes still in flight.
+    assert second.prefill_id == "p2" and second.chosen.transfer_s == pytest.approx(0.0256)
+    assert c.inflight_bytes("p0") == 256_000
+    c.on_transfer_done("a", 0.1)
+    c.on_transfer_done("b", 0.1)
+    c.on_transfer_done("b", 0.1)  # duplicate: harmless
+    assert c.inflight_bytes("p0") == 0
+
+
+def test_queue_time_follows_reports() -> None:
+    c = make(policy="load_balance", num_prefill=1)
+    placed(c.schedule(request("a"), 0.0))  # 0.2 s
+    placed(c.schedule(request("b", first_key=50), 0.0))  # 0.2 s
+    assert c.queue_s("p0", 0.0) == pytest.approx(0.4)
+    c.on_prefill_started("p0", "a", 1.0)
+    assert c.queue_s("p0", 1.05) == pytest.approx(0.35)
+    c.on_prefill_finished("p0", "a", 1.2)
+    assert c.queue_s("p0", 1.2) == pytest.approx(0.2)
+    d = placed(c.schedule(request("c", first_key=90), 1.2))
+    assert d.chosen.queue_s == pytest.approx(0.2)
+
+
+def test_decode_selection_prefers_the_lower_predicted_tbt() -> None:
+    c = make(admission="slo")
+    for rid in ("x", "y"):
+        c.decode_load("d0").expect(rid, 0.0, 100, 1000)
+        c.on_decode_joined("d0", rid, 0.0)
+    c.decode_load("d1").expect("z", 0.0, 100, 1000)
+    c.on_decode_joined("d1", "z", 0.0)
+    d = placed(c.schedule(request("r"), 0.0))
+    assert d.decode_id == "d1" and d.predicted_tbt_s == pytest.approx(0.012)
+    assert [(e.instance_id, e.batch_size) for e in d.decode_candidates] == [("d0", 3), ("d1", 2)]
+    # An idle tie is broken by fewer requests booked, so a burst spreads out.
+    c2 = make(admission="early")
+    assert [placed(c2.schedule(request(r, first_key=k), 0.0)).decode_id
+            for r, k in [("a", 0), ("b", 100), ("c", 200)]] == ["d0", "d1", "d0"]
+
+
+def test_rejects_when_ttft_slo_cannot_be_met() -> None:
+    c = make(ttft_slo_s=0.1)
+    busy(c, "p0", 1.0)
+    busy(c, "p1", 2.0)
+    d = c.schedule(request("r"), 0.0)
+    assert isinstance(d, Rejection) and d.reason is RejectReason.TTFT_SLO
+    assert d.predicted_ttft_s == pytest.approx(1.2)
+    assert d.retry_after_s == pytest.approx(1.1)
+    assert c.queue_s("p0", 0.0) == 1.0  # nothing booked
+
+
+def test_rejects_when_tbt_slo_cannot_be_met_and_admission_none_never_rejects() -> None:
+    for admission, expect in [("slo", Rejection), ("none", Placement)]:
+        c = make(num_decode=1, tbt_slo_s=0.0125, admission=admission)
+        for rid in ("x", "y"):
+            c.decode_load("d0").expect(rid, 0.0, 100, 1000)
+            c.on_decode_joined("d0", rid, 0.0)  # both finish at 1000 * step
+        d = c.schedule(request("r"), 0.0)
+        assert isinstance(d, expect)
+        if isinstance(d, Rejection):
+            assert d.reason is RejectReason.TBT_SLO
+            assert d.predicted_tbt_s == pytest.approx(0.013)
+            assert d.retry_after_s == pytest.approx(1000 * 0.011)  # y's predicted finish
+
+
+def test_early_rejection_counts_requests_that_finish_before_prefill_ends() -> None:
+    # d0 decodes 2 requests predicted to finish at t = 0.1; the new request's prefill ends at 0.2.
+    def cluster(admission: str) -> Conductor:
+        c = make(num_decode=1, num_prefill=1, tbt_slo_s=0.0115, admission=admission)
+        for rid in ("x", "y"):
+            c.decode_load("d0").expect(rid, 0.0, 100, 10)
+            c.decode_load("d0").join(rid, 0.0, 0.01)  # 10 steps of 0.01 s
+        return c
+
+    assert isinstance(cluster("slo").schedule(request("r"), 0.0), Rejection)  # batch 3 now
+    d = placed(cluster("early").schedule(request("r"), 0.0))
+    assert d.decode_candidates[0].batch_size == 1 and d.predicted_tbt_s == pytest.approx(0.011)
+
+
+def test_early_rejection_counts_requests_that_will_have_joined() -> None:
+    c = make(num_decode=1, num_prefill=2, tbt_slo_s=0.0115, admission="early")
+    placed(c.schedule(request("a", prompt_len=100), 0.0))  # joins at 0.1
+    # b's prefill (0.2 s on the idle p1) ends after a joined: batch 2 -> 0.012 > SLO.
+    d = c.schedule(request("b", first_key=100), 0.0)
+    assert isinstance(d, Rejection) and d.reason is RejectReason.TBT_SLO
+    # A shorter request that finishes prefill (0.05 s) before a joins is admitted.
+    e = placed(c.schedule(request("e", prompt_len=50, first_key=300), 0.0))
+    assert e.decode_candidates[0].batch_size == 1
+
+
+def test_random_policy_is_seeded() -> None:
+    def choices(seed: int) -> list[str]:
+        c = make(policy="random", num_prefill=8, seed=seed)
+        return [placed(c.schedule(request(f"r{i}", first_key=100 * i), 0.0)).prefill_id
+                for i in range(10)]
+
+    rng = random.Random(5)
+    assert choices(5) == [f"p{rng.randrange(8)}" for _ in range(10)]
+    assert choices(5) == choices(5)
+
+
+def test_load_balance_ignores_the_cache() -> None:
+    c = make(policy="load_balance")
+    c.on_blocks_stored("p0", range(12))
+    busy(c, "p0", 0.01)
+    d = placed(c.schedule(request("r"), 0.0))
+    assert (d.prefill_id, d.fetch, d.prefix_len) == ("p1", None, 0)
+
+
+def test_local_cache_never_fetches() -> None:
+    c = make(policy="local_cache")
+    c.on_blocks_stored("p0", range(8))
+    busy(c, "p0", 0.5)
+    d = placed(c.schedule(request("r"), 0.0))
+    assert (d.prefill_id, d.fetch, d.prefix_len) == ("p1", None, 0)
+    assert [x.transfer_s for x in d.prefill_candidates] == [0.0, 0.0]
+    busy(c, "p1", 1.0)
+    d2 = placed(c.schedule(request("s", first_key=0), 0.0))
+    assert (d2.prefill_id, d2.prefix_len) == ("p0", 128)
+
+
+def test_colocated_decodes_where_it_prefills() -> None:
+    cfg = ConductorConfig(policy=Policy.COLOCATED, tbt_slo_s=1.0)
+    c = Conductor(cfg, ["i0", "i1"], [], PREFILL, DECODE, 1000)
+    c.on_blocks_stored("i1", range(8))
+    d = placed(c.schedule(request("r"), 0.0))
+    assert (d.prefill_id, d.decode_id, d.prefix_len) == ("i1", "i1", 128)
+    assert [e.instance_id for e in d.decode_candidates] == ["i1"]
+    with pytest.raises(ValueError, match="colocated"):
+        Conductor(cfg, ["i0"], ["d0"], PREFILL, DECODE, 1000)
+
+
+def test_abort_releases_every_booking() -> None:
+    c = make(index_on_placement=False)
+    c.on_blocks_stored("p0", range(8))
+    busy(c, "p0", 5.0)
+    d = placed(c.schedule(request("r"), 0.0))
+    c.on_request_aborted("r")
+    assert c.queue_s(d.prefill_id, 0.0) == 0.0
+    assert c.decode_load(d.decode_id).num_booked == 0 and c.inflight_bytes("p0") == 0
+    placed(c.schedule(request("r"), 0.0))  # the id may be used again
+
+
+def test_bad_reports_are_clear_errors_and_leave_the_conductor_working() -> None:
+    c = make()
+    with pytest.raises(ValueError, match="unknown prefill instance 'p9'; known: p0, p1"):
+        c.on_prefill_started("p9", "r", 0.0)
+    with pytest.raises(ValueError, match="unknown decode instance"):
+        c.on_decode_joined("p0", "r", 0.0)
+    placed(c.schedule(request("r"), 0.0))
+    with pytest.raises(ValueError, match="already placed"):
+        c.schedule(request("r"), 0.0)
+    placed(c.schedule(request("s", first_key=40), 0.0))
+    with pytest.raises(ValueError, match="already registered"):
+        c.add_prefill_instance("p0")
+
+
+def test_empty_pool_rejects_with_no_instance() -> None:
+    c = make()
+    c.remove_instance("d0")
+    c.remove_instance("d1")
+    d = c.schedule(request("r"), 0.0)
+    assert isinstance(d, Rejection) and d.reason is RejectReason.NO_INSTANCE
+    c.add_decode_instance("d7")
+    assert placed(c.schedule(request("r"), 0.0)).decode_id == "d7"
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="kvcache_balancing_threshold"):
+        ConductorConfig(kvcache_balancing_threshold=0.5)
+    with pytest.raises(ValueError, match="policy must be one of random, load_balance"):
+        ConductorConfig.from_dict({"policy": "best"})
+    with pytest.raises(ValueError, match=r"unknown conductor config keys \['ttft_slo'\]"):
+        ConductorConfig.from_dict({"ttft_slo": 3})
+    with pytest.raises(ValueError, match="tbt_slo_s"):
+        ConductorConfig(tbt_slo_s=0)
+    assert ConductorConfig(admission="none").admission is Admission.NONE  # type: ignore[arg-type]
+
+
+def test_schedule_request_validation() -> None:
+    with pytest.raises(ValueError, match="prompt_len"):
+        ScheduleRequest("r", 0, (), BS, 1)
+    with pytest.raises(ValueError, match="exceed prompt_len"):
+        ScheduleRequest("r", 20, (1, 2, 3), BS, 1)
+    assert ScheduleRequest("r", 33, [1, 2, 3], BS, 1).block_keys == (1, 2, 3)  # type: ignore[arg-type]

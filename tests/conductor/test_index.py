@@ -1,0 +1,68 @@
+"""GlobalIndex: add, remove, holders, and per-holder longest contiguous prefix."""
+
+from __future__ import annotations
+
+from kvcake.conductor.index import GlobalIndex
+
+
+def test_match_gives_each_holders_contiguous_prefix_and_the_best() -> None:
+    index = GlobalIndex()
+    index.add("p0", [1, 2, 3])
+    index.add("p1", [1, 2, 3, 4, 5])
+    index.add("store", [1, 2, 3, 4, 5, 6])
+    index.add("p2", [2, 3, 4])  # lacks the first key: no prefix at all
+    m = index.match([1, 2, 3, 4, 5, 6, 7])
+    assert m.blocks_by_holder == {"p0": 3, "p1": 5, "store": 6}
+    assert (m.best_blocks, m.best_holder) == (6, "store")
+    assert m.blocks("p2") == 0
+
+
+def test_a_gap_ends_the_match_even_if_later_keys_are_held() -> None:
+    index = GlobalIndex()
+    index.add("p0", [1, 2, 4])
+    assert index.match([1, 2, 3, 4]).blocks("p0") == 2
+
+
+def test_ties_go_to_the_holder_registered_first() -> None:
+    index = GlobalIndex()
+    index.add_holder("p1")
+    index.add("p0", [1, 2])
+    index.add("p1", [1, 2])
+    assert index.match([1, 2, 9]).best_holder == "p1"
+
+
+def test_empty_and_unknown_keys() -> None:
+    index = GlobalIndex()
+    assert index.match([]).best_holder is None
+    index.add("p0", [1])
+    m = index.match([5, 1])
+    assert (m.best_blocks, m.best_holder, m.blocks_by_holder) == (0, None, {})
+
+
+def test_remove_is_idempotent_and_forgets_empty_keys() -> None:
+    index = GlobalIndex()
+    index.add("p0", [1, 2, 3])
+    index.add("p1", [1, 2])
+    index.remove("p0", [3, 3, 99])
+    index.remove("nobody", [1])
+    assert index.match([1, 2, 3]).blocks_by_holder == {"p0": 2, "p1": 2}
+    assert len(index) == 2 and index.num_keys("p0") == 2
+    index.remove("p1", [1, 2])
+    assert index.holders_of(1) == ["p0"]
+
+
+def test_remove_holder_frees_its_bit_for_a_new_holder() -> None:
+    index = GlobalIndex()
+    index.add("p0", [1, 2])
+    index.add("p1", [1])
+    index.remove_holder("p0")
+    assert index.holders == ["p1"] and index.holders_of(2) == [] and len(index) == 1
+    index.add("p2", [1, 2])  # reuses p0's bit: must not inherit p0's keys
+    assert index.match([1, 2]).blocks_by_holder == {"p1": 1, "p2": 2}
+    assert index.holders_of(1) == ["p2", "p1"]  # by bit order
+
+
+def test_keys_are_opaque_hashables() -> None:
+    index = GlobalIndex()
+    index.add("p0", ["a", ("b", 1)])
+    assert index.match(["a", ("b", 1), "c"]).blocks("p0") == 2

@@ -1,0 +1,40 @@
+"""Per-instance load books: prefill queue time and the decode batch forecast."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcake.conductor.load import DecodeLoad, PrefillQueue
+
+
+def test_queue_time_sums_waiting_and_what_is_left_of_running() -> None:
+    q = PrefillQueue()
+    q.add("a", 2.0)
+    q.add("b", 3.0)
+    assert q.queue_s(0.0) == 5.0
+    q.start("a", now_s=10.0)
+    assert q.queue_s(10.5) == pytest.approx(4.5)
+    assert q.queue_s(20.0) == 3.0  # an overdue prefill counts for nothing left
+    q.remove("a")
+    q.remove("a")  # duplicate report: harmless
+    q.start("zzz", 1.0)  # unknown: harmless
+    assert q.queue_s(20.0) == 3.0 and len(q) == 1 and "b" in q
+    q.remove("b")
+    assert q.queue_s(0.0) == 0.0 and len(q) == 0
+
+
+def test_decode_forecast_drops_finished_and_adds_joined() -> None:
+    d = DecodeLoad()
+    d.expect("a", join_s=1.0, context_tokens=100, output_len=10)
+    d.expect("b", join_s=5.0, context_tokens=200, output_len=10)
+    assert d.batch_at(0.0) == (0, 0)
+    assert d.batch_at(1.0) == (1, 100)
+    assert d.batch_at(6.0) == (2, 300)
+    d.join("a", now_s=2.0, step_s=0.5)  # finishes at 2 + 10 * 0.5 = 7
+    assert d.batch_size == 1 and d.num_pending == 1 and d.num_booked == 2
+    assert d.batch_at(6.9) == (2, 300)
+    assert d.batch_at(7.0) == (1, 200)  # a has finished, b has joined
+    assert d.next_finish_after(0.0) == 7.0 and d.next_finish_after(7.0) is None
+    d.remove("a")
+    d.remove("b")
+    assert d.batch_at(100.0) == (0, 0) and "a" not in d and d.num_booked == 0

@@ -1,0 +1,85 @@
+"""Malformed control frames get a clear error reply, and the master keeps serving."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import pytest
+
+from kvcake.store.errors import InvalidRequest, MasterUnavailable, NoNodes, ObjectNotFound
+from kvcake.store.master import MasterServer
+from kvcake.store.protocol import RpcConnection, encode, parse_address, read_frame, validate
+from kvcake.store.remote import RemoteMaster
+
+
+def _raw(server: MasterServer, payload: bytes) -> object:
+    host, port = parse_address(server.address)
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(payload)
+        return read_frame(sock)
+
+
+def _frame(obj: object) -> bytes:
+    body = msgpack.packb(obj)
+    return struct.pack(">I", len(body)) + body
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    (_frame([1, 2, 3]), "must be a msgpack map"),
+    (_frame({"id": 1, "op": "explode", "args": {}}), "unknown operation 'explode'"),
+    (_frame({"id": 1, "op": "get", "args": {}}), "key: required by op 'get'"),
+    (_frame({"id": 1, "op": "get", "args": {"key": 5}}), "key: must be str"),
+    (_frame({"id": 1, "op": "get", "args": {"key": "a", "x": 1}}), "unknown fields"),
+    (_frame({"id": "one", "op": "get"}), "integer id"),
+    (struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1", "not valid msgpack"),
+    (struct.pack(">I", 1 << 30), "over the"),
+])
+def test_malformed_frames_get_error_replies(master: MasterServer, payload: bytes,
+                                            message: str) -> None:
+    reply = _raw(master, payload)
+    assert isinstance(reply, dict) and reply["ok"] is False
+    assert message in reply["error"]["message"]
+    # ... and the master still answers a well-formed request on a new connection.
+    remote = RemoteMaster(master.address)
+    assert remote.exists("anything") is False
+    remote.close()
+
+
+def test_wire_errors_keep_their_types(master: MasterServer) -> None:
+    remote = RemoteMaster(master.address)
+    with pytest.raises(ObjectNotFound):
+        remote.get("missing")
+    with pytest.raises(KeyError):
+        remote.remove("missing")
+    with pytest.raises(NoNodes, match="kvcake store node"):
+        remote.put_start("k", 10, 0)
+    with pytest.raises(InvalidRequest, match="node operation"):
+        RpcConnection(master.address).call("drop_disk", key="k", disk_version=1)
+    assert remote.stats()["num_nodes"] == 0
+    remote.close()
+
+
+def test_master_down_is_a_clear_error() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(MasterUnavailable, match=f"127.0.0.1:{port}"):
+        RemoteMaster(f"127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_address("nohost")
+
+
+def test_master_stopping_mid_session_is_a_clear_error(master: MasterServer) -> None:
+    remote = RemoteMaster(master.address)
+    assert remote.exists("a") is False
+    master.close()
+    with pytest.raises(MasterUnavailable):
+        remote.exists("a")
+    remote.close()
+
+
+def test_validate_accepts_a_good_request() -> None:
+    assert validate({"id": 3, "op": "get", "args": {"key": "k"}}) == (3, "get", {"key": "k"})
+    assert encode({"a": 1})[:4] == struct.pack(">I", len(msgpack.packb({"a": 1})))

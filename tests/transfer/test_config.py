@@ -1,0 +1,36 @@
+"""TransferConfig validation: bad values name the field; unknown keys are errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcake.transfer import TransferConfig
+from kvcake.transfer.checksum import ChecksumKind, available, parse
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"slice_bytes": 0}, "slice_bytes"),
+    ({"slice_bytes": 100}, "slice_bytes"),
+    ({"num_rails": 0}, "num_rails"),
+    ({"max_retries": -1}, "max_retries"),
+    ({"num_rails": 2, "rail_bind_hosts": ("127.0.0.1",)}, "rail_bind_hosts"),
+    ({"port": 70000}, "port"),
+    ({"io_timeout_s": 0}, "io_timeout_s"),
+    ({"checksum": "md5"}, "checksum"),
+])
+def test_bad_values_name_the_field(values: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=f"TransferConfig.{field}"):
+        TransferConfig(**values)  # type: ignore[arg-type]
+
+
+def test_from_dict_rejects_unknown_keys_and_converts_lists() -> None:
+    with pytest.raises(ValueError, match=r"unknown transfer config keys \['rails'\]"):
+        TransferConfig.from_dict({"rails": 4})
+    config = TransferConfig.from_dict({"num_rails": 2, "rail_bind_hosts": ["127.0.0.1"] * 2})
+    assert config.rail_bind_hosts == ("127.0.0.1", "127.0.0.1")
+
+
+def test_checksum_names() -> None:
+    assert parse("crc32") is ChecksumKind.CRC32
+    assert parse("auto") is available()[-1]
+    assert ChecksumKind.CRC32.compute(b"hello") == 0x3610A686
