@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "kvcake.sim.cli",  # simulate, reproduce, trace
     "kvcake.store.cli",  # store master | node
     "kvcake.server.cli",  # serve, worker, profile
+    "kvcake.server.cluster_cli",
     "kvcake.bench.cli",  # bench
 )
 

@@ -22,7 +22,7 @@ from kvcake.bench.plots import plot_cdfs
 from kvcake.bench.prompts import DEFAULT_VOCAB_SIZE, PromptBuilder
 from kvcake.bench.replay import ReplayConfig, fetch_model_info, plan, replay
 from kvcake.bench.stats import RequestResult, summarize
-from kvcake.bench.trace_reader import TraceRecord, load_trace
+from kvcake.sim.trace import TraceRequest, load_trace
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
                          scale_tokens=args.scale_tokens, seed=args.seed,
                          ttft_slo_s=args.ttft_slo_s, tbt_slo_ms=args.tbt_slo_ms,
                          max_capacity_probes=args.max_capacity_probes)
-    records = load_trace(args.trace, config.max_requests)
+    trace = load_trace(args.trace)
+    if config.max_requests is not None and config.max_requests < len(trace):
+        trace = trace.sampled(first=config.max_requests)
+    records = list(trace.requests)
     if not records:
         raise ValueError(f"--trace: {args.trace} holds no records")
     info = asyncio.run(fetch_model_info(args.url))
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_once(records: list[TraceRecord], builder: PromptBuilder, replay_config: ReplayConfig,
+def bench_once(records: list[TraceRequest], builder: PromptBuilder, replay_config: ReplayConfig,
                config: BenchConfig, out_dir: Path | None) -> dict[str, Any]:
     planned = plan(records, builder, replay_config.speed)
     show = sys.stderr.isatty() and len(planned) >= 20
@@ -114,9 +117,9 @@ def bench_once(records: list[TraceRecord], builder: PromptBuilder, replay_config
     return report
 
 
-def search_capacity(records: list[TraceRecord], builder: PromptBuilder, url: str, model: str,
+def search_capacity(records: list[TraceRequest], builder: PromptBuilder, url: str, model: str,
                     config: BenchConfig) -> dict[str, Any]:
-    span_s = (max(r.timestamp for r in records) - min(r.timestamp for r in records)) / 1000.0
+    span_s = (max(r.timestamp_ms for r in records) - min(r.timestamp_ms for r in records)) / 1000.0
 
     def probe(speed: float) -> float:
         report = bench_once(records, builder, ReplayConfig(url, model, speed), config, None)

@@ -22,8 +22,8 @@ import httpx
 
 from kvcake.bench.prompts import PromptBuilder
 from kvcake.bench.stats import Outcome, RequestResult
-from kvcake.bench.trace_reader import TraceRecord
 from kvcake.clock import Clock, SystemClock
+from kvcake.sim.trace import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -48,19 +48,19 @@ class PlannedRequest:
     max_tokens: int
 
 
-def plan(records: Sequence[TraceRecord], builder: PromptBuilder,
+def plan(records: Sequence[TraceRequest], builder: PromptBuilder,
          speed: float) -> list[PlannedRequest]:
     """Prompts and send times of `records`, the first one at offset 0."""
     if not records:
         return []
-    start_ms = min(r.timestamp for r in records)
+    start_ms = min(r.timestamp_ms for r in records)
     return [
         PlannedRequest(
-            send_at_s=(r.timestamp - start_ms) / 1000.0 / speed,
-            prompt_token_ids=builder.build(r.hash_ids, r.input_length, i),
-            max_tokens=builder.scaled_len(r.output_length),
+            send_at_s=(r.timestamp_ms - start_ms) / 1000.0 / speed,
+            prompt_token_ids=builder.build(r.hash_ids, r.input_len, r.index),
+            max_tokens=builder.scaled_len(r.output_len),
         )
-        for i, r in enumerate(records)
+        for r in records
     ]
 
 

@@ -140,7 +140,7 @@ class Conductor:
             return Rejection(req.request_id, RejectReason.NO_INSTANCE, self.config.min_retry_after_s,
                              float("inf"), float("inf"), (), ())
         match = self.index.match(req.block_keys)
-        candidates = tuple(self._estimate(req, instance_id, match, now_s) for instance_id in self._queues)
+        candidates = self._estimate_prefills(req, match, now_s)
         chosen = self._choose_prefill(candidates)
         ttft_s = chosen.ttft_s
         decode_candidates = self._estimate_decodes(req, chosen.instance_id, now_s, ttft_s)
@@ -149,35 +149,49 @@ class Conductor:
         if rejection is not None:
             return rejection
         fetch = self._fetch_plan(req, chosen, match)
-        self._book(req, now_s, chosen, best_decode.instance_id, fetch)
+        self._book(req, now_s, chosen, best_decode.instance_id, fetch, match.blocks(chosen.instance_id))
         return Placement(req.request_id, chosen.instance_id, best_decode.instance_id,
                          chosen.prefix_len, fetch, ttft_s, best_decode.tbt_s, candidates,
                          decode_candidates)
 
     def _reuse_len(self, req: ScheduleRequest, num_blocks: int) -> int:
         # The last prompt token is always computed: its logits give the first output token.
-        return min(req.tokens_of_blocks(num_blocks), req.prompt_len - 1)
+        return min(num_blocks * req.block_size, req.prompt_len - 1)
 
-    def _estimate(self, req: ScheduleRequest, instance_id: str, match: PrefixMatch,
-                  now_s: float) -> PrefillEstimate:
-        local_len = self._reuse_len(req, match.blocks(instance_id))
-        queue_s = self._queues[instance_id].queue_s(now_s)
-        predict = self._prefill_model.predict
-        recompute = PrefillEstimate(instance_id, local_len, local_len, 0.0, queue_s,
-                                    predict(req.prompt_len, local_len))
-        if self.config.policy is not Policy.GLOBAL_CACHE or match.best_holder is None:
-            return recompute
+    def _estimate_prefills(self, req: ScheduleRequest, match: PrefixMatch,
+                           now_s: float) -> tuple[PrefillEstimate, ...]:
+        """Algorithm 1, lines 4-13, for every prefill instance (baselines: recompute only)."""
+        cfg = self.config
+        n = req.prompt_len
+        predicted: dict[int, float] = {}  # prefix_len -> prefill seconds; few distinct per request
+
+        def prefill_s(prefix_len: int) -> float:
+            if prefix_len not in predicted:
+                predicted[prefix_len] = self._prefill_model.predict(n, prefix_len)
+            return predicted[prefix_len]
+
+        fetching = cfg.policy is Policy.GLOBAL_CACHE and match.best_holder is not None
         best_len = self._reuse_len(req, match.best_blocks)
-        if not best_len > self.config.kvcache_balancing_threshold * local_len:
-            return recompute
-        fetch_bytes = (best_len - local_len) * self._kv_bytes_per_token
-        backlog = self._inflight_bytes.get(match.best_holder, 0)
-        transfer_s = (backlog + fetch_bytes) / self._bandwidth
-        fetched = PrefillEstimate(instance_id, local_len, best_len, transfer_s, queue_s,
-                                  predict(req.prompt_len, best_len))
-        if self.config.fetch_only_if_faster and recompute.ttft_s <= fetched.ttft_s:
-            return recompute
-        return fetched
+        threshold = cfg.kvcache_balancing_threshold
+        backlog = self._inflight_bytes.get(match.best_holder or "", 0)
+        by_holder, block_size, cap = match.blocks_by_holder, req.block_size, n - 1
+        estimates = []
+        for instance_id, queue in self._queues.items():
+            local_len = min(by_holder.get(instance_id, 0) * block_size, cap)
+            queue_s = queue.queue_s(now_s)
+            if fetching and best_len > threshold * local_len:
+                fetch_bytes = (best_len - local_len) * self._kv_bytes_per_token
+                transfer_s = (backlog + fetch_bytes) / self._bandwidth
+                estimate = PrefillEstimate(instance_id, local_len, best_len, transfer_s, queue_s,
+                                           prefill_s(best_len))
+                if cfg.fetch_only_if_faster and queue_s + prefill_s(local_len) <= estimate.ttft_s:
+                    estimate = PrefillEstimate(instance_id, local_len, local_len, 0.0, queue_s,
+                                               prefill_s(local_len))
+            else:
+                estimate = PrefillEstimate(instance_id, local_len, local_len, 0.0, queue_s,
+                                           prefill_s(local_len))
+            estimates.append(estimate)
+        return tuple(estimates)
 
     def _choose_prefill(self, candidates: tuple[PrefillEstimate, ...]) -> PrefillEstimate:
         policy = self.config.policy
@@ -191,13 +205,15 @@ class Conductor:
                           ttft_s: float) -> tuple[DecodeEstimate, ...]:
         at_s = now_s + ttft_s if self.config.admission is Admission.EARLY else now_s
         context = req.prompt_len + req.max_output_len // 2
-        ids = [prefill_id] if self.config.policy is Policy.COLOCATED else list(self._decodes)
+        loads = self._decodes
+        if self.config.policy is Policy.COLOCATED:
+            loads = {prefill_id: self._decodes[prefill_id]}
         step = self._decode_model.decode_step_time_s
         estimates = []
-        for instance_id in ids:
-            batch, tokens = self._decodes[instance_id].batch_at(at_s)
-            estimates.append(DecodeEstimate(instance_id, batch + 1, tokens + context,
-                                            step(batch + 1, tokens + context)))
+        for instance_id, load in loads.items():
+            batch, tokens = load.batch_at(at_s)
+            batch, tokens = batch + 1, tokens + context
+            estimates.append(DecodeEstimate(instance_id, batch, tokens, step(batch, tokens)))
         return tuple(estimates)
 
     def _choose_decode(self, candidates: tuple[DecodeEstimate, ...]) -> DecodeEstimate:
@@ -234,7 +250,7 @@ class Conductor:
                          chosen.transfer_s)
 
     def _book(self, req: ScheduleRequest, now_s: float, chosen: PrefillEstimate, decode_id: str,
-              fetch: FetchPlan | None) -> None:
+              fetch: FetchPlan | None, num_held: int) -> None:
         rid = req.request_id
         self._queues[chosen.instance_id].add(rid, chosen.prefill_s)
         context = req.prompt_len + req.max_output_len // 2
@@ -243,8 +259,8 @@ class Conductor:
         if fetch is not None:
             self._inflight_bytes[fetch.source] = self._inflight_bytes.get(fetch.source, 0) + fetch.num_bytes
             self._transfers[rid] = (fetch.source, fetch.num_bytes)
-        if self.config.index_on_placement:
-            self.index.add(chosen.instance_id, req.block_keys)
+        if self.config.index_on_placement:  # the first num_held keys are there already
+            self.index.add(chosen.instance_id, req.block_keys[num_held:])
 
     # ---- reports from the caller --------------------------------------------------------------
 
@@ -272,9 +288,7 @@ class Conductor:
         self.index.remove(holder, keys)
 
     def on_decode_joined(self, instance_id: str, request_id: str, now_s: float) -> None:
-        load = self._decode(instance_id)
-        batch, tokens = load.batch_at(now_s)
-        load.join(request_id, now_s, self._decode_model.decode_step_time_s(max(1, batch), tokens))
+        self._decode(instance_id).join(request_id, now_s, self._decode_model.decode_step_time_s)
 
     def on_decode_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
         self._decode(instance_id).remove(request_id)

@@ -73,11 +73,11 @@ class CostModel:
                              f"{batch_size}, {context_tokens}")
         if batch_size == 0:
             return 0.0
-        hw = self.hardware
-        read_bytes = self.model.weight_bytes + self.kv_bytes(context_tokens)
+        hw, m = self.hardware, self.model
+        read_bytes = m.weight_bytes + context_tokens * m.kv_bytes_per_token
         memory_s = read_bytes / (hw.hbm_bandwidth_bytes_per_s * hw.hbm_efficiency)
-        compute_s = 2.0 * self.model.num_params * batch_size / (hw.peak_flops * hw.mfu)
-        return max(memory_s, compute_s)
+        compute_s = 2.0 * m.num_params * batch_size / (hw.peak_flops * hw.mfu)
+        return memory_s if memory_s > compute_s else compute_s
 
     def transfer_time_s(self, num_bytes: int, bandwidth_bytes_per_s: float | None = None) -> float:
         """Bytes over a link; by default the instance's NIC bandwidth."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 Holder = str
 """Who holds a copy of a block: a prefill instance id, or a store tier name such as "store"."""
@@ -73,9 +74,8 @@ class FetchPlan:
         return self.end_len - self.start_len
 
 
-@dataclass(frozen=True)
-class PrefillEstimate:
-    """One prefill candidate as the policy saw it.
+class PrefillEstimate(NamedTuple):
+    """One prefill candidate as the policy saw it (a NamedTuple: built 64 times per decision).
 
     local_len: prefix tokens the instance holds itself. prefix_len: prefix tokens the prefill
     would reuse (local_len, or the fetched best_len). ttft_s = transfer_s + queue_s + prefill_s.
@@ -93,8 +93,7 @@ class PrefillEstimate:
         return self.transfer_s + self.queue_s + self.prefill_s
 
 
-@dataclass(frozen=True)
-class DecodeEstimate:
+class DecodeEstimate(NamedTuple):
     """One decode candidate: its predicted batch when this request joins, and the step time (TBT)."""
 
     instance_id: str

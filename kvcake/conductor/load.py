@@ -15,7 +15,8 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -53,6 +54,8 @@ class PrefillQueue:
         A running prefill counts for its predicted time not yet elapsed (0 once overdue).
         """
         left = self._waiting_s
+        if not self._running:
+            return left
         for start_s, predicted_s in self._running.values():
             left += max(0.0, predicted_s - (now_s - start_s))
         return left
@@ -73,39 +76,49 @@ class _Pending:
 
 
 class _TimedBag:
-    """Requests sorted by a predicted time, each with a context size; prefix sums by bisect."""
+    """Requests sorted by a predicted time, each with a context size; prefix sums by bisect.
+
+    Parallel lists (times as plain floats, so bisect compares floats, not tuples).
+    """
 
     def __init__(self) -> None:
-        self._keys: list[tuple[float, str]] = []
+        self._times: list[float] = []
+        self._ids: list[str] = []
         self._contexts: list[int] = []
         self.context_sum = 0
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._times)
 
     def insert(self, time_s: float, request_id: str, context_tokens: int) -> None:
-        key = (time_s, request_id)
-        idx = bisect_right(self._keys, key)
-        self._keys.insert(idx, key)
+        idx = bisect_right(self._times, time_s)
+        self._times.insert(idx, time_s)
+        self._ids.insert(idx, request_id)
         self._contexts.insert(idx, context_tokens)
         self.context_sum += context_tokens
 
     def delete(self, time_s: float, request_id: str) -> None:
-        idx = bisect_right(self._keys, (time_s, request_id)) - 1
-        if idx >= 0 and self._keys[idx] == (time_s, request_id):
-            del self._keys[idx]
-            self.context_sum -= self._contexts.pop(idx)
+        idx = bisect_left(self._times, time_s)
+        while idx < len(self._times) and self._times[idx] == time_s:
+            if self._ids[idx] == request_id:
+                del self._times[idx], self._ids[idx]
+                self.context_sum -= self._contexts.pop(idx)
+                return
+            idx += 1
 
     def until(self, time_s: float) -> tuple[int, int]:
         """(count, context sum) of the requests whose time is <= time_s."""
-        idx = bisect_right(self._keys, (time_s, "\U0010ffff"))
-        if idx == len(self._keys):
+        times = self._times
+        idx = bisect_right(times, time_s)
+        if idx == 0:
+            return 0, 0
+        if idx == len(times):
             return idx, self.context_sum
         return idx, sum(self._contexts[:idx])
 
     def first_after(self, time_s: float) -> float | None:
-        idx = bisect_right(self._keys, (time_s, "\U0010ffff"))
-        return self._keys[idx][0] if idx < len(self._keys) else None
+        idx = bisect_right(self._times, time_s)
+        return self._times[idx] if idx < len(self._times) else None
 
 
 class DecodeLoad:
@@ -142,13 +155,16 @@ class DecodeLoad:
         self._pending_info[request_id] = _Pending(join_s, context_tokens, output_len)
         self._pending.insert(join_s, request_id, context_tokens)
 
-    def join(self, request_id: str, now_s: float, step_s: float) -> None:
-        """The request joined the batch now; it should finish after output_len steps of step_s."""
+    def join(self, request_id: str, now_s: float,
+             step_time_s: Callable[[int, int], float]) -> None:
+        """The request joined the batch now. It should finish after output_len steps, each
+        lasting `step_time_s(batch_size, context_tokens)` of the batch it joins (itself included)."""
         info = self._pending_info.pop(request_id, None)
         if info is None:
             return
         self._pending.delete(info.join_s, request_id)
-        finish_s = now_s + info.output_len * step_s
+        batch, tokens = self.batch_at(now_s)
+        finish_s = now_s + info.output_len * step_time_s(batch + 1, tokens + info.context_tokens)
         self._finish_s[request_id] = finish_s
         self._active.insert(finish_s, request_id, info.context_tokens)
 
@@ -164,10 +180,12 @@ class DecodeLoad:
     def batch_at(self, time_s: float) -> tuple[int, int]:
         """(batch size, context tokens) predicted at `time_s`: the decoding requests not
         predicted to have finished by then, plus the expected ones predicted to have joined."""
-        done, done_ctx = self._active.until(time_s)
-        joined, joined_ctx = self._pending.until(time_s)
-        return (len(self._active) - done + joined,
-                self._active.context_sum - done_ctx + joined_ctx)
+        # On the decision path for every decode instance: touch the lists directly.
+        active, pending = self._active, self._pending
+        num_active = len(active._times)
+        done, done_ctx = active.until(time_s) if num_active else (0, 0)
+        joined, joined_ctx = pending.until(time_s) if pending._times else (0, 0)
+        return num_active - done + joined, active.context_sum - done_ctx + joined_ctx
 
     def next_finish_after(self, time_s: float) -> float | None:
         return self._active.first_after(time_s)

@@ -12,6 +12,7 @@ Pure: no torch, no I/O, no clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -58,23 +59,23 @@ class ModelProfile:
         """Query heads per KV head (the paper's `gqa`)."""
         return self.num_heads // self.num_kv_heads
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers: l * (2d / gqa) * s (320 KiB for llama3-70b)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         d, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         return 2 * d * d + 2 * d * kv + 3 * d * self.intermediate_size + 2 * d
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         """All weights: layers, untied embedding and LM head, final norm."""
         d = self.hidden_size
         return self.num_layers * self.layer_params + 2 * self.vocab_size * d + d
 
-    @property
+    @cached_property
     def weight_bytes(self) -> int:
         return self.num_params * self.dtype_bytes
 

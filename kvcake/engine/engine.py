@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcake.clock import Clock, SystemClock
-from kvcake.engine.batcher import BatchPlan, Batcher, ScheduledChunk
+from kvcake.engine.batcher import Batcher, BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager, KvEvent
 from kvcake.engine.config import EngineConfig, ModelConfig
 from kvcake.engine.kv_pool import KVPool
@@ -89,8 +89,8 @@ class Engine:
             self.model.load_hf_state_dict(load_weights(source, self.config.seed))
         except KeyError as exc:
             raise ValueError(f"model: weight {exc.args[0]!r} is missing from {model!r}") from None
-        except RuntimeError as exc:  # shape mismatch between config.json and the weights
-            raise ValueError(f"model: weights do not match config.json ({exc})") from None
+        except (RuntimeError, ValueError) as exc:  # weights and config.json disagree
+            raise ValueError("model: " + " ".join(str(exc).split())) from None
         self.model.to(device=self.device, dtype=self.dtype).eval()
         num_blocks = self.config.num_blocks or max(
             1, self.config.kv_cache_bytes // KVPool.bytes_per_block(mc, self.block_size, self.dtype))

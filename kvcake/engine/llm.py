@@ -90,7 +90,7 @@ class LLM:
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if not items:
         raise ValueError("prompt: the prompt is empty; pass text or at least one token id")
     if all(isinstance(x, int) for x in items):

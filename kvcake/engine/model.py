@@ -28,20 +28,26 @@ from kvcake.engine.kv_pool import KVPool
 class AttentionBatch:
     """Per-forward attention metadata (built by the runner, read by every layer).
 
-    prefill: sequences with more than one query token, each (q_start, q_len, ctx_len,
-      block_ids tensor); queries are flat rows q_start..q_start+q_len, at positions
-      ctx_len-q_len..ctx_len-1 of their sequence.
-    decode_rows: flat rows of single-token sequences, which are attended in one padded call
-      using `decode_block_table` [B, max_blocks] and `decode_mask` [B, 1, 1, max_blocks*bs].
-    slot_blocks / slot_offsets: where each flat token's K/V is written in the pool.
+    A layer of the pool is addressed as rows: [num_blocks * 2 * block_size, H, D], where the
+    K of position p of a sequence is row block_ids[p // bs] * 2 * bs + p % bs and its V is
+    that row + bs. Gathering a context is then one index_select for K and one for V.
+
+    prefill: sequences with more than one query token, each (q_start, q_len, ctx_len, k_rows);
+      queries are flat rows q_start..q_start+q_len at positions ctx_len-q_len..ctx_len-1;
+      k_rows [ctx_len] are the K rows of the whole context, or None when there is no cached
+      prefix (ctx_len == q_len: attend to the fresh K/V directly).
+    decode_rows: flat rows of single-token sequences, attended in one padded call with
+      `decode_k_rows` [B, max_ctx] and `decode_mask` [B, 1, 1, max_ctx].
+    k_slots / v_slots: the rows where each flat token's K and V are written.
     """
 
-    prefill: list[tuple[int, int, int, Tensor]]
+    prefill: list[tuple[int, int, int, Tensor | None]]
     decode_rows: Tensor | None
-    decode_block_table: Tensor | None
+    decode_k_rows: Tensor | None
     decode_mask: Tensor | None
-    slot_blocks: Tensor
-    slot_offsets: Tensor
+    k_slots: Tensor
+    v_slots: Tensor
+    block_size: int
 
 
 class RMSNorm(nn.Module):
@@ -105,8 +111,9 @@ class DecoderLayer(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        kv[batch.slot_blocks, 0, batch.slot_offsets] = k
-        kv[batch.slot_blocks, 1, batch.slot_offsets] = v
+        rows = kv.view(-1, self.num_kv_heads, self.head_dim)
+        rows.index_copy_(0, batch.k_slots, k)
+        rows.index_copy_(0, batch.v_slots, v)
         attn = self._attend(q, k, v, kv, batch)
         h = h + self.o_proj(attn.reshape(n, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
@@ -115,16 +122,16 @@ class DecoderLayer(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
         out = torch.empty_like(q)
-        for q_start, q_len, ctx_len, block_ids in batch.prefill:
+        rows = kv.view(-1, self.num_kv_heads, self.head_dim)
+        for q_start, q_len, ctx_len, k_rows in batch.prefill:
             qs = q[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0)
-            if ctx_len == q_len:  # no cached prefix: attend to the fresh K/V directly
+            if k_rows is None:
                 ks = k[q_start:q_start + q_len]
                 vs = v[q_start:q_start + q_len]
                 mask = None
             else:
-                blocks = kv[block_ids]  # [nb, 2, bs, H, D]
-                ks = blocks[:, 0].flatten(0, 1)[:ctx_len]
-                vs = blocks[:, 1].flatten(0, 1)[:ctx_len]
+                ks = rows.index_select(0, k_rows)
+                vs = rows.index_select(0, k_rows + batch.block_size)
                 pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
                 mask = torch.arange(ctx_len, device=q.device)[None, :] <= pos[:, None]
             o = F.scaled_dot_product_attention(
@@ -132,10 +139,12 @@ class DecoderLayer(nn.Module):
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
             out[q_start:q_start + q_len] = o[0].transpose(0, 1)
         if batch.decode_rows is not None:
-            assert batch.decode_block_table is not None and batch.decode_mask is not None
-            blocks = kv[batch.decode_block_table]  # [B, nb, 2, bs, H, D]
-            ks = blocks[:, :, 0].flatten(1, 2).transpose(1, 2)  # [B, H, ctx, D]
-            vs = blocks[:, :, 1].flatten(1, 2).transpose(1, 2)
+            assert batch.decode_k_rows is not None and batch.decode_mask is not None
+            b, ctx = batch.decode_k_rows.shape
+            k_rows = batch.decode_k_rows.flatten()
+            shape = (b, ctx, self.num_kv_heads, self.head_dim)
+            ks = rows.index_select(0, k_rows).view(shape).transpose(1, 2)  # [B, H, ctx, D]
+            vs = rows.index_select(0, k_rows + batch.block_size).view(shape).transpose(1, 2)
             qs = q[batch.decode_rows].unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=batch.decode_mask,
                                                scale=self.scale, enable_gqa=True)
@@ -153,23 +162,35 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq: Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._rope_cache: Tensor | None = None  # [2 (cos, sin), positions, head_dim]
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch,
                 pool: KVPool, logit_rows: Tensor,
                 layer_hook: Callable[[int], None] | None = None) -> Tensor:
         """Logits (fp32) of the flat rows `logit_rows` only: one per sequence that samples."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
         h = self.embed_tokens(input_ids)
-        cos = emb.cos().to(h.dtype)[:, None, :]
-        sin = emb.sin().to(h.dtype)[:, None, :]
+        cos, sin = self._rope(positions, h.dtype)
         for idx, layer in enumerate(self.layers):
             h = layer(h, cos, sin, pool.layer(idx), batch)
             if layer_hook is not None:
                 layer_hook(idx)
         return self.lm_head(self.norm(h[logit_rows])).float()
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin [n, 1, head_dim] of `positions`, from a cache grown on demand."""
+        need = int(positions.max().item()) + 1
+        if self._rope_cache is None or self._rope_cache.shape[1] < need \
+                or self._rope_cache.dtype != dtype:
+            size = max(need, 1 << (need - 1).bit_length(), 1024)
+            pos = torch.arange(size, dtype=torch.float32, device=positions.device)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cache = torch.stack((emb.cos(), emb.sin())).to(dtype)
+        cos_sin = self._rope_cache[:, positions].unsqueeze(2)
+        return cos_sin[0], cos_sin[1]
 
     def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load weights named as in transformers' LlamaForCausalLM (fusing qkv and gate|up)."""
@@ -196,6 +217,12 @@ class LlamaModel(nn.Module):
                 own[f"layers.{i}.down_proj.bias"] = state[p + "mlp.down_proj.bias"]
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 own[f"layers.{i}.{norm}.weight"] = state[p + f"{norm}.weight"]
+        params = dict(self.named_parameters())
+        for name, tensor in own.items():
+            if name in params and params[name].shape != tensor.shape:
+                raise ValueError(f"weights do not match config.json: {name} has shape "
+                                 f"{tuple(tensor.shape)}, the config implies "
+                                 f"{tuple(params[name].shape)}")
         missing, unexpected = self.load_state_dict(own, strict=False)
         missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:

@@ -8,7 +8,7 @@ token's slot (block id, offset) from its position:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -35,10 +35,9 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
+        k_slots: list[int] = []
         logit_rows: list[int] = []
-        prefill: list[tuple[int, int, int, Tensor]] = []
+        prefill: list[tuple[int, int, int, Tensor | None]] = []
         decode_rows: list[int] = []
         decode_tables: list[list[BlockId]] = []
         decode_lens: list[int] = []
@@ -49,24 +48,25 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[chunk.start:end])
             pos = range(chunk.start, end)
             positions.extend(pos)
-            slot_blocks.extend(table[p // bs] for p in pos)
-            slot_offsets.extend(p % bs for p in pos)
+            # Layer rows are [block][K|V][offset]: K of position p sits at b*2*bs + p%bs.
+            k_slots.extend(table[p // bs] * 2 * bs + p % bs for p in pos)
             num_ctx_blocks = -(-end // bs)
             if chunk.num_tokens == 1 and chunk.start > 0:
                 decode_rows.append(row)
                 decode_tables.append(table[:num_ctx_blocks])
                 decode_lens.append(end)
             else:
-                ids = torch.tensor(table[:num_ctx_blocks], dtype=torch.long, device=self.device)
-                prefill.append((row, chunk.num_tokens, end, ids))
+                k_rows = None if chunk.start == 0 else \
+                    self._k_rows(self._long(table[:num_ctx_blocks])).flatten()[:end]
+                prefill.append((row, chunk.num_tokens, end, k_rows))
             if all_rows:
                 logit_rows.extend(range(row, row + chunk.num_tokens))
             elif chunk.samples:
                 logit_rows.append(row + chunk.num_tokens - 1)
         batch = AttentionBatch(
             prefill=prefill,
-            decode_rows=None, decode_block_table=None, decode_mask=None,
-            slot_blocks=self._long(slot_blocks), slot_offsets=self._long(slot_offsets))
+            decode_rows=None, decode_k_rows=None, decode_mask=None,
+            k_slots=(k := self._long(k_slots)), v_slots=k + bs, block_size=bs)
         if decode_rows:
             self._fill_decode(batch, decode_rows, decode_tables, decode_lens)
         return self.model(self._long(input_ids), self._long(positions), batch, self.pool,
@@ -77,9 +77,14 @@ class ModelRunner:
         max_blocks = max(len(t) for t in tables)
         padded = [list(t) + [0] * (max_blocks - len(t)) for t in tables]
         batch.decode_rows = self._long(rows)
-        batch.decode_block_table = self._long(padded)
+        batch.decode_k_rows = self._k_rows(self._long(padded)).flatten(-2)
         ctx = torch.arange(max_blocks * self.block_size, device=self.device)
         batch.decode_mask = (ctx[None, :] < self._long(lens)[:, None])[:, None, None, :]
 
-    def _long(self, values: list[int] | list[list[int]]) -> Tensor:
+    def _k_rows(self, block_ids: Tensor) -> Tensor:
+        """[..., nb] block ids -> [..., nb, bs] K rows of their positions (see AttentionBatch)."""
+        bs = self.block_size
+        return block_ids[..., None] * (2 * bs) + torch.arange(bs, device=self.device)
+
+    def _long(self, values: Sequence[int] | Sequence[Sequence[int]]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -256,8 +256,7 @@ class LocalBackend:
             add.started = True
             self._leave_waiting()
         reason = _FINISH.get(output.finish_reason) if output.finish_reason else None
-        event = TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason)
-        add.loop.call_soon_threadsafe(add.sink.put_nowait, event)
+        _post(add, TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason))
         if output.finished:
             del live[output.request_id]
 
@@ -266,7 +265,7 @@ class LocalBackend:
             self.engine.abort(request_id)
             if not add.started:
                 self._leave_waiting()
-            add.loop.call_soon_threadsafe(add.sink.put_nowait, error)
+            _post(add, error)
         live.clear()
 
     def _leave_waiting(self) -> None:
@@ -278,6 +277,14 @@ class LocalBackend:
         self._stats = BackendStats(
             num_waiting_requests=len(batcher.waiting), num_running_requests=len(batcher.running),
             kv_cache_usage=1.0 - blocks.num_free_blocks / blocks.num_blocks)
+
+
+def _post(add: _Add, item: TokenEvent | BaseException) -> None:
+    """Hand `item` to the request's event loop; a loop already closed has no reader left."""
+    try:
+        add.loop.call_soon_threadsafe(add.sink.put_nowait, item)
+    except RuntimeError:
+        pass
 
 
 def _sampling_params(request: GenerateRequest) -> SamplingParams:

@@ -22,14 +22,16 @@ changes), as the live frontend will.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvcake.conductor import (
+    Admission,
     Conductor,
     ConductorConfig,
     CostModel,
     Placement,
+    Policy,
     PrefillTimePredictor,
     ScheduleRequest,
     profile_grid,
@@ -91,8 +93,8 @@ class Cluster:
         predictor = PrefillTimePredictor.fit(profile_grid(self.cost, max(2, max_input)))
         self.conductor = Conductor(
             ConductorConfig(
-                policy=config.policy,
-                admission="none" if config.colocated else config.admission,
+                policy=Policy(config.policy),
+                admission=Admission.NONE if config.colocated else Admission(config.admission),
                 kvcache_balancing_threshold=config.kvcache_balancing_threshold,
                 ttft_slo_s=config.ttft_slo_s,
                 tbt_slo_s=config.tbt_slo_ms / 1000.0,
@@ -193,15 +195,16 @@ class Cluster:
         events.extend(self._flow_event())
         return events
 
-    def _holder_node(self, holder: str, key: int) -> int:
+    def _holder_node(self, holder: str, key: Hashable) -> int:
         """The node whose memory holds `key` for `holder`: a prefill node, or for the store tier
         a decode node chosen by key (the store pools the decode nodes' DRAM)."""
         if holder == STORE:
-            return self.config.num_prefill + key % self.config.num_decode
+            return self.config.num_prefill + hash(key) % self.config.num_decode
         return self._prefill_index[holder]
 
     def _fetch_landed(self, state: RequestState, now_s: float) -> list[Event]:
         self.conductor.on_transfer_done(state.request_id, now_s)
+        state.fetch_s = now_s - state.arrival.arrival_s
         p = self._prefill_index[state.prefill_instance or ""]
         keys = state.arrival.block_keys
         self._cache_insert(p, keys[: -(-state.prefix_len // self.config.block_size)])
@@ -310,6 +313,7 @@ class Cluster:
             else:
                 state.kv_arrived = True
                 if state.prefill_done:
+                    state.kv_wait_s = event.time_s - (state.first_token_s or event.time_s)
                     events.extend(self._to_decode(state, event.time_s))
         events.extend(self._flow_event())
         return events
@@ -328,12 +332,15 @@ class Cluster:
     def _place_colocated(self, state: RequestState, now_s: float) -> list[Event]:
         i = self._prefill_index[state.prefill_instance or ""]
         a = state.arrival
+        if not self.config.prefix_cache:  # the Conductor booked the keys at placement: undo
+            self.conductor.on_blocks_removed(self.prefill_ids[i], a.block_keys)
         cache = self.hbm_caches[i]
         matched = cache.match_len(a.block_keys)
         cache.touch(a.block_keys[:matched])
         state.prefix_len = min(matched * self.config.block_size, a.input_len - 1)
         seq = Seq(state.index, a.input_len, max(0, a.output_len - 1), a.input_len + a.output_len,
-                  now_s, state.gaps, prefill_done_len=state.prefix_len)
+                  now_s, state.gaps, prefill_done_len=state.prefix_len,
+                  prefix_len=state.prefix_len)
         event = self.decodes[i].add_prefill(now_s, seq)
         return [] if event is None else [event]
 

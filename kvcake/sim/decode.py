@@ -47,6 +47,7 @@ class Seq:
     last_token_s: float = 0.0
     gaps: GapLog = field(default_factory=GapLog)
     prefill_done_len: int = 0
+    prefix_len: int = 0  # colocated: prompt tokens reused from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,27 +217,33 @@ class DecodeInstance:
         full_chunks = (total - start) // chunk
         if full_chunks == 0:  # the last, partial chunk: a run of one step
             self._run_chunk = total - start
-            return StepRun(now_s, 1, self._chunk_step_s(batch, context, total, start), 0.0)
+            return StepRun(now_s, 1, self._chunk_step_s(batch, context, head, total - start), 0.0)
         max_steps = min([full_chunks] + [s.remaining for s in self.running])
         self._run_chunk = chunk
 
         def step_s(i: int) -> float:
-            begin = start + i * chunk
-            return self._chunk_step_s(batch, context + i * batch, begin + chunk, begin)
+            return self._chunk_step_s(batch, context + i * batch, head, chunk)
 
         return plan_run(now_s, max_steps, step_s)
 
     def _prefill_share_s(self, begin: int, num_steps: int) -> float:
-        """Prefill seconds of `num_steps` chunks from token `begin` (the decode share excluded).
+        """Prefill seconds of `num_steps` steps of the head from token `begin` (decode excluded)."""
+        head = self.prefills[0]
+        return self._chunk_prefill_s(head, min(num_steps * self._run_chunk,
+                                               head.context_len - begin))
 
-        A chunk's prefill time is affine in its offset, so the sum is a trapezoid."""
-        chunk, prefill_s = self._run_chunk, self.costs.prefill_s
-        last = begin + (num_steps - 1) * chunk
-        return num_steps * (prefill_s(begin + chunk, begin) + prefill_s(last + chunk, last)) / 2.0
-
-    def _chunk_step_s(self, batch: int, context: int, end: int, begin: int) -> float:
+    def _chunk_step_s(self, batch: int, context: int, head: Seq, num_tokens: int) -> float:
         decode_s = self.costs.decode_step_s(batch, context) if batch else 0.0
-        return decode_s + self.costs.prefill_s(end, begin)
+        return decode_s + self._chunk_prefill_s(head, num_tokens)
+
+    def _chunk_prefill_s(self, head: Seq, num_tokens: int) -> float:
+        """A chunk's share of its prompt's whole prefill time, by token count.
+
+        Chunking spreads a prefill's compute over steps; it neither saves nor adds FLOPs. (The
+        cost model's attention term counts every new token against the whole prompt, so
+        pricing a chunk as a prefill of its own would make chunking look cheaper.)"""
+        new = head.context_len - head.prefix_len
+        return self.costs.prefill_s(head.context_len, head.prefix_len) * num_tokens / new
 
 
 def _log_run(seq: Seq, run: StepRun) -> None:

@@ -37,6 +37,8 @@ class RequestState:
     finish_s: float | None = None
     rejected: str | None = None  # the reason, for a rejected request
     gaps: GapLog = field(default_factory=GapLog)
+    fetch_s: float = 0.0  # seconds from placement until the planned fetch landed
+    kv_wait_s: float = 0.0  # seconds the KV hand-off outlasted the prefill
     pending_fetches: int = 0
     prefill_done: bool = False
     kv_arrived: bool = False
@@ -58,6 +60,8 @@ class RequestState:
             "decode_instance": self.decode_instance,
             "prefix_reused_tokens": self.prefix_len,
             "fetched_tokens": self.fetched_len,
+            "fetch_s": round(self.fetch_s, 6),
+            "kv_wait_s": round(self.kv_wait_s, 6),
             "predicted_ttft_s": _round(self.predicted_ttft_s),
             "ttft_s": _round(self.ttft_s),
             "tbt_s": _round(tbt),

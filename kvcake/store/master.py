@@ -109,8 +109,8 @@ class MasterService:
         """Expire leases, timed-out puts and silent nodes; returns the nodes declared dead."""
         with self._lock:
             now_s = self.clock.now_s()
-            for node_id, handle in self._handles.items():
-                if not isinstance(handle, RemoteNode):  # in-process nodes live as long as we do
+            for node_id, local in self._handles.items():
+                if not isinstance(local, RemoteNode):  # in-process nodes live as long as we do
                     self.index.heartbeat(node_id, now_s)
             dead = self.index.expire(now_s)
             self._run_actions()

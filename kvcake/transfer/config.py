@@ -33,6 +33,7 @@ class TransferConfig:
     use_shared_memory: map a peer's shared-memory segment when it lives on this host.
     host, port, port_search: where the segment server listens (`serve=True`); it tries `port`,
       `port + 1`, ... `port + port_search - 1` and keeps the first free one (0 = any port).
+      `host` is also the address written into segment descriptors: give one peers can reach.
     io_timeout_s: a socket call that blocks longer than this fails the slice (then it is retried).
     socket_buffer_bytes: SO_SNDBUF / SO_RCVBUF asked of the kernel for every data connection.
     """

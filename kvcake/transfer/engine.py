@@ -12,6 +12,7 @@ Lifecycle of a batch:
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Sequence
 from types import TracebackType
@@ -48,7 +49,9 @@ class TransferEngine:
         self._wrap = wrap_transport
         self._checksum_kind = checksum.parse(self.config.checksum, "TransferConfig.checksum")
         self._segments: dict[int, Segment] = {}
-        self._segment_ids = itertools.count(1)
+        # Ids start at a random point so that a restarted owner never gives an old id to new
+        # memory: a stale descriptor gets UNKNOWN_SEGMENT instead of someone else's bytes.
+        self._segment_ids = itertools.count((int.from_bytes(os.urandom(3), "big") << 8) + 1)
         self._batch_ids = itertools.count(1)
         self._batches: dict[int, Batch] = {}
         self._preferences: dict[str, RailPreference] = {}
@@ -59,6 +62,7 @@ class TransferEngine:
                                   self._on_slice_failure) for r in range(self.config.num_rails)]
         self._server: SegmentServer | None = None
         self._started = False
+        self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -76,7 +80,10 @@ class TransferEngine:
         self._started = True
 
     def close(self) -> None:
-        """Finish queued slices, stop rails and server, release segments this engine allocated."""
+        """Finish queued slices, stop rails and server, release segments this engine allocated.
+
+        Slices that fail while closing are not retried: their requests fail."""
+        self._closing = True
         for rail in self._rails:
             rail.close()
         if self._server is not None:
@@ -86,6 +93,7 @@ class TransferEngine:
             segment.release()
         self._segments.clear()
         self._started = False
+        self._closing = False
 
     def __enter__(self) -> TransferEngine:
         self.start()
@@ -106,6 +114,8 @@ class TransferEngine:
 
         The caller keeps ownership of the memory and must keep it alive until unregistering.
         Raises ValueError for a duplicate name or memory that is not a flat writable buffer.
+        The descriptor carries the server address once the engine is started (`describe(name)`
+        gives the current one).
         """
         with self._lock:
             if any(s.name == name for s in self._segments.values()):
@@ -298,9 +308,9 @@ class TransferEngine:
     def _on_slice_failure(self, task: SliceTask, error: TransportError) -> None:
         """Called on a rail thread: retry the slice on the next rail, or fail its request."""
         piece, attempt = task.slice, task.attempt + 1
-        if not error.retryable or attempt > self.config.max_retries:
+        if not error.retryable or attempt > self.config.max_retries or self._closing:
             tries = f"after {attempt} attempts" if error.retryable else "(not retryable)"
-            task.batch.fail(piece.request_index, f"slice [{piece.remote_offset}, "
+            task.batch.slice_failed(piece.request_index, f"slice [{piece.remote_offset}, "
                                                  f"+{piece.length}) failed {tries}: {error}")
             return
         rail = retry_rail(task.request.preference, piece.rail, attempt)

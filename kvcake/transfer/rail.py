@@ -81,6 +81,7 @@ class RailWorker:
     def _run(self) -> None:
         while (task := self._queue.get()) is not None:
             if task.batch.has_failed(task.slice.request_index):
+                task.batch.slice_skipped(task.slice.request_index)
                 continue
             try:
                 self._execute(task)
@@ -89,7 +90,7 @@ class RailWorker:
                 self._on_failure(task, e)
             except Exception as e:  # a bug must fail the request, not kill the rail
                 log.exception("rail %d: slice failed unexpectedly", self.rail)
-                task.batch.fail(task.slice.request_index, f"internal error: {e!r}")
+                task.batch.slice_failed(task.slice.request_index, f"internal error: {e!r}")
 
     def _execute(self, task: SliceTask) -> None:
         request, piece = task.request, task.slice

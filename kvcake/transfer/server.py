@@ -18,7 +18,7 @@ import msgpack
 from kvcake.transfer import checksum, frame
 from kvcake.transfer.frame import FrameError, Header, Op, Status
 from kvcake.transfer.segment import Segment
-from kvcake.transfer.tcp import recv_exactly, tune_socket
+from kvcake.transfer.tcp import recv_exactly, send_message, tune_socket
 
 log = logging.getLogger(__name__)
 _DRAIN_CHUNK = 1 << 20
@@ -177,9 +177,7 @@ class SegmentServer:
 
 
 def _reply(conn: socket.socket, header: Header, body: bytes | memoryview) -> None:
-    conn.sendall(header.pack())
-    if len(body):
-        conn.sendall(body)
+    send_message(conn, header.pack(), body)
 
 
 def _drain(conn: socket.socket, length: int) -> None:

@@ -42,6 +42,20 @@ def recv_exactly(sock: socket.socket, dest: memoryview) -> None:
         got += n
 
 
+def send_message(sock: socket.socket, header: bytes, body: bytes | memoryview | None) -> None:
+    """Send a header and its body with one `sendmsg` where the kernel takes it all (the usual
+    case): one syscall and no copy of the body; the rest, if any, with `sendall`."""
+    if body is None or len(body) == 0:
+        sock.sendall(header)
+        return
+    sent = sock.sendmsg([header, body])
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    if sent - len(header) < len(body):
+        sock.sendall(memoryview(body)[sent - len(header):])
+
+
 class TcpTransport:
     """A `Transport` over one TCP connection. Create with `connect`; not thread-safe by design."""
 
@@ -63,6 +77,12 @@ class TcpTransport:
             raise TransportError(f"cannot connect to {address}: {e}") from e
         tune_socket(sock, buffer_bytes)
         return cls(sock, address)
+
+    @property
+    def local_address(self) -> str:
+        """"host:port" this end is bound to (the rail's NIC when `bind_host` was given)."""
+        host, port = self._sock.getsockname()[:2]
+        return f"{host}:{port}"
 
     def read(self, segment: SegmentDesc, offset: int, dest: memoryview, *,
              checksum: ChecksumKind | None) -> int | None:
@@ -104,9 +124,7 @@ class TcpTransport:
     def _call(self, request: Header, payload: memoryview | None) -> Header:
         """Send one request (and its payload); return the OK reply header or raise."""
         try:
-            self._sock.sendall(request.pack())
-            if payload is not None:
-                self._sock.sendall(payload)
+            send_message(self._sock, request.pack(), payload)
             recv_exactly(self._sock, memoryview(self._header))
             reply = frame.unpack(self._header)
         except (OSError, frame.FrameError) as e:

@@ -113,6 +113,11 @@ def test_the_last_prompt_token_is_never_reused() -> None:
     d = placed(c.schedule(ScheduleRequest("r", 48, (0, 1, 2), BS, 5), 0.0))
     assert d.prefix_len == 47
     assert d.chosen.prefill_s == pytest.approx(0.001)
+    # Fetched whole to a cold instance, too: 47 tokens, all three blocks' KV moved.
+    busy(c, "p0", 5.0)
+    f = placed(c.schedule(ScheduleRequest("s", 48, (0, 1, 2), BS, 5), 0.0))
+    assert (f.prefill_id, f.prefix_len) == ("p1", 47)
+    assert f.fetch is not None and f.fetch.keys == (0, 1, 2) and f.fetch.num_bytes == 47_000
 
 
 def test_fetch_only_if_faster_keeps_recompute_when_the_network_is_slow() -> None:
@@ -184,7 +189,7 @@ def test_decode_selection_prefers_the_lower_predicted_tbt() -> None:
     assert d.decode_id == "d1" and d.predicted_tbt_s == pytest.approx(0.012)
     assert [(e.instance_id, e.batch_size) for e in d.decode_candidates] == [("d0", 3), ("d1", 2)]
     # An idle tie is broken by fewer requests booked, so a burst spreads out.
-    c2 = make(admission="early")
+    c2 = make(admission="slo")
     assert [placed(c2.schedule(request(r, first_key=k), 0.0)).decode_id
             for r, k in [("a", 0), ("b", 100), ("c", 200)]] == ["d0", "d1", "d0"]
 
@@ -211,7 +216,8 @@ def test_rejects_when_tbt_slo_cannot_be_met_and_admission_none_never_rejects() -
         if isinstance(d, Rejection):
             assert d.reason is RejectReason.TBT_SLO
             assert d.predicted_tbt_s == pytest.approx(0.013)
-            assert d.retry_after_s == pytest.approx(1000 * 0.011)  # y's predicted finish
+            # x joined alone (step 0.011), y beside x (0.012): x's finish is the first relief.
+            assert d.retry_after_s == pytest.approx(1000 * 0.011)
 
 
 def test_early_rejection_counts_requests_that_finish_before_prefill_ends() -> None:
@@ -220,7 +226,7 @@ def test_early_rejection_counts_requests_that_finish_before_prefill_ends() -> No
         c = make(num_decode=1, num_prefill=1, tbt_slo_s=0.0115, admission=admission)
         for rid in ("x", "y"):
             c.decode_load("d0").expect(rid, 0.0, 100, 10)
-            c.decode_load("d0").join(rid, 0.0, 0.01)  # 10 steps of 0.01 s
+            c.decode_load("d0").join(rid, 0.0, lambda batch, context: 0.01)  # 10 steps of 0.01 s
         return c
 
     assert isinstance(cluster("slo").schedule(request("r"), 0.0), Rejection)  # batch 3 now

@@ -30,7 +30,14 @@ def test_decode_forecast_drops_finished_and_adds_joined() -> None:
     assert d.batch_at(0.0) == (0, 0)
     assert d.batch_at(1.0) == (1, 100)
     assert d.batch_at(6.0) == (2, 300)
-    d.join("a", now_s=2.0, step_s=0.5)  # finishes at 2 + 10 * 0.5 = 7
+    seen: list[tuple[int, int]] = []
+
+    def step(batch: int, context: int) -> float:
+        seen.append((batch, context))
+        return 0.5
+
+    d.join("a", now_s=2.0, step_time_s=step)  # finishes at 2 + 10 * 0.5 = 7
+    assert seen == [(1, 100)]  # the batch it joins: itself (b is not due before 5.0)
     assert d.batch_size == 1 and d.num_pending == 1 and d.num_booked == 2
     assert d.batch_at(6.9) == (2, 300)
     assert d.batch_at(7.0) == (1, 200)  # a has finished, b has joined

@@ -52,3 +52,13 @@ def engine() -> Engine:
 
 def config_json(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture
+def kvcake_main(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """`kvcake.cli.main` with only the engine's subcommands registered, so these tests do not
+    depend on the state of other subpackages' command modules."""
+    import kvcake.cli
+
+    monkeypatch.setattr(kvcake.cli, "_COMMAND_MODULES", ("kvcake.engine.cli",))
+    return kvcake.cli.main

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from kvcake.cli import main
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
 from kvcake.engine.llm import LLM
@@ -103,14 +103,14 @@ def _broken_dirs(root: Path) -> dict[str, tuple[Path, str]]:
     return cases
 
 
-def test_missing_or_malformed_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_missing_or_malformed_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture, kvcake_main) -> None:
     for name, (path, match) in _broken_dirs(tmp_path).items():
         if name == "good":
             assert LLM(str(path), EngineConfig(num_blocks=8, device="cpu")).engine.num_blocks == 8
             continue
         with pytest.raises(ValueError, match=f"model: .*{match}|config.json: .*{match}"):
             LLM(str(path), EngineConfig(num_blocks=8, device="cpu"))
-        assert main(["generate", "--model", str(path), "--prompt-ids", "1,2"]) == 2
+        assert kvcake_main(["generate", "--model", str(path), "--prompt-ids", "1,2"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("kvcake generate: error:"), (name, err)
 
@@ -124,8 +124,8 @@ def test_missing_or_malformed_model_directory(tmp_path: Path, capsys: pytest.Cap
     (["--prompt-ids", "1", "--model", "unknown"], "model: 'unknown' is neither"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(argv: list[str], match: str,
-                                             capsys: pytest.CaptureFixture) -> None:
-    assert main(["generate", *argv]) == 2
+                                             capsys: pytest.CaptureFixture, kvcake_main) -> None:
+    assert kvcake_main(["generate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert pytest.importorskip("re").search(match, err), err
+    assert re.search(match, err), err

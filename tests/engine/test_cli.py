@@ -6,13 +6,12 @@ import json
 
 import pytest
 
-from kvcake.cli import main
 from kvcake.engine.llm import LLM
 from kvcake.engine.sampling import SamplingParams
 
 
-def test_generate_prompt_ids_json(capsys: pytest.CaptureFixture) -> None:
-    assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "5",
+def test_generate_prompt_ids_json(capsys: pytest.CaptureFixture, kvcake_main) -> None:
+    assert kvcake_main(["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "5",
                  "--json", "--device", "cpu"]) == 0
     out = json.loads(capsys.readouterr().out)
     expected = LLM("tiny", device="cpu").generate([[1, 2, 3]], SamplingParams(max_tokens=5))[0]
@@ -22,8 +21,8 @@ def test_generate_prompt_ids_json(capsys: pytest.CaptureFixture) -> None:
     assert out["finish_reason"] in ("length", "stop")
 
 
-def test_generate_text_prompt(capsys: pytest.CaptureFixture) -> None:
-    assert main(["generate", "--prompt", "The KVCache is", "--max-tokens", "3", "--json",
+def test_generate_text_prompt(capsys: pytest.CaptureFixture, kvcake_main) -> None:
+    assert kvcake_main(["generate", "--prompt", "The KVCache is", "--max-tokens", "3", "--json",
                  "--device", "cpu"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_token_ids"][:3] == [256, ord("T"), ord("h")]

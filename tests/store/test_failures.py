@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,6 @@ from kvcake.transfer import (
     EndpointKey,
     FaultSpec,
     FaultyTransport,
-    SegmentDesc,
     TransferConfig,
     TransferEngine,
 )
@@ -36,18 +36,14 @@ class KillOnFirstRead:
         self.inner = inner
         self._kill = kill
 
-    def read(self, segment: SegmentDesc, offset: int, dest: memoryview, *,
-             checksum: bool) -> int | None:
+    def read(self, *args: Any, **kwargs: Any) -> Any:
         if not KillOnFirstRead.fired.is_set():
             KillOnFirstRead.fired.set()
             self._kill()
-        return self.inner.read(segment, offset, dest, checksum=checksum)
+        return self.inner.read(*args, **kwargs)
 
-    def write(self, segment: SegmentDesc, offset: int, src: memoryview, crc: int | None) -> None:
-        self.inner.write(segment, offset, src, crc)
-
-    def close(self) -> None:
-        self.inner.close()
+    def __getattr__(self, name: str) -> Any:  # write, close, ...: as the inner transport
+        return getattr(self.inner, name)
 
 
 def _start_nodes(master: MasterServer, num: int) -> list[StoreNode]:
@@ -59,7 +55,7 @@ def _start_nodes(master: MasterServer, num: int) -> list[StoreNode]:
 def _killer_client(master: MasterServer, victim: StoreNode, replicas: int) -> StoreClient:
     KillOnFirstRead.fired.clear()
 
-    def wrap(inner: TransportT, key: EndpointKey, rail: int) -> TransportT:
+    def wrap(inner: TransportT, key: EndpointKey, rail: int) -> Any:
         return KillOnFirstRead(inner, lambda: victim.close(unregister=False))
 
     engine = TransferEngine(TransferConfig(serve=False, use_shared_memory=False, num_rails=1,

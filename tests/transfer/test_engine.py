@@ -181,3 +181,26 @@ def dram_kind():  # type: ignore[no-untyped-def]
     from kvcake.transfer import TransportKind
 
     return TransportKind.TCP
+
+
+def test_a_peer_that_never_answers_times_out_each_attempt() -> None:
+    import socket
+
+    silent = socket.socket()
+    for port in range(20500, 20600):
+        try:
+            silent.bind(("127.0.0.1", port))
+            break
+        except OSError:
+            continue
+    silent.listen(8)  # accepts connections (kernel backlog) but never replies
+    try:
+        desc = SegmentDesc("x", 1, 4096, f"127.0.0.1:{silent.getsockname()[1]}", "elsewhere")
+        with engine_with(None, io_timeout_s=0.2, max_retries=1) as client:
+            batch = client.submit([TransferRequest(TransferOp.READ, bytearray(8), desc)])
+            status = client.wait(batch, timeout_s=30)
+        assert status.requests[0].state is RequestState.FAILED
+        assert "failed after 2 attempts" in (status.requests[0].error or "")
+        assert "timed out" in (status.requests[0].error or "")
+    finally:
+        silent.close()

@@ -52,7 +52,7 @@ def test_a_caller_owned_shared_memory_block_can_be_registered(server: TransferEn
         assert desc.shm_name == block.name and desc.length_bytes == 8192
         with TransferEngine(SHM_CLIENT) as client:
             client.write(desc, 100, b"hello")
-        assert bytes(block.buf[100:105]) == b"hello"
+        assert bytes(memoryview(block.buf)[100:105]) == b"hello"  # type: ignore[arg-type]
         server.unregister_segment("user")
     finally:
         block.close()

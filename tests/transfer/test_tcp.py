@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import numpy as np
@@ -14,8 +15,8 @@ from kvcake.transfer import (
     TransferOp,
     TransferRequest,
     TransportError,
+    frame,
 )
-from kvcake.transfer import frame
 from kvcake.transfer.frame import Header, Op, Status
 from kvcake.transfer.tcp import TcpTransport, parse_address, recv_exactly
 
@@ -97,12 +98,14 @@ def test_garbage_gets_an_error_and_only_that_connection_closes(server: TransferE
 ])
 def test_bad_requests_get_errors_and_the_connection_keeps_serving(
         server: TransferEngine, header: Header, status: Status, text: str) -> None:
-    server.allocate_segment("dram", 4096)
+    desc = server.allocate_segment("dram", 4096)
+    if header.segment_id == 1:
+        header = dataclasses.replace(header, segment_id=desc.segment_id)
     with raw_socket(server) as sock:
         sock.sendall(header.pack() + b"\xff" * header.length * (header.op == Op.WRITE))
         reply, body = reply_of(sock)
         assert reply.status == status and text in body.decode()
-        sock.sendall(Header(op=Op.READ, segment_id=1, offset=0, length=4).pack())
+        sock.sendall(Header(op=Op.READ, segment_id=desc.segment_id, offset=0, length=4).pack())
         reply, body = reply_of(sock)
         assert reply.status == Status.OK and body == b"\x00" * 4  # the rejected write wrote nothing
 
@@ -135,3 +138,22 @@ def test_unreachable_peer_fails_after_retries(client: TransferEngine) -> None:
     ghost = SegmentDesc("x", 1, 4096, "127.0.0.1:20999", "elsewhere")
     with pytest.raises(TransferError, match="after 4 attempts.*cannot connect"):
         client.read(ghost, 0, bytearray(16), timeout_s=30)
+
+
+def test_each_rail_binds_its_own_local_address(server: TransferEngine) -> None:
+    from kvcake.transfer import TransferConfig
+
+    desc = server.allocate_segment("dram", 16 * 1024)
+    bound: dict[int, str] = {}
+
+    def wrap(t, key, rail):  # type: ignore[no-untyped-def]
+        assert isinstance(t, TcpTransport)
+        bound[rail] = t.local_address.rpartition(":")[0]
+        return t
+
+    config = TransferConfig(serve=False, use_shared_memory=False, num_rails=2, slice_bytes=4096,
+                            rail_bind_hosts=("127.0.0.2", "127.0.0.3"))
+    with TransferEngine(config, wrap_transport=wrap) as client:
+        client.write(desc, 0, b"y" * 8192)
+    assert bound == {0: "127.0.0.2", 1: "127.0.0.3"}
+    assert bytes(server.segment("dram").array[:8192]) == b"y" * 8192

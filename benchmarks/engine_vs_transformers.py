@@ -1,0 +1,214 @@
+"""kvcake's engine vs Hugging Face transformers on the same weights and prompts, in one run.
+
+    .venv/bin/python benchmarks/engine_vs_transformers.py            # the `small` preset (~100M)
+    .venv/bin/python benchmarks/engine_vs_transformers.py --quick    # tiny shapes, a smoke run
+
+Three measurements (issue 2), each printed with its ratio:
+1. prefill tokens/s of one prompt: our engine (one step, no prefix cache) vs one transformers
+   forward that computes only the last position's logits (target >= 1.0x);
+2. 16 concurrent greedy generations of 128 tokens each (prompts of different lengths): our
+   continuous batching vs transformers `generate`, the better of one-by-one and a left-padded
+   batch (target >= 2x tokens/s);
+3. TTFT of a 4,096-token prompt whose first 3,840 tokens are in our prefix cache vs the same
+   prompt cold on our engine (target <= 0.15x).
+The preset's seeded dummy weights are written once as a Hugging Face directory; both systems
+load that directory. Each timing is the median of --reps runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvcake.engine.config import PRESETS, EngineConfig
+from kvcake.engine.engine import Engine
+from kvcake.engine.loader import dummy_weights, save_hf_dir
+from kvcake.engine.sampling import SamplingParams
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _median_s(fn: Callable[[], object], reps: int, device: str) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(3, vocab, (n,), generator=gen)]
+
+
+def _run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                tag: str) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+class _Tag:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> str:
+        self.n += 1
+        return f"run{self.n}"
+
+
+def bench_prefill(engine: Engine, hf: torch.nn.Module, n: int, reps: int, dev: str) -> dict:
+    prompt = _prompt(n, 1, engine.model_config.vocab_size)
+    ids = torch.tensor([prompt], device=dev)
+    tag = _Tag()
+    ours = _median_s(lambda: _run_engine(engine, [prompt], SamplingParams(max_tokens=1), tag()),
+                     reps, dev)
+    with torch.inference_mode():
+        theirs = _median_s(lambda: hf(ids, logits_to_keep=1), reps, dev)
+    return {"prompt_len": n, "ours_tok_s": n / ours, "hf_tok_s": n / theirs,
+            "ratio": theirs / ours}
+
+
+def bench_decode(engine: Engine, hf: torch.nn.Module, num_seqs: int, gen_len: int,
+                 reps: int, dev: str) -> dict:
+    vocab = engine.model_config.vocab_size
+    lens = [32 + (i * 37) % 129 for i in range(num_seqs)]  # 32..160 tokens
+    prompts = [_prompt(n, 100 + i, vocab) for i, n in enumerate(lens)]
+    params = SamplingParams(max_tokens=gen_len, ignore_eos=True)
+    tag = _Tag()
+    ours_out: dict[str, list[int]] = {}
+
+    def ours_run() -> None:
+        ours_out.clear()
+        ours_out.update(_run_engine(engine, prompts, params, tag()))
+
+    ours = _median_s(ours_run, reps, dev)
+    gen_kw = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
+                  pad_token_id=0, eos_token_id=None)
+    hf_single: list[list[int]] = []
+
+    def one_by_one() -> None:
+        hf_single.clear()
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device=dev), **gen_kw)
+            hf_single.append(out[0, len(p):].tolist())
+
+    width = max(lens)
+    padded = torch.zeros(num_seqs, width, dtype=torch.long, device=dev)
+    mask = torch.zeros(num_seqs, width, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):  # left padding, as decoder-only generate expects
+        padded[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+
+    with torch.inference_mode():
+        hf_one = _median_s(one_by_one, max(1, reps // 2), dev)
+        hf_batch = _median_s(lambda: hf.generate(padded, attention_mask=mask, **gen_kw),
+                             reps, dev)
+    ours_tokens = [ours_out[k] for k in sorted(ours_out, key=lambda k: int(k.rsplit("-", 1)[1]))]
+    same = sum(a == b for a, b in zip(ours_tokens, hf_single, strict=True))
+    total = num_seqs * gen_len
+    best = min(hf_one, hf_batch)
+    return {"num_seqs": num_seqs, "gen_len": gen_len, "ours_tok_s": total / ours,
+            "hf_one_by_one_tok_s": total / hf_one, "hf_padded_batch_tok_s": total / hf_batch,
+            "ratio_vs_best_hf": best / ours, "greedy_sequences_equal_hf": f"{same}/{num_seqs}"}
+
+
+def bench_cached_ttft(engine: Engine, cold: Engine, n: int, cached: int, reps: int,
+                      dev: str) -> dict:
+    vocab = engine.model_config.vocab_size
+    prefix = _prompt(cached, 7, vocab)
+    one = SamplingParams(max_tokens=1)
+    tag = _Tag()
+    hot_s, cold_s, hits = [], [], set()
+    for _ in range(reps):
+        suffix = _prompt(n - cached, 1000 + tag.n, vocab)  # a fresh suffix every run
+        _run_engine(engine, [prefix], one, tag())  # make sure the prefix is cached
+        hot_s.append(_ttft(engine, prefix + suffix, tag(), dev, hits))
+        cold_s.append(_ttft(cold, prefix + suffix, tag(), dev, set()))
+    hot, cold_t = statistics.median(hot_s), statistics.median(cold_s)
+    return {"prompt_len": n, "cached_len": sorted(hits), "ours_cached_ttft_s": hot,
+            "ours_cold_ttft_s": cold_t, "ratio": hot / cold_t}
+
+
+def _ttft(engine: Engine, prompt: list[int], rid: str, dev: str, hits: set[int]) -> float:
+    _sync(dev)
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1))
+    while True:
+        outs = engine.step()
+        if outs:
+            _sync(dev)
+            hits.add(outs[0].num_cached_tokens)
+            return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small", help="preset whose dummy weights both load")
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--num-seqs", type=int, default=16)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--ttft-len", type=int, default=4096)
+    ap.add_argument("--cached-len", type=int, default=3840)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--quick", action="store_true", help="tiny model and sizes (smoke run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.model, args.prefill_len, args.num_seqs, args.gen_len = "tiny", 256, 4, 16
+        args.ttft_len, args.cached_len, args.reps = 512, 448, 1
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    config = PRESETS[args.model]
+    dtype = getattr(torch, args.dtype)
+    engine_cfg = EngineConfig(kv_cache_bytes=1024 * 2**20, dtype=args.dtype, device=args.device,
+                              max_num_batched_tokens=2048)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_dir(config, dummy_weights(config, seed=0), Path(tmp))
+        hf = transformers.LlamaForCausalLM.from_pretrained(tmp, torch_dtype=dtype)
+        hf = hf.to(args.device).eval()
+        cold = Engine(tmp, dataclasses.replace(engine_cfg, enable_prefix_caching=False))
+        warm = Engine(tmp, engine_cfg)
+    print(f"model={args.model} ({config.num_params() / 1e6:.0f}M params) dtype={args.dtype} "
+          f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__} "
+          f"transformers={transformers.__version__}", flush=True)
+    results = {"prefill": bench_prefill(cold, hf, args.prefill_len, args.reps, args.device)}
+    print(json.dumps({"prefill": results["prefill"]}), flush=True)
+    results["decode"] = bench_decode(cold, hf, args.num_seqs, args.gen_len, args.reps,
+                                     args.device)
+    print(json.dumps({"decode": results["decode"]}), flush=True)
+    results["cached_ttft"] = bench_cached_ttft(warm, cold, args.ttft_len, args.cached_len,
+                                               args.reps, args.device)
+    print(json.dumps({"cached_ttft": results["cached_ttft"]}), flush=True)
+    print(f"prefill   ours/hf tokens/s = {results['prefill']['ratio']:.2f}x (target >= 1.0x)")
+    print(f"decode    ours/best-hf tokens/s = {results['decode']['ratio_vs_best_hf']:.2f}x "
+          f"(target >= 2x)")
+    print(f"cached    TTFT cached/cold = {results['cached_ttft']['ratio']:.3f}x "
+          f"(target <= 0.15x)")
+
+
+if __name__ == "__main__":
+    main()

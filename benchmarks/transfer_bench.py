@@ -1,0 +1,209 @@
+"""Transfer engine alone vs its limits, side by side in one run, on loopback:
+
+  TCP:        our engine (segment server in another process, client here) vs `iperf3`
+              (`iperf3 -s` started here on a port of ours, 1 stream and N streams);
+  same host:  our engine over a mapped shared-memory segment vs a numpy copy of the same size.
+
+    .venv/bin/python benchmarks/transfer_bench.py [--size-mib 256] [--duration-s 2] [--rounds 3]
+
+`run_transfer_benchmarks(...)` returns the figures as a dict, for benchmarks/store_vs_peers.py.
+Targets (issue 4): TCP >= 0.8x iperf3, same host >= 0.5x memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvcake.transfer import SegmentDesc, TransferConfig, TransferEngine, checksum
+from kvcake.transfer.segment import SharedBlock
+
+GB = 1e9
+
+
+def _serve_segment(size_bytes: int, port: int, queue: Any, stop: Any) -> None:
+    """Child process: one engine serving one shared-memory segment until told to stop."""
+    config = TransferConfig(port=port, port_search=50)
+    with TransferEngine(config) as engine:
+        desc = engine.allocate_segment("bench", size_bytes)
+        engine.segment("bench").array[:] = np.random.default_rng(0).integers(
+            0, 256, size_bytes, dtype=np.uint8)
+        queue.put(desc.to_dict())
+        stop.wait(3600)
+
+
+def _rate(step: Callable[[], None], num_bytes: int, duration_s: float) -> float:
+    """GB/s of `step` (moving num_bytes each call), repeated for about duration_s after a warm-up."""
+    step()
+    done, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < duration_s or done == 0:
+        step()
+        done += num_bytes
+    return done / (time.perf_counter() - start) / GB if elapsed else 0.0
+
+
+def _iperf3(port: int, duration_s: float, streams: int) -> float | None:
+    """Loopback TCP GB/s measured by iperf3 (receiver side), or None when it is not installed."""
+    if shutil.which("iperf3") is None:
+        return None
+    server = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)  # let the server bind: iperf3 has no readiness signal
+        out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t",
+                              str(max(1, round(duration_s))), "-P", str(streams), "-J"],
+                             capture_output=True, text=True, timeout=duration_s + 30, check=True)
+        return float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]) / 8 / GB
+    finally:
+        try:
+            server.wait(timeout=5)  # `-1`: the server exits after one test
+        except subprocess.TimeoutExpired:
+            server.terminate()
+            server.wait(timeout=10)
+
+
+def _engine_rates(desc: SegmentDesc, config: TransferConfig, duration_s: float) -> dict[str, float]:
+    buffer = np.zeros(desc.length_bytes, np.uint8)
+    with TransferEngine(config) as client:
+        read = _rate(lambda: client.read(desc, 0, buffer), desc.length_bytes, duration_s)
+        write = _rate(lambda: client.write(desc, 0, buffer), desc.length_bytes, duration_s)
+    return {"read_gbps": read, "write_gbps": write}
+
+
+def _memcpy_rate(size_bytes: int, duration_s: float) -> float:
+    src = np.random.default_rng(1).integers(0, 256, size_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return _rate(lambda: np.copyto(dst, src), size_bytes, duration_s)
+
+
+def _shm_copy_rate(size_bytes: int, duration_s: float) -> float:
+    """A numpy copy out of a shared-memory mapping: what any same-host shm path could reach here
+    (shared memory gets no transparent huge pages where shmem_enabled=never, private arrays do)."""
+    block = SharedBlock(size_bytes)
+    try:
+        src = np.frombuffer(block.mapping, dtype=np.uint8)
+        src[:] = 1
+        dst = np.empty_like(src)
+        return _rate(lambda: np.copyto(dst, src), size_bytes, duration_s)
+    finally:
+        block.unlink()
+
+
+def run_transfer_benchmarks(size_bytes: int = 256 << 20, duration_s: float = 2.0,
+                            port: int = 20700, num_rails: int = 4,
+                            rounds: int = 3) -> dict[str, Any]:
+    """Measure everything in one run; returns figures (GB/s) and ratios to the peers.
+
+    The systems take turns, `rounds` times, and each keeps its best figure: on a shared machine
+    the load moves, and interleaving gives every system the same chances. Uses ports
+    port .. port+49 (our segment server) and port+50 .. (iperf3, one per run).
+    """
+    ctx = mp.get_context("spawn")
+    queue, stop = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_serve_segment, args=(size_bytes, port, queue, stop), daemon=True)
+    child.start()
+    ours = {
+        "tcp": TransferConfig(serve=False, use_shared_memory=False, num_rails=num_rails),
+        "tcp_no_checksum": TransferConfig(serve=False, use_shared_memory=False,
+                                          num_rails=num_rails, checksum_tcp=False),
+        "shm": TransferConfig(serve=False, num_rails=num_rails),
+        "shm_checksum": TransferConfig(serve=False, num_rails=num_rails, checksum_shm=True),
+    }
+    result: dict[str, Any] = {"size_bytes": size_bytes, "duration_s": duration_s, "rounds": rounds,
+                              "num_rails": num_rails, "checksum": checksum.parse(TransferConfig().checksum).name,
+                              "loadavg_before": os.getloadavg()[0]}
+    best: dict[str, float] = {}
+
+    def keep(name: str, value: float | None) -> None:
+        if value is not None:
+            best[name] = max(best.get(name, 0.0), value)
+
+    try:
+        desc = SegmentDesc.from_dict(queue.get(timeout=120))
+        iperf_port = port + 50
+        for _ in range(rounds):
+            keep("iperf3_1_stream_gbps", _iperf3(iperf_port, duration_s, 1))
+            keep("iperf3_n_streams_gbps", _iperf3(iperf_port + 1, duration_s, num_rails))
+            iperf_port += 2
+            keep("memcpy_gbps", _memcpy_rate(size_bytes, duration_s))
+            keep("shm_memcpy_gbps", _shm_copy_rate(size_bytes, duration_s))
+            for name, config in ours.items():
+                for direction, value in _engine_rates(desc, config, duration_s).items():
+                    keep(f"{name}.{direction}", value)
+    finally:
+        stop.set()
+        child.join(30)
+        if child.is_alive():
+            child.terminate()
+    result["loadavg_after"] = os.getloadavg()[0]
+    for key in ("iperf3_1_stream_gbps", "iperf3_n_streams_gbps", "memcpy_gbps",
+                "shm_memcpy_gbps"):
+        result[key] = best.get(key)
+    iperf = max(best.get("iperf3_1_stream_gbps", 0.0), best.get("iperf3_n_streams_gbps", 0.0))
+    for name in ours:
+        peer, limit = ("memcpy", best["memcpy_gbps"]) if name.startswith("shm") else ("iperf3", iperf)
+        rates: dict[str, float | None] = {}
+        for direction in ("read", "write"):
+            rates[f"{direction}_gbps"] = best[f"{name}.{direction}_gbps"]
+            rates[f"{direction}_vs_{peer}"] = best[f"{name}.{direction}_gbps"] / limit if limit else None
+            if peer == "memcpy":
+                rates[f"{direction}_vs_shm_memcpy"] = (best[f"{name}.{direction}_gbps"]
+                                                       / best["shm_memcpy_gbps"])
+        result[name] = rates
+    return result
+
+
+def format_report(result: dict[str, Any]) -> str:
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
+    lines = [f"transfer engine, {result['size_bytes'] >> 20} MiB per transfer, "
+             f"{result['num_rails']} rails, checksum {result['checksum']}, best of "
+             f"{result['rounds']} interleaved rounds, load avg "
+             f"{result['loadavg_before']:.1f} -> {result['loadavg_after']:.1f}",
+             f"  iperf3 loopback: 1 stream {fmt(result['iperf3_1_stream_gbps'])} GB/s, "
+             f"{result['num_rails']} streams {fmt(result['iperf3_n_streams_gbps'])} GB/s",
+             f"  numpy copy: {fmt(result['memcpy_gbps'])} GB/s between private arrays, "
+             f"{fmt(result['shm_memcpy_gbps'])} GB/s out of a shared-memory mapping"]
+    for name, peer in (("tcp", "iperf3"), ("tcp_no_checksum", "iperf3"), ("shm", "memcpy"),
+                       ("shm_checksum", "memcpy")):
+        r = result[name]
+        line = (f"  {name:16s} read {fmt(r['read_gbps'])} GB/s ({fmt(r[f'read_vs_{peer}'])}x "
+                f"{peer})  write {fmt(r['write_gbps'])} GB/s ({fmt(r[f'write_vs_{peer}'])}x {peer})")
+        if peer == "memcpy":
+            line += (f"; vs shm copy: read {fmt(r['read_vs_shm_memcpy'])}x, "
+                     f"write {fmt(r['write_vs_shm_memcpy'])}x")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--duration-s", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--port", type=int, default=20700)
+    parser.add_argument("--rails", type=int, default=TransferConfig().num_rails)
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    result = run_transfer_benchmarks(args.size_mib << 20, args.duration_s, args.port, args.rails,
+                                     args.rounds)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Typed control messages between the frontend and its workers, and their codec.
+
+Control messages are small msgpack maps in the store's length-prefixed frames
+(`kvcake.store.protocol`: u32 big-endian length | msgpack body); bulk KV never travels here,
+only through the transfer engine. A body is `{"type": <class name>, <field>: <value>, ...}`.
+`decode` checks the type tag and every field (names and value types) and raises
+`MessageError` (a ValueError) naming what is wrong; a connection that sent a bad frame is out
+of sync and is closed by its reader.
+
+Direction and meaning (F = frontend, P = prefill worker, D = decode worker):
+  P/D -> F  Hello          the worker's identity, KV layout and staging segment (on connect)
+  F -> P    PrefillOrder   fetch the planned prefix, prefill, stream KV into D's staging blocks
+  P -> F    PrefillDone    first token, cached/fetched tokens, overlap figures (or an error)
+  F -> D    DecodeOrder    import the staged KV and join continuous batching
+  D -> F    DecodeAdmitted the staging blocks may be reused
+  D -> F    Tokens         new tokens of a decoding request (finish_reason on the last)
+  P/D -> F  RequestFailed  the request cannot continue on this worker
+  P/D -> F  KvEvents       blocks stored in / removed from the worker's prefix cache
+  P -> F    StoreEvents    blocks written to the store (holder "store" in the Conductor)
+  P/D -> F  LoadReport     queue, running requests and free KV blocks
+  F -> P/D  Abort, Shutdown
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from kvcake.store.errors import InvalidRequest
+from kvcake.store.protocol import encode, read_frame
+
+
+class MessageError(ValueError):
+    """A frame that is not a well-formed message of a known type."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings carried with an order (the engine's SamplingParams, as plain data)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Hello:
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    model_name: str
+    namespace: str
+    block_size: int
+    num_blocks: int
+    block_nbytes: int
+    layer_nbytes: int
+    num_layers: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    vocab_size: int
+    staging: dict[str, Any] | None  # SegmentDesc.to_dict() of the KV staging segment (decode)
+    num_staging_blocks: int
+
+
+@dataclass(frozen=True)
+class PrefillOrder:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # Sampling as a map
+    fetch_keys: list[int]  # block keys to fetch from the store before prefill (may be empty)
+    staging: dict[str, Any]  # the decode worker's staging SegmentDesc
+    staging_blocks: list[int]  # staging block index of each prompt block, in order
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    request_id: str
+    first_token_id: int
+    finish_reason: str | None  # set when the request ended at its first token
+    num_cached_tokens: int  # prompt tokens reused (local pages + fetched)
+    num_fetched_tokens: int  # of those, tokens fetched from the store
+    compute_s: float  # the prefill steps' wall time
+    transfer_span_s: float  # first layer submitted -> last layer landed
+    transfer_exposed_s: float  # waited after the last step: the part not hidden by compute
+    transfer_bytes: int
+
+
+@dataclass(frozen=True)
+class DecodeOrder:
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    sampling: dict[str, Any]
+    staging_blocks: list[int]
+
+
+@dataclass(frozen=True)
+class DecodeAdmitted:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Tokens:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    stored: list[int]
+    removed: list[int]
+
+
+@dataclass(frozen=True)
+class StoreEvents:
+    stored: list[int]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Message = (Hello | PrefillOrder | PrefillDone | DecodeOrder | DecodeAdmitted | Tokens
+           | RequestFailed | KvEvents | StoreEvents | LoadReport | Abort | Shutdown)
+
+_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
+    Hello, PrefillOrder, PrefillDone, DecodeOrder, DecodeAdmitted, Tokens, RequestFailed,
+    KvEvents, StoreEvents, LoadReport, Abort, Shutdown)}
+
+_CHECKS: dict[str, Any] = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "list[int]": lambda v: isinstance(v, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in v),
+    "dict[str, Any]": lambda v: isinstance(v, dict),
+}
+
+
+def _valid(value: Any, annotation: str) -> bool:
+    for option in annotation.split(" | "):
+        if option == "None" and value is None:
+            return True
+        check = _CHECKS.get(option)
+        if check is not None and value is not None and check(value):
+            return True
+    return False
+
+
+def to_wire(message: Message) -> dict[str, Any]:
+    """The message as a plain map (what goes into a frame)."""
+    return {"type": type(message).__name__, **asdict(message)}
+
+
+def from_wire(body: object) -> Message:
+    """The message a frame body names; MessageError naming the bad part otherwise."""
+    if not isinstance(body, dict):
+        raise MessageError("message: a frame must hold a map")
+    name = body.get("type")
+    cls = _TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise MessageError(f"type: unknown message type {name!r}")
+    spec = {f.name: str(f.type) for f in fields(cls)}
+    unknown = sorted(set(body) - set(spec) - {"type"}, key=str)
+    if unknown:
+        raise MessageError(f"{name}: unknown fields {unknown}")
+    values = {}
+    for fname, annotation in spec.items():
+        if fname not in body:
+            raise MessageError(f"{name}.{fname}: missing")
+        if not _valid(body[fname], annotation):
+            raise MessageError(f"{name}.{fname}: expected {annotation}, got "
+                               f"{type(body[fname]).__name__}")
+        values[fname] = body[fname]
+    return cls(**values)  # type: ignore[no-any-return]
+
+
+def sampling_from_wire(body: dict[str, Any]) -> Sampling:
+    """A Sampling from its map; MessageError on unknown or mistyped fields."""
+    spec = {f.name: str(f.type) for f in fields(Sampling)}
+    unknown = sorted(set(body) - set(spec), key=str)
+    if unknown:
+        raise MessageError(f"sampling: unknown fields {unknown}")
+    for fname, annotation in spec.items():
+        if fname in body and not _valid(body[fname], annotation):
+            raise MessageError(f"sampling.{fname}: expected {annotation}")
+    if "max_tokens" not in body:
+        raise MessageError("sampling.max_tokens: missing")
+    return Sampling(**body)
+
+
+class MessageLink:
+    """One TCP connection carrying messages both ways. `send` is thread-safe; `recv` is for one
+    reader thread. `close()` is idempotent and wakes a blocked `recv` (it returns None)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def connect(cls, address: str, timeout_s: float = 10.0) -> MessageLink:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"address: expected HOST:PORT, got {address!r}")
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        sock.settimeout(None)
+        return cls(sock)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def send(self, message: Message) -> None:
+        """Send one message; OSError when the peer is gone."""
+        frame = encode(to_wire(message))
+        with self._send_lock:
+            self._sock.sendall(frame)
+
+    def recv(self) -> Message | None:
+        """The next message, or None at the end of the stream (peer closed, or close())."""
+        try:
+            body = read_frame(self._sock)
+        except InvalidRequest as exc:
+            raise MessageError(str(exc)) from None
+        except OSError:
+            return None
+        return None if body is None else from_wire(body)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

@@ -1,0 +1,520 @@
+"""The disaggregated backend: the Conductor in the frontend, prefill and decode workers behind it.
+
+Lifecycle of one request (the `Backend` contract of backend.py on the outside):
+  generate()   block keys of the prompt (the workers' namespace and block size) ->
+               `Conductor.schedule` with the live view -> Rejection: `Rejected` (HTTP 429) |
+               Placement (p, d, fetch plan): reserve staging slots on d (queued while d has
+               none free) -> `PrefillOrder` to p;
+  PrefillDone  first token to the client (TTFT), `DecodeOrder` to d (colocated: p decodes);
+  DecodeAdmitted  the staging slots are free again;  Tokens  stream to the client.
+  A worker whose link drops is removed from the Conductor; its requests end with an error
+  event, later requests go to the survivors.
+
+Live view: prefill workers' `KvEvents` and `StoreEvents` feed the Conductor's index (holder
+"store" for blocks in the store); dispatches and completions feed its queue and decode books.
+Threads: one reader per worker link; every shared structure is guarded by `_lock`; tokens reach
+the HTTP side through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import cast
+
+from kvcake.clock import Clock, SystemClock
+from kvcake.conductor import Conductor, ConductorConfig, Placement, Policy, ScheduleRequest
+from kvcake.conductor.predictor import DecodeModel, PrefillModel
+from kvcake.engine.loader import resolve
+from kvcake.hashing import block_keys
+from kvcake.messages import (
+    Abort,
+    DecodeAdmitted,
+    DecodeOrder,
+    Hello,
+    KvEvents,
+    LoadReport,
+    Message,
+    MessageError,
+    MessageLink,
+    PrefillDone,
+    PrefillOrder,
+    RequestFailed,
+    Sampling,
+    Shutdown,
+    StoreEvents,
+    Tokens,
+)
+from kvcake.server.backend import BackendStats, FinishReason, GenerateRequest, Rejected, TokenEvent
+from kvcake.server.protocol import render_chat_text
+
+log = logging.getLogger(__name__)
+
+STORE_HOLDER = "store"
+
+
+class Stage(Enum):
+    QUEUED = "queued"  # placed, waiting for staging slots on its decode worker
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DONE = "done"
+
+
+@dataclass
+class _Flight:
+    request: GenerateRequest
+    sink: asyncio.Queue[TokenEvent | BaseException]
+    loop: asyncio.AbstractEventLoop
+    placement: Placement
+    sampling: Sampling
+    slots: list[int] = field(default_factory=list)
+    stage: Stage = Stage.QUEUED
+    num_cached_tokens: int = 0
+    aborted: bool = False
+
+
+@dataclass
+class _WorkerView:
+    hello: Hello
+    link: MessageLink
+    free_slots: deque[int]
+    load: LoadReport | None = None
+    alive: bool = True
+
+
+@dataclass
+class TransferTotals:
+    """KV streaming figures summed over finished prefills (see `PrefillDone`)."""
+
+    num_prefills: int = 0
+    compute_s: float = 0.0
+    transfer_span_s: float = 0.0
+    transfer_exposed_s: float = 0.0
+    transfer_bytes: int = 0
+    num_cached_tokens: int = 0
+    num_fetched_tokens: int = 0
+
+    @property
+    def hidden_share(self) -> float:
+        """Share of the streaming window overlapped with compute: 1 - exposed / span."""
+        if self.transfer_span_s <= 0:
+            return 0.0
+        return 1.0 - self.transfer_exposed_s / self.transfer_span_s
+
+
+class _Stream:
+    def __init__(self, backend: DisaggBackend, request_id: str,
+                 sink: asyncio.Queue[TokenEvent | BaseException]) -> None:
+        self._backend, self._request_id, self._sink = backend, request_id, sink
+        self._done = False
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._sink.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finish_reason is not None
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:  # no await: this may run in a cancelled task
+            self._done = True
+            self._backend.abort(self._request_id)
+
+
+class DisaggBackend:
+    """See the module docstring. `start()` connects to the workers; `close()` disconnects."""
+
+    def __init__(self, model: str, worker_addresses: Sequence[str], config: ConductorConfig,
+                 prefill_model: PrefillModel, decode_model: DecodeModel,
+                 clock: Clock | None = None) -> None:
+        if not worker_addresses:
+            raise ValueError("workers: pass at least one worker address")
+        source = resolve(model)
+        self._model_config = source.config
+        self._tokenizer = source.tokenizer
+        self._addresses = list(worker_addresses)
+        self.config = config
+        self._prefill_model, self._decode_model = prefill_model, decode_model
+        self.clock = clock or SystemClock()
+        self._lock = threading.RLock()
+        self._workers: dict[str, _WorkerView] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._queued: deque[str] = deque()
+        self.conductor: Conductor | None = None
+        self.totals = TransferTotals()
+        self._layout: Hello | None = None
+        self._readers: list[threading.Thread] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> DisaggBackend:
+        hellos: list[tuple[Hello, MessageLink]] = []
+        for address in self._addresses:
+            link = MessageLink.connect(address)
+            first = link.recv()
+            if not isinstance(first, Hello):
+                link.close()
+                raise ValueError(f"worker {address}: expected Hello, got {first!r}")
+            hellos.append((first, link))
+        self._layout = hellos[0][0]
+        for hello, _ in hellos:
+            if (hello.namespace, hello.block_size) != (self._layout.namespace,
+                                                       self._layout.block_size):
+                raise ValueError(f"worker {hello.worker_id}: KV namespace {hello.namespace!r} "
+                                 f"differs from {self._layout.namespace!r}; run every worker "
+                                 "with the same model, dtype, seed and block size")
+        colocated = self.config.policy is Policy.COLOCATED
+        prefill_ids = [h.worker_id for h, _ in hellos if h.role in ("prefill", "colocated")]
+        decode_ids = [] if colocated else [h.worker_id for h, _ in hellos if h.role == "decode"]
+        self.conductor = Conductor(self.config, prefill_ids, decode_ids, self._prefill_model,
+                                   self._decode_model, self._layout.kv_bytes_per_token)
+        for hello, link in hellos:
+            self._workers[hello.worker_id] = _WorkerView(
+                hello, link, deque(range(hello.num_staging_blocks)))
+        for hello, link in hellos:
+            reader = threading.Thread(target=self._read_loop, args=(hello.worker_id, link),
+                                      name=f"frontend-{hello.worker_id}", daemon=True)
+            reader.start()
+            self._readers.append(reader)
+        return self
+
+    def close(self, shutdown_workers: bool = False) -> None:
+        with self._lock:
+            views = list(self._workers.values())
+            for flight in list(self._flights.values()):
+                self._fail(flight, RuntimeError("the server is shutting down"))
+        for view in views:
+            if shutdown_workers and view.alive:
+                try:
+                    view.link.send(Shutdown())
+                except OSError:
+                    pass
+            view.alive = False
+            view.link.close()
+        for reader in self._readers:
+            reader.join(timeout=5)
+
+    def __enter__(self) -> DisaggBackend:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the Backend contract ------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self._model_config.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._hello().max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model_config.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer.json; send token ids instead "
+                             "of text")
+        return self._tokenizer.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "" if self._tokenizer is None else self._tokenizer.decode(list(token_ids))
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        return self.encode(render_chat_text(messages))
+
+    async def generate(self, request: GenerateRequest) -> _Stream:
+        sampling = _sampling(request)
+        layout = self._hello()
+        keys = block_keys(request.prompt_token_ids, layout.block_size, layout.namespace)
+        schedule = ScheduleRequest(request.request_id, len(request.prompt_token_ids),
+                                   tuple(keys), layout.block_size, request.max_tokens)
+        sink: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        with self._lock:
+            if self.conductor is None:
+                raise RuntimeError("DisaggBackend.generate() before start()")
+            decision = self.conductor.schedule(schedule, self.clock.now_s())
+            if not isinstance(decision, Placement):
+                raise Rejected(f"the Conductor rejected the request ({decision.reason.value}: "
+                               f"predicted TTFT {decision.predicted_ttft_s:.3f} s, TBT "
+                               f"{decision.predicted_tbt_s:.3f} s)", decision.retry_after_s)
+            flight = _Flight(request, sink, asyncio.get_running_loop(), decision, sampling)
+            self._flights[request.request_id] = flight
+            self._queued.append(request.request_id)
+            self._dispatch_queued()
+        return _Stream(self, request.request_id, sink)
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            waiting = sum(f.stage in (Stage.QUEUED, Stage.PREFILLING)
+                          for f in self._flights.values())
+            running = sum(f.stage is Stage.DECODING for f in self._flights.values())
+            usage = [1 - v.load.num_free_blocks / v.hello.num_blocks
+                     for v in self._workers.values() if v.load is not None and v.alive]
+            totals = self.totals
+            return BackendStats(
+                num_waiting_requests=waiting, num_running_requests=running,
+                kv_cache_usage=max(usage, default=0.0), transfer_bytes=totals.transfer_bytes,
+                extra={"kv_stream_hidden_share": totals.hidden_share,
+                       "fetched_tokens": float(totals.num_fetched_tokens),
+                       "live_workers": float(sum(v.alive for v in self._workers.values()))})
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone); its staging slots come back once the prefill acks."""
+        with self._lock:
+            flight = self._flights.get(request_id)
+            if flight is None or flight.stage is Stage.DONE:
+                return
+            flight.aborted = True
+            placement = flight.placement
+            self._send(placement.prefill_id, Abort(request_id))
+            if placement.decode_id != placement.prefill_id:
+                self._send(placement.decode_id, Abort(request_id))
+            if flight.stage is not Stage.PREFILLING:  # nothing may still write its slots
+                self._finish(flight)
+            else:
+                flight.stage = Stage.DONE
+                assert self.conductor is not None
+                self.conductor.on_request_aborted(request_id)
+
+    def set_draining(self, worker_id: str, draining: bool) -> None:
+        """Stop (or resume) placing new requests on a worker; its running requests finish.
+        A resumed prefill worker starts with an empty view of its cache."""
+        with self._lock:
+            view = self._workers.get(worker_id)
+            if view is None or not view.alive:
+                raise ValueError(f"worker: no live worker {worker_id!r}")
+            assert self.conductor is not None
+            known = worker_id in self.conductor.prefill_ids or \
+                worker_id in self.conductor.decode_ids
+            if draining and known:
+                self.conductor.remove_instance(worker_id)
+            elif not draining and not known:
+                if view.hello.role == "decode":
+                    self.conductor.add_decode_instance(worker_id)
+                else:
+                    self.conductor.add_prefill_instance(worker_id)
+                    if self.config.policy is Policy.COLOCATED:
+                        self.conductor.add_decode_instance(worker_id)
+
+    def live_worker_ids(self) -> list[str]:
+        with self._lock:
+            return [w for w, v in self._workers.items() if v.alive]
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def _hello(self) -> Hello:
+        if self._layout is None:
+            raise RuntimeError("DisaggBackend not started")
+        return self._layout
+
+    def _dispatch_queued(self) -> None:
+        """Send every queued request whose decode worker has slots (in arrival order per
+        decode worker)."""
+        blocked: set[str] = set()
+        for _ in range(len(self._queued)):
+            rid = self._queued.popleft()
+            flight = self._flights.get(rid)
+            if flight is None or flight.stage is not Stage.QUEUED:
+                continue
+            decode_id = flight.placement.decode_id
+            if decode_id in blocked or not self._try_dispatch(flight):
+                blocked.add(decode_id)
+                self._queued.append(rid)
+
+    def _try_dispatch(self, flight: _Flight) -> bool:
+        placement = flight.placement
+        request = flight.request
+        colocated = placement.decode_id == placement.prefill_id
+        decode = self._workers.get(placement.decode_id)
+        if decode is None or not decode.alive:
+            self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
+            return True
+        num_blocks = -(-len(request.prompt_token_ids) // self._hello().block_size)
+        if not colocated:
+            if num_blocks > decode.hello.num_staging_blocks:
+                self._fail(flight, ValueError("prompt: longer than the decode worker's staging "
+                                              "segment holds; raise --staging-bytes"))
+                return True
+            if len(decode.free_slots) < num_blocks:
+                return False
+            flight.slots = [decode.free_slots.popleft() for _ in range(num_blocks)]
+        fetch = placement.fetch
+        order = PrefillOrder(
+            request.request_id, list(request.prompt_token_ids),
+            asdict(flight.sampling),
+            [cast(int, k) for k in fetch.keys] if fetch is not None else [],
+            {} if colocated else dict(decode.hello.staging or {}), flight.slots)
+        flight.stage = Stage.PREFILLING
+        assert self.conductor is not None
+        self.conductor.on_prefill_started(placement.prefill_id, request.request_id,
+                                          self.clock.now_s())
+        if not self._send(placement.prefill_id, order):
+            self._fail(flight, RuntimeError(f"prefill worker {placement.prefill_id} is gone"))
+        return True
+
+    def _send(self, worker_id: str, message: Message) -> bool:
+        view = self._workers.get(worker_id)
+        if view is None or not view.alive:
+            return False
+        try:
+            view.link.send(message)
+        except OSError:
+            return False
+        return True
+
+    # -- events from workers (reader threads) -----------------------------------------------
+    def _read_loop(self, worker_id: str, link: MessageLink) -> None:
+        while True:
+            try:
+                message = link.recv()
+            except MessageError as exc:
+                log.warning("worker %s sent a bad message: %s", worker_id, exc)
+                message = None
+            if message is None:
+                self._on_worker_lost(worker_id)
+                return
+            with self._lock:
+                self._on_message(worker_id, message)
+
+    def _on_message(self, worker_id: str, message: Message) -> None:
+        conductor = self.conductor
+        assert conductor is not None
+        if isinstance(message, KvEvents):
+            if worker_id in conductor.prefill_ids:
+                conductor.on_blocks_stored(worker_id, message.stored)
+                conductor.on_blocks_removed(worker_id, message.removed)
+            return
+        if isinstance(message, StoreEvents):
+            conductor.on_blocks_stored(STORE_HOLDER, message.stored)
+            return
+        if isinstance(message, LoadReport):
+            self._workers[worker_id].load = message
+            return
+        flight = self._flights.get(getattr(message, "request_id", ""))
+        if flight is None:
+            return
+        if isinstance(message, PrefillDone):
+            self._on_prefill_done(flight, message)
+        elif isinstance(message, DecodeAdmitted):
+            self._free_slots(flight)
+            conductor.on_decode_joined(flight.placement.decode_id, message.request_id,
+                                       self.clock.now_s())
+            self._dispatch_queued()
+        elif isinstance(message, Tokens):
+            reason = FinishReason(message.finish_reason) if message.finish_reason else None
+            self._emit(flight, TokenEvent(tuple(message.token_ids), flight.num_cached_tokens,
+                                          reason))
+            if reason is not None:
+                self._finish(flight)
+        elif isinstance(message, RequestFailed):
+            if flight.aborted:
+                self._finish(flight)
+            else:
+                self._fail(flight, RuntimeError(f"worker {worker_id}: {message.message}"))
+
+    def _on_prefill_done(self, flight: _Flight, done: PrefillDone) -> None:
+        conductor = self.conductor
+        assert conductor is not None
+        placement = flight.placement
+        now_s = self.clock.now_s()
+        conductor.on_prefill_finished(placement.prefill_id, done.request_id, now_s)
+        conductor.on_transfer_done(done.request_id, now_s)
+        t = self.totals
+        t.num_prefills += 1
+        t.compute_s += done.compute_s
+        t.transfer_span_s += done.transfer_span_s
+        t.transfer_exposed_s += done.transfer_exposed_s
+        t.transfer_bytes += done.transfer_bytes
+        t.num_cached_tokens += done.num_cached_tokens
+        t.num_fetched_tokens += done.num_fetched_tokens
+        if flight.aborted:
+            self._finish(flight)
+            return
+        flight.num_cached_tokens = done.num_cached_tokens
+        reason = FinishReason(done.finish_reason) if done.finish_reason else None
+        self._emit(flight, TokenEvent((done.first_token_id,), done.num_cached_tokens, reason))
+        if reason is not None:
+            self._finish(flight)
+            return
+        flight.stage = Stage.DECODING
+        if placement.decode_id == placement.prefill_id:  # colocated: it decodes in place
+            conductor.on_decode_joined(placement.decode_id, done.request_id, now_s)
+            return
+        order = DecodeOrder(done.request_id, list(flight.request.prompt_token_ids),
+                            done.first_token_id, asdict(flight.sampling),
+                            flight.slots)
+        if not self._send(placement.decode_id, order):
+            self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
+
+    def _on_worker_lost(self, worker_id: str) -> None:
+        with self._lock:
+            view = self._workers.get(worker_id)
+            if view is None or not view.alive:
+                return
+            view.alive = False
+            log.warning("worker %s lost; its requests fail, new ones go to the others",
+                        worker_id)
+            assert self.conductor is not None
+            self.conductor.remove_instance(worker_id)
+            for flight in list(self._flights.values()):
+                p = flight.placement
+                if worker_id not in (p.prefill_id, p.decode_id):
+                    continue
+                if flight.aborted:  # nothing will ack the abort now
+                    self._finish(flight)
+                    continue
+                role = "decode" if worker_id == p.decode_id else "prefill"
+                self._fail(flight, RuntimeError(
+                    f"{role} worker {worker_id} failed while serving this request; retry it"))
+            self._dispatch_queued()
+
+    # -- endings -------------------------------------------------------------------------------
+    def _emit(self, flight: _Flight, item: TokenEvent | BaseException) -> None:
+        try:
+            flight.loop.call_soon_threadsafe(flight.sink.put_nowait, item)
+        except RuntimeError:  # the HTTP side's loop is closed: nobody listens any more
+            pass
+
+    def _fail(self, flight: _Flight, error: BaseException) -> None:
+        if flight.stage is not Stage.DONE and not flight.aborted:
+            self._emit(flight, error)
+        placement = flight.placement
+        for worker_id in {placement.prefill_id, placement.decode_id}:
+            self._send(worker_id, Abort(flight.request.request_id))
+        self._finish(flight)
+
+    def _finish(self, flight: _Flight) -> None:
+        rid = flight.request.request_id
+        flight.stage = Stage.DONE
+        self._free_slots(flight)
+        self._flights.pop(rid, None)
+        assert self.conductor is not None
+        self.conductor.on_request_aborted(rid)  # forgets whatever is still booked
+        self._dispatch_queued()
+
+    def _free_slots(self, flight: _Flight) -> None:
+        view = self._workers.get(flight.placement.decode_id)
+        if view is not None and flight.slots:
+            view.free_slots.extend(flight.slots)
+        flight.slots = []
+
+
+def _sampling(request: GenerateRequest) -> Sampling:
+    if request.min_tokens > 1 and not (request.ignore_eos and not request.stop_token_ids):
+        raise ValueError("min_tokens > 1 is supported only with ignore_eos=true and no "
+                         "stop_token_ids on this backend")
+    return Sampling(max_tokens=request.max_tokens, temperature=request.temperature,
+                    top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                    stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos)

@@ -1,0 +1,185 @@
+"""`kvcake profile`: this machine's prefill and decode times on the engine, fitted and cached.
+
+The Conductor predicts T_prefill = f(input_len, prefix_len) with a polynomial regression and the
+decode step time (TBT) with a linear one (kvcake.conductor.predictor). Here both are fitted on
+times measured on the live engine: a grid of (input length, cached prefix length) prefills and a
+few decode steps of (batch size, context). The fit is cached as JSON under the cache directory,
+keyed by model, dtype and torch threads, and `serve` reuses it (profiling on first use).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvcake.conductor import (
+    DecodePoint,
+    DecodeStepPredictor,
+    PrefillPoint,
+    PrefillTimePredictor,
+)
+from kvcake.engine.config import EngineConfig
+from kvcake.engine.engine import Engine
+from kvcake.engine.sampling import SamplingParams
+from kvcake.ids import CountingIds
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """What to measure. The default is small: a few seconds on the tiny preset."""
+
+    input_lens: tuple[int, ...] = (32, 96, 192, 384)
+    prefix_fracs: tuple[float, ...] = (0.0, 0.5, 0.9)
+    decode_batch_sizes: tuple[int, ...] = (1, 4, 8)
+    decode_context_lens: tuple[int, ...] = (32, 256)
+    repeats: int = 2  # the minimum of this many runs is kept (noise on a shared machine)
+
+    def __post_init__(self) -> None:
+        if len(self.input_lens) < 3 or min(self.input_lens) < 2:
+            raise ValueError("input_lens: give at least 3 lengths, each >= 2")
+        if len(self.prefix_fracs) < 2 or not all(0 <= f < 1 for f in self.prefix_fracs):
+            raise ValueError("prefix_fracs: give at least 2 shares in [0, 1)")
+        if not self.decode_batch_sizes or not self.decode_context_lens or \
+                min(self.decode_batch_sizes) < 1 or min(self.decode_context_lens) < 1:
+            raise ValueError("decode_batch_sizes, decode_context_lens: positive values needed")
+        if self.repeats < 1:
+            raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    dtype: str
+    num_threads: int
+    prefill: PrefillTimePredictor
+    decode: DecodeStepPredictor
+    prefill_points: list[PrefillPoint] = field(default_factory=list)
+    decode_points: list[DecodePoint] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "model": self.model, "dtype": self.dtype, "num_threads": self.num_threads,
+            "prefill": json.loads(self.prefill.to_json()),
+            "decode": json.loads(self.decode.to_json()),
+            "prefill_points": [[p.input_len, p.prefix_len, p.time_s] for p in self.prefill_points],
+            "decode_points": [[p.batch_size, p.context_tokens, p.time_s]
+                              for p in self.decode_points]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        data = json.loads(text)
+        return cls(data["model"], data["dtype"], int(data["num_threads"]),
+                   PrefillTimePredictor.from_json(json.dumps(data["prefill"])),
+                   DecodeStepPredictor.from_json(json.dumps(data["decode"])),
+                   [PrefillPoint(int(a), int(b), float(c)) for a, b, c in data["prefill_points"]],
+                   [DecodePoint(int(a), int(b), float(c)) for a, b, c in data["decode_points"]])
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("KVCAKE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "kvcake" / "profiles"
+
+
+def cache_path(cache_dir: Path, model: str, dtype: str, num_threads: int) -> Path:
+    safe = model.replace("/", "_").strip("._") or "model"
+    return cache_dir / f"profile-{safe}-{dtype}-t{num_threads}.json"
+
+
+def measure_prefill(engine: Engine, grid: ProfileGrid, seed: int = 0) -> list[PrefillPoint]:
+    """Seconds of one prefill step per (input_len, cached prefix_len) of the grid."""
+    rng = np.random.default_rng(seed)
+    ids = CountingIds("profile-prefill")
+    vocab = min(engine.model_config.vocab_size, 256)
+    _prefill_s(engine, ids, rng.integers(0, vocab, 16).tolist())  # warm-up
+    points = []
+    for n in grid.input_lens:
+        for frac in grid.prefix_fracs:
+            best, cached = float("inf"), 0
+            for _ in range(grid.repeats):
+                prompt = rng.integers(0, vocab, n).tolist()  # fresh: nothing else is cached
+                prefix = int(n * frac)
+                if prefix >= engine.block_size:
+                    _prefill_s(engine, ids, prompt[:prefix])
+                elapsed, cached = _prefill_s(engine, ids, prompt)
+                best = min(best, elapsed)
+            points.append(PrefillPoint(n, cached, best))
+    return points
+
+
+def _prefill_s(engine: Engine, ids: CountingIds, prompt: list[int]) -> tuple[float, int]:
+    rid = ids.next_id()
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1))
+    start = time.perf_counter()
+    cached = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            cached = out.num_cached_tokens
+    return time.perf_counter() - start, cached
+
+
+def measure_decode(engine: Engine, grid: ProfileGrid, seed: int = 1) -> list[DecodePoint]:
+    """Seconds of one decode step of `b` sequences of `c` context tokens each."""
+    rng = np.random.default_rng(seed)
+    ids = CountingIds("profile-decode")
+    vocab = min(engine.model_config.vocab_size, 256)
+    params = SamplingParams(max_tokens=2 + grid.repeats, ignore_eos=True)
+    points = []
+    for b in grid.decode_batch_sizes:
+        for c in grid.decode_context_lens:
+            for _ in range(b):
+                engine.add_request(ids.next_id(), rng.integers(0, vocab, c).tolist(), params)
+            while any(s.num_computed_tokens < s.num_prompt_tokens
+                      for s in [*engine.batcher.waiting, *engine.batcher.running]):
+                engine.step()
+            best = float("inf")
+            for _ in range(grid.repeats):
+                start = time.perf_counter()
+                engine.step()
+                best = min(best, time.perf_counter() - start)
+            while engine.has_unfinished():
+                engine.step()
+            points.append(DecodePoint(b, b * c, best))
+    return points
+
+
+def run_profile(model: str, engine_config: EngineConfig, grid: ProfileGrid) -> Profile:
+    """Measure with torch's current thread count (set it first, as the workers do)."""
+    import torch
+
+    engine = Engine(model, engine_config)
+    prefill = measure_prefill(engine, grid)
+    decode = measure_decode(engine, grid)
+    return Profile(engine.model_config.name, engine_config.dtype, torch.get_num_threads(),
+                   PrefillTimePredictor.fit(prefill), DecodeStepPredictor.fit(decode),
+                   prefill, decode)
+
+
+def load_or_profile(model: str, engine_config: EngineConfig, cache_dir: Path | None = None,
+                    grid: ProfileGrid | None = None, refresh: bool = False,
+                    num_threads: int | None = None) -> Profile:
+    """The cached profile of (model, dtype, torch threads), measured and cached if absent.
+    `num_threads` (None: torch's current setting) is set for the measurement, as workers do."""
+    import torch
+
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads: must be >= 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
+    directory = cache_dir or default_cache_dir()
+    path = cache_path(directory, model, engine_config.dtype, torch.get_num_threads())
+    if path.is_file() and not refresh:
+        try:
+            return Profile.from_json(path.read_text())
+        except (ValueError, KeyError, TypeError):
+            pass  # a stale or damaged cache is measured again
+    profile = run_profile(model, engine_config, grid or ProfileGrid())
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(profile.to_json())
+    tmp.replace(path)
+    return profile

@@ -1,0 +1,123 @@
+"""The decode side of a worker: step 4 of the four (continuous batching of prefilled requests).
+
+The worker registers a staging segment of `staging_bytes` with its transfer engine; prefill
+workers write each request's prompt KV into it, layer by layer, at block slots the frontend
+assigned (`DecodeOrder.staging_blocks`: slot i holds prompt block i, laid out like the engine's
+block bytes: layer 0 K|V, layer 1 K|V, ...).
+
+Lifecycle of one `DecodeOrder` on the engine-loop thread:
+  read the request's slots -> `engine.add_request_with_kv` (blocks already in the local prefix
+  cache are reused, not copied) -> `DecodeAdmitted` (the frontend may reuse the slots) ->
+  every step's new tokens -> `Tokens` (finish_reason on the last). An order the pool has no
+  room for waits (in arrival order) until a running request frees blocks; one that can never
+  fit, because nothing else runs, fails with `RequestFailed`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from kvcake.messages import (
+    Abort,
+    DecodeAdmitted,
+    DecodeOrder,
+    Message,
+    RequestFailed,
+    Tokens,
+    sampling_from_wire,
+)
+from kvcake.server.worker_prefill import sampling_params
+
+if TYPE_CHECKING:
+    from kvcake.server.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class DecodeRole:
+    def __init__(self, worker: Worker) -> None:
+        assert worker.engine is not None and worker.transfer is not None
+        self.worker = worker
+        self.engine = worker.engine
+        self.transfer = worker.transfer
+        self._block_nbytes = self.engine.pool.block_nbytes
+        self._num_slots = worker.config.staging_bytes // self._block_nbytes
+        if self._num_slots < 1:
+            raise ValueError(f"staging_bytes: {worker.config.staging_bytes} holds no KV block of "
+                             f"{self._block_nbytes} bytes; raise it")
+        self._segment_name = f"kv-staging-{worker.worker_id}"
+        self._staging = self.transfer.allocate_segment(self._segment_name,
+                                                       self._num_slots * self._block_nbytes)
+        self._pending: deque[DecodeOrder] = deque()
+        self._live: set[str] = set()
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def staging(self) -> tuple[dict[str, Any] | None, int]:
+        return self._staging.to_dict(), self._num_slots
+
+    def has_pending(self) -> bool:
+        return bool(self._pending) and self.engine.has_unfinished()
+
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, DecodeOrder):
+            self._pending.append(message)
+            self._admit_pending()
+        elif isinstance(message, Abort):
+            rid = message.request_id
+            self._pending = deque(o for o in self._pending if o.request_id != rid)
+            if rid in self._live:
+                self._live.discard(rid)
+                self.engine.abort(rid)
+
+    def step(self) -> None:
+        for output in self.engine.step():
+            if output.request_id not in self._live:
+                continue
+            reason = output.finish_reason.value if output.finish_reason else None
+            self.worker.send(Tokens(output.request_id, list(output.new_token_ids), reason))
+            if output.finished:
+                self._live.discard(output.request_id)
+
+    def after_step(self) -> None:
+        self._admit_pending()
+
+    def _admit_pending(self) -> None:
+        while self._pending:
+            order = self._pending[0]
+            admitted = self._admit(order)
+            if admitted is None:  # no room now: wait for running requests to free blocks
+                if not self.engine.has_unfinished():
+                    self._pending.popleft()
+                    self.worker.send(RequestFailed(order.request_id, "decode worker: the KV "
+                                                   "pool cannot hold this request"))
+                    continue
+                return
+            self._pending.popleft()
+
+    def _admit(self, order: DecodeOrder) -> bool | None:
+        """True: admitted; False: refused (reported); None: no room now."""
+        view = self.transfer.segment(self._segment_name).view
+        n = self._block_nbytes
+        try:
+            blocks = [bytes(view[i * n:(i + 1) * n]) for i in order.staging_blocks]
+            params = sampling_params(sampling_from_wire(order.sampling))
+            ok = self.engine.add_request_with_kv(order.request_id, order.prompt_token_ids,
+                                                 order.first_token_id, blocks, params)
+        except ValueError as exc:
+            self.worker.send(RequestFailed(order.request_id, f"decode refused: {exc}"))
+            return False
+        if not ok:
+            return None
+        self._live.add(order.request_id)
+        self.worker.send(DecodeAdmitted(order.request_id))
+        return True

@@ -1,0 +1,292 @@
+"""The prefill side of a worker (and the colocated baseline): the first three of the four steps.
+
+Lifecycle of one `PrefillOrder` on the engine-loop thread:
+  1. prefix reuse: blocks the Conductor planned to fetch are read from the store
+     (`namespace:key_hex`), verified by the store client and imported into the prefix cache;
+     a failed or partial fetch only shortens the reused prefix (the rest is recomputed, so the
+     tokens are the same);
+  2. `add_request(prefill_only=True)`: the engine reuses the cached prefix and prefills the
+     rest, in chunks of max_num_batched_tokens;
+  3. during each step, `layer_hook(l)` submits an asynchronous write of layer l of the
+     request's blocks straight into the decode worker's staging segment while layer l+1
+     computes; after the step that sampled the first token the loop waits for what is still in
+     flight (the exposed transfer time), reports `PrefillDone`, frees the blocks, and hands the
+     prompt's full blocks to the store-writer thread, which puts them into the store
+     asynchronously and reports them (`StoreEvents`).
+An order without staging blocks is a colocated request: it decodes here and streams `Tokens`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvcake.engine.engine import RequestOutput
+from kvcake.engine.sampling import SamplingParams
+from kvcake.engine.sequence import FinishReason
+from kvcake.hashing import key_hex
+from kvcake.messages import (
+    Abort,
+    Message,
+    PrefillDone,
+    PrefillOrder,
+    RequestFailed,
+    Sampling,
+    StoreEvents,
+    Tokens,
+    sampling_from_wire,
+)
+from kvcake.store import StoreError
+from kvcake.transfer import SegmentDesc, TransferError, TransferOp, TransferRequest
+from kvcake.types import BlockKey
+
+if TYPE_CHECKING:
+    from kvcake.server.worker import Worker
+
+log = logging.getLogger(__name__)
+
+_TRANSFER_TIMEOUT_S = 30.0
+_MAX_REMEMBERED_KEYS = 200_000
+
+
+def sampling_params(sampling: Sampling) -> SamplingParams:
+    return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                          top_k=sampling.top_k or None, top_p=sampling.top_p, seed=sampling.seed,
+                          stop_token_ids=tuple(sampling.stop_token_ids),
+                          ignore_eos=sampling.ignore_eos)
+
+
+@dataclass
+class _Prefill:
+    order: PrefillOrder
+    staging: SegmentDesc | None  # None: colocated (decode here)
+    num_fetched_tokens: int
+    blocks_done: int = 0  # leading blocks fully streamed in earlier steps
+    batches: list[Any] = field(default_factory=list)
+    first_submit_s: float | None = None
+    compute_s: float = 0.0
+    transfer_bytes: int = 0
+    first_token_sent: bool = False
+
+
+class PrefillRole:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        assert worker.engine is not None and worker.transfer is not None
+        self.engine = worker.engine
+        self.transfer = worker.transfer
+        self._live: dict[str, _Prefill] = {}
+        self._writes: queue.Queue[tuple[list[BlockKey], list[bytes]] | None] = queue.Queue()
+        self._put_keys: dict[int, None] = {}  # keys handed to the writer (insertion ordered)
+        self._writer: threading.Thread | None = None
+        self._in_step: list[_Prefill] = []  # requests in the step now running (set at layer 0)
+
+    # -- the role contract (see worker.py) ---------------------------------------------------
+    def start(self) -> None:
+        if self.worker.store is not None:
+            self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                            name=f"{self.worker.worker_id}-store-writer")
+            self._writer.start()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join(timeout=10)
+
+    def staging(self) -> tuple[dict[str, Any] | None, int]:
+        return None, 0
+
+    def has_pending(self) -> bool:
+        return False
+
+    def num_pending(self) -> int:
+        return 0
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, PrefillOrder):
+            self._admit(message)
+        elif isinstance(message, Abort):
+            state = self._live.pop(message.request_id, None)
+            if state is not None:
+                self.engine.abort(message.request_id)
+                # The ack tells the frontend nothing writes the staging slots any more.
+                self._wait_transfers(state)
+                self.worker.send(RequestFailed(message.request_id, "aborted"))
+
+    def step(self) -> None:
+        before = time.perf_counter()
+        self._in_step = []
+        outputs = self.engine.step(layer_hook=self._layer_hook)
+        spent = time.perf_counter() - before
+        for state in self._in_step:
+            state.compute_s += spent
+        for output in outputs:
+            self._on_output(output)
+        self._note_progress()
+
+    def after_step(self) -> None:
+        pass
+
+    # -- step 1: prefix reuse ----------------------------------------------------------------
+    def _admit(self, order: PrefillOrder) -> None:
+        rid = order.request_id
+        try:
+            params = sampling_params(sampling_from_wire(order.sampling))
+            fetched = self._fetch(order.fetch_keys)
+            staging = SegmentDesc.from_dict(order.staging) if order.staging_blocks else None
+            self.engine.add_request(rid, order.prompt_token_ids, params,
+                                    prefill_only=staging is not None)
+        except (ValueError, KeyError) as exc:
+            self.worker.send(RequestFailed(rid, f"prefill refused: {exc}"))
+            return
+        self._live[rid] = _Prefill(order, staging, fetched)
+
+    def _fetch(self, keys: list[int]) -> int:
+        """Import the longest fetchable prefix of `keys`; returns the tokens it covers."""
+        store = self.worker.store
+        if store is None or not keys:
+            return 0
+        ns = self.engine.namespace
+        todo = [k for k in keys if self.engine.block_manager.lookup(BlockKey(k)) is None]
+        buffers = [bytearray(self.engine.pool.block_nbytes) for _ in todo]
+        try:
+            sizes = store.get_batch_into([f"{ns}:{key_hex(BlockKey(k))}" for k in todo], buffers)
+        except (StoreError, TransferError, OSError, ValueError) as exc:
+            log.warning("%s: fetch of %d blocks failed, recomputing: %s",
+                        self.worker.worker_id, len(todo), exc)
+            return 0
+        imported = 0
+        for key, size, data in zip(todo, sizes, buffers, strict=True):
+            if size != len(data) or not self.engine.import_block_kv(BlockKey(key), bytes(data)):
+                break  # later blocks are useless without this one
+            imported += 1
+        return imported * self.engine.block_size
+
+    # -- step 3: layer-wise streaming ---------------------------------------------------------
+    def _running(self, request_id: str) -> bool:
+        return any(s.request_id == request_id for s in self.engine.batcher.running)
+
+    def _layer_hook(self, layer_idx: int) -> None:
+        """Layer `layer_idx` of every streaming request's blocks is written: ship it now."""
+        if layer_idx == 0:
+            self._in_step = [s for s in self._live.values() if self._running(s.order.request_id)]
+        if not self.worker.config.layerwise:
+            return
+        for state in self._in_step:
+            if state.staging is not None and not state.first_token_sent:
+                self._submit_layer(state, layer_idx, state.blocks_done)
+
+    def _submit_layer(self, state: _Prefill, layer_idx: int, first_block: int) -> None:
+        pool = self.engine.pool
+        block_ids = self.engine.request_block_ids(state.order.request_id)
+        staging_blocks = state.order.staging_blocks
+        requests = [
+            TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], state.staging,
+                            staging_blocks[i] * pool.block_nbytes + layer_idx * pool.layer_nbytes)
+            for i, block_id in enumerate(block_ids[:len(staging_blocks)]) if i >= first_block]
+        if not requests:
+            return
+        if state.first_submit_s is None:
+            state.first_submit_s = time.perf_counter()
+        state.batches.append(self.transfer.submit(requests))
+        state.transfer_bytes += len(requests) * pool.layer_nbytes
+
+    def _note_progress(self) -> None:
+        bs = self.engine.block_size
+        for seq in self.engine.batcher.running:
+            state = self._live.get(seq.request_id)
+            if state is not None:
+                state.blocks_done = seq.num_computed_tokens // bs
+
+    # -- the end of a prefill ----------------------------------------------------------------
+    def _on_output(self, output: RequestOutput) -> None:
+        rid = output.request_id
+        state = self._live.get(rid)
+        if state is None:
+            return
+        if state.first_token_sent:  # colocated: decode tokens
+            reason = output.finish_reason.value if output.finish_reason else None
+            self.worker.send(Tokens(rid, list(output.new_token_ids), reason))
+            if output.finished:
+                del self._live[rid]
+            return
+        state.first_token_sent = True
+        if state.staging is not None and not self.worker.config.layerwise:
+            for layer_idx in range(self.engine.pool.num_layers):
+                self._submit_layer(state, layer_idx, 0)
+        ended = time.perf_counter()
+        had_transfers = bool(state.batches)
+        error = self._wait_transfers(state)
+        exposed_s = time.perf_counter() - ended
+        span_s = time.perf_counter() - (state.first_submit_s or ended)
+        self._queue_store_write(state.order.prompt_token_ids)
+        if state.staging is not None:
+            self.engine.release(rid)
+            del self._live[rid]
+        if error is not None:
+            self.worker.send(RequestFailed(rid, f"KV transfer to the decode worker failed: "
+                                                f"{error}"))
+            self.engine.abort(rid)
+            self._live.pop(rid, None)
+            return
+        reason = output.finish_reason
+        final = None if reason in (None, FinishReason.PREFILL_DONE) else reason.value
+        self.worker.send(PrefillDone(
+            rid, output.new_token_ids[0], final, output.num_cached_tokens,
+            state.num_fetched_tokens, state.compute_s, span_s if had_transfers else 0.0,
+            exposed_s if had_transfers else 0.0, state.transfer_bytes))
+        if output.finished:
+            self._live.pop(rid, None)
+
+    def _wait_transfers(self, state: _Prefill) -> str | None:
+        error = None
+        for batch in state.batches:
+            try:
+                self.transfer.wait(batch, _TRANSFER_TIMEOUT_S).raise_for_failure()
+            except TransferError as exc:
+                error = str(exc)
+        state.batches.clear()
+        return error
+
+    # -- step 3b: new blocks to the store ----------------------------------------------------
+    def _queue_store_write(self, prompt: list[int]) -> None:
+        if self._writer is None:
+            return
+        keys, blobs = [], []
+        for key in self.engine.prompt_block_keys(prompt):
+            if int(key) in self._put_keys:
+                continue
+            data = self.engine.export_block_kv(key)
+            if data is None:
+                break
+            keys.append(key)
+            blobs.append(data)
+            self._put_keys[int(key)] = None
+        while len(self._put_keys) > _MAX_REMEMBERED_KEYS:
+            del self._put_keys[next(iter(self._put_keys))]
+        if keys:
+            self._writes.put((keys, blobs))
+
+    def _write_loop(self) -> None:
+        store = self.worker.store
+        assert store is not None
+        ns = self.engine.namespace
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            keys, blobs = item
+            try:
+                store.put_batch([f"{ns}:{key_hex(k)}" for k in keys], blobs)
+            except (StoreError, TransferError, OSError) as exc:
+                log.warning("%s: store write of %d blocks failed: %s", self.worker.worker_id,
+                            len(keys), exc)
+                for k in keys:
+                    self._put_keys.pop(int(k), None)
+                continue
+            # Written now, or already there (put returns False): either way the store has them.
+            self.worker.send(StoreEvents([int(k) for k in keys]))

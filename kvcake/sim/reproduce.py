@@ -1,0 +1,269 @@
+"""`kvcake reproduce`: rerun one of the paper's experiments and write a report beside its numbers.
+
+Each experiment runs the simulator (or, for Figure 9, a trace replay) over one trace, then
+writes `<experiment>_<trace>.md` (our numbers, the paper's, the assumptions and the gap) and
+`<experiment>_<trace>.png` into the output directory. Every policy of one report runs with the
+same load, profile and seed; nothing is tuned per policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from kvcake.sim import paper
+from kvcake.sim.config import SimConfig
+from kvcake.sim.hitrate import lru_hit_rate
+from kvcake.sim.plots import plot_bars, plot_lines
+from kvcake.sim.records import is_effective
+from kvcake.sim.run import SimResult, simulate
+from kvcake.sim.trace import Trace, load_trace
+
+POLICIES4 = ("random", "load_balance", "local_cache", "global_cache")
+
+
+@dataclass
+class Context:
+    """What every experiment gets: the trace, the base config and where to write."""
+
+    trace: Trace
+    trace_path: Path
+    base: SimConfig
+    out: Path
+    command: str
+    workload: str | None
+    runs: int = 0
+    started_s: float = 0.0
+
+    @property
+    def stem(self) -> str:
+        """File-name part: the trace's name, and the speed when it is not the trace's own."""
+        speed = "" if self.base.speed == 1.0 else f"_speed{self.base.speed:g}"
+        return self.trace_path.stem.replace("_trace", "") + speed
+
+    def sim(self, **changes: Any) -> SimResult:
+        self.runs += 1
+        return simulate(replace(self.base, **changes), self.trace)
+
+    def header(self, title: str) -> list[str]:
+        b = self.base
+        return [
+            f"# {title} on `{self.trace_path.name}`", "",
+            f"Command: `{self.command}`  ",
+            f"Date: {date.today().isoformat()} (UTC); written by `kvcake reproduce`.", "",
+            "Set-up shared by every run below: profile `" + b.profile + "` (cost model of "
+            "`kvcake/conductor/cost.py`), " + f"speed {b.speed:g} (arrival times divided by it), "
+            f"seed {b.seed}, TTFT SLO {b.ttft_slo_s:g} s, TBT SLO {b.tbt_slo_ms:g} ms unless a "
+            f"column says otherwise, {len(self.trace)} requests"
+            + ("" if b.max_requests is None else f" (first {b.max_requests} simulated)") + ".", "",
+        ]
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+# ---- Figure 5: average TTFT of the four scheduling policies ------------------------------------
+
+def figure5(ctx: Context) -> list[str]:
+    speeds = sorted({ctx.base.speed, 1.0, 1.25, 1.5})
+    table: dict[float, dict[str, dict[str, Any]]] = {}
+    for speed in speeds:
+        table[speed] = {p: ctx.sim(policy=p, speed=speed, num_prefill=8, num_decode=8).summary
+                        for p in POLICIES4}
+    main = table[ctx.base.speed]
+    lines = ctx.header("Figure 5: average TTFT by scheduling policy (8 prefill + 8 decode)")
+    lines += ["| policy | our mean TTFT (s) | p50 | p90 | rejected | cache hit rate | "
+              "paper mean TTFT (s) |", "|---|---|---|---|---|---|---|"]
+    for p in POLICIES4:
+        s = main[p]
+        paper_ttft = paper.FIGURE5_TTFT_S[p] if ctx.workload == "conversation" else None
+        lines.append(f"| {p} | {_fmt(s['ttft_s']['mean'])} | {_fmt(s['ttft_s']['p50'])} | "
+                     f"{_fmt(s['ttft_s']['p90'])} | {s['rejected']} | "
+                     f"{_fmt(s['cache_hit_rate'])} | {paper_ttft or 'n/a'} |")
+    lines += ["", "Load sensitivity (mean TTFT in s; global vs local in the last column):", "",
+              "| speed | " + " | ".join(POLICIES4) + " | global / local |",
+              "|---" * (len(POLICIES4) + 2) + "|"]
+    for speed in speeds:
+        row = table[speed]
+        ratio = row["global_cache"]["ttft_s"]["mean"] / row["local_cache"]["ttft_s"]["mean"]
+        lines.append(f"| {speed:g} | " + " | ".join(_fmt(row[p]["ttft_s"]["mean"])
+                                                     for p in POLICIES4) + f" | {ratio:.3f} |")
+    g, loc = main["global_cache"]["ttft_s"]["mean"], main["local_cache"]["ttft_s"]["mean"]
+    order = [main[p]["ttft_s"]["mean"] for p in POLICIES4]
+    lines += ["", f"Paper: {paper.FIGURE5_CLAIM}. Ours at speed {ctx.base.speed:g}: "
+              f"global_cache is {100 * (1 - g / loc):.1f}% below local_cache; the order "
+              f"random > load_balance > local_cache > global_cache "
+              f"{'holds' if order == sorted(order, reverse=True) else 'does NOT hold'}.", ""]
+    series = {"ours": order}
+    if ctx.workload == "conversation":
+        series["paper"] = [paper.FIGURE5_TTFT_S[p] for p in POLICIES4]
+    plot_bars(ctx.out / f"figure5_{ctx.stem}.png", f"Figure 5: mean TTFT, {ctx.stem}",
+              list(POLICIES4), series, "mean TTFT (s)")
+    return lines
+
+
+# ---- Figure 9: hit rate vs cache capacity ------------------------------------------------------
+
+FIGURE9_CAPACITIES = (1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000, 20_000_000,
+                      50_000_000, 100_000_000)
+
+
+def figure9(ctx: Context) -> list[str]:
+    trace = ctx.trace if ctx.base.max_requests is None else \
+        ctx.trace.sampled(first=ctx.base.max_requests)
+    best = lru_hit_rate(trace, None)
+    rates = [lru_hit_rate(trace, c) for c in FIGURE9_CAPACITIES]
+    lines = ctx.header("Figure 9: cache hit rate vs cache capacity (one LRU prefix cache)")
+    lines += ["Trace replay, no timing: each request reuses the longest run of its leading blocks "
+              "found in one shared LRU cache of the given size.", "",
+              "| capacity (tokens) | hit rate | share of the maximum |", "|---|---|---|"]
+    for cap, rate in zip(FIGURE9_CAPACITIES, rates, strict=True):
+        lines.append(f"| {cap / 1e6:g}M | {rate:.3f} | {rate / best if best else 0:.2f} |")
+    lines.append(f"| unlimited | {best:.3f} | 1.00 |")
+    r3, r50 = rates[FIGURE9_CAPACITIES.index(3_000_000)], rates[FIGURE9_CAPACITIES.index(50_000_000)]
+    lines += ["", f"Paper: {paper.FIGURE9_CLAIM}.", f"Ours: 3M tokens reach {r3 / best:.0%} of the "
+              f"maximum ({'under' if r3 < best / 2 else 'NOT under'} half); 50M reach "
+              f"{r50 / best:.0%}.", ""]
+    plot_lines(ctx.out / f"figure9_{ctx.stem}.png", f"Figure 9: hit rate vs capacity, {ctx.stem}",
+               [("cache capacity (tokens)", "hit rate",
+                 {"LRU": ([float(c) for c in FIGURE9_CAPACITIES], rates),
+                  "unlimited": ([float(c) for c in FIGURE9_CAPACITIES], [best] * len(rates))})],
+               logx=True)
+    return lines
+
+
+# ---- Figure 10: global vs local cache ----------------------------------------------------------
+
+FIGURE10_LOCAL_TOKENS = (1_000_000, 3_000_000)
+
+
+def figure10(ctx: Context) -> list[str]:
+    lines = ctx.header("Figure 10: global vs local cache (hit rate and prefill GPU time)")
+    lines += ["| local cache per prefill node | policy | hit rate | prefill GPU time (s) | "
+              "global/local hit rate | global/local prefill time |", "|---|---|---|---|---|---|"]
+    hits: dict[str, list[float]] = {"local_cache": [], "global_cache": []}
+    for tokens in FIGURE10_LOCAL_TOKENS:
+        res = {p: ctx.sim(policy=p, local_cache_tokens=tokens).summary
+               for p in ("local_cache", "global_cache")}
+        hr = res["global_cache"]["cache_hit_rate"] / max(1e-12, res["local_cache"]["cache_hit_rate"])
+        pr = res["global_cache"]["prefill_compute_s"] / res["local_cache"]["prefill_compute_s"]
+        for p in ("local_cache", "global_cache"):
+            s = res[p]
+            hits[p].append(s["cache_hit_rate"])
+            tail = f"{hr:.2f}x | {pr:.2f}x" if p == "global_cache" else " | "
+            lines.append(f"| {tokens / 1e6:g}M | {p} | {s['cache_hit_rate']:.3f} | "
+                         f"{_fmt(s['prefill_compute_s'])} | {tail} |")
+    lines += ["", f"Paper: {paper.FIGURE10_CLAIM}.", ""]
+    plot_bars(ctx.out / f"figure10_{ctx.stem}.png", f"Figure 10: hit rate, {ctx.stem}",
+              [f"{t / 1e6:g}M local" for t in FIGURE10_LOCAL_TOKENS], hits, "cache hit rate")
+    return lines
+
+
+# ---- Figure 13: network bandwidth --------------------------------------------------------------
+
+FIGURE13_GBPS = (24, 50, 100, 200, 400, 800)
+
+
+def figure13(ctx: Context) -> list[str]:
+    lines = ctx.header("Figure 13: average TTFT and transfer time vs network bandwidth")
+    lines += ["global_cache (fetches planned by Algorithm 1) against local_cache (never fetches: "
+              "the recomputation baseline), both with the prefill-to-decode KV hand-off on the "
+              "same NICs.", "",
+              "| NIC Gbps | global mean TTFT (s) | local mean TTFT (s) | mean fetch time (s) | "
+              "mean KV hand-off wait (s) | fetched tokens |", "|---|---|---|---|---|---|"]
+    ttft_g, ttft_l, fetch = [], [], []
+    for gbps in FIGURE13_GBPS:
+        g = ctx.sim(policy="global_cache", nic_gbps=float(gbps))
+        loc = ctx.sim(policy="local_cache", nic_gbps=float(gbps)).summary
+        fetched = [s.fetch_s for s in g.states if s.fetched_len > 0 and s.finish_s is not None]
+        waits = [s.kv_wait_s for s in g.states if s.finish_s is not None]
+        mean_fetch = sum(fetched) / len(fetched) if fetched else 0.0
+        ttft_g.append(g.summary["ttft_s"]["mean"])
+        ttft_l.append(loc["ttft_s"]["mean"])
+        fetch.append(mean_fetch)
+        lines.append(f"| {gbps} | {_fmt(ttft_g[-1])} | {_fmt(ttft_l[-1])} | {_fmt(mean_fetch)} | "
+                     f"{_fmt(sum(waits) / max(1, len(waits)))} | {g.summary['fetched_tokens']:,} |")
+    lines += ["", f"Paper: {paper.FIGURE13_CLAIM}.", ""]
+    xs = [float(x) for x in FIGURE13_GBPS]
+    plot_lines(ctx.out / f"figure13_{ctx.stem}.png", f"Figure 13: bandwidth, {ctx.stem}",
+               [("NIC bandwidth (Gbps)", "mean TTFT (s)",
+                 {"global_cache": (xs, ttft_g), "local_cache (recompute)": (xs, ttft_l)}),
+                ("NIC bandwidth (Gbps)", "mean fetch time (s)", {"global_cache": (xs, fetch)})],
+               logx=True)
+    return lines
+
+
+# ---- Figure 15: prefill:decode ratio -----------------------------------------------------------
+
+FIGURE15_SPLITS = ((4, 12), (6, 10), (8, 8), (10, 6), (12, 4))
+
+
+def figure15(ctx: Context) -> list[str]:
+    lines = ctx.header("Figure 15: prefill:decode split of 16 nodes (global_cache)")
+    lines += ["| P:D | effective capacity | mean TTFT (s) | p90 TTFT (s) | mean TBT (ms) | "
+              "p90 TBT (ms) | rejected |", "|---|---|---|---|---|---|---|"]
+    caps, ttfts, tbts = [], [], []
+    for p, d in FIGURE15_SPLITS:
+        s = ctx.sim(policy="global_cache", num_prefill=p, num_decode=d).summary
+        caps.append(s["effective_request_capacity"])
+        ttfts.append(s["ttft_s"]["mean"])
+        tbts.append(1000 * s["tbt_s"]["mean"])
+        lines.append(f"| {p}:{d} | {caps[-1]:.3f} | {_fmt(ttfts[-1])} | {_fmt(s['ttft_s']['p90'])}"
+                     f" | {_fmt(tbts[-1])} | {_fmt(1000 * s['tbt_s']['p90'])} | {s['rejected']} |")
+    best = FIGURE15_SPLITS[max(range(len(caps)), key=caps.__getitem__)]
+    lines += ["", f"Paper: {paper.FIGURE15_CLAIM}. Ours: the best split is {best[0]}:{best[1]}.",
+              ""]
+    xs = [float(p) for p, _ in FIGURE15_SPLITS]
+    plot_lines(ctx.out / f"figure15_{ctx.stem}.png", f"Figure 15: P:D split, {ctx.stem}",
+               [("prefill nodes (of 16)", "effective request capacity", {"ours": (xs, caps)}),
+                ("prefill nodes (of 16)", "mean TTFT (s)", {"ours": (xs, ttfts)}),
+                ("prefill nodes (of 16)", "mean TBT (ms)", {"ours": (xs, tbts)})])
+    return lines
+
+
+EXPERIMENTS: dict[str, Callable[[Context], list[str]]] = {
+    "figure5": figure5, "figure9": figure9, "figure10": figure10, "figure13": figure13,
+    "figure15": figure15,
+}
+
+
+def _register_capacity() -> None:
+    from kvcake.sim.capacity import capacity
+
+    EXPERIMENTS["capacity"] = capacity
+
+
+_register_capacity()
+
+
+def run_experiment(name: str, trace_path: Path, out: Path, speed: float = 1.0,
+                   max_requests: int | None = None, profile: str = SimConfig.profile,
+                   seed: int = 0, ttft_slo_s: float = SimConfig.ttft_slo_s) -> Path:
+    """Run experiment `name` on the trace; write its markdown and PNG into `out`; return the .md."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(sorted(EXPERIMENTS))}")
+    base = SimConfig(speed=speed, max_requests=max_requests, profile=profile, seed=seed,
+                     ttft_slo_s=ttft_slo_s)
+    trace = load_trace(trace_path)
+    out.mkdir(parents=True, exist_ok=True)
+    command = (f"kvcake reproduce {name} --trace {trace_path} --out {out} --speed {speed:g}"
+               + ("" if max_requests is None else f" --max-requests {max_requests}"))
+    ctx = Context(trace, trace_path, base, out, command, paper.workload_of(trace_path.name))
+    ctx.started_s = time.perf_counter()
+    lines = EXPERIMENTS[name](ctx)
+    elapsed = time.perf_counter() - ctx.started_s
+    lines += [f"![{name}]({name}_{ctx.stem}.png)", "",
+              f"({ctx.runs} simulated runs, {elapsed:.0f} s wall on the development machine.)", ""]
+    path = out / f"{name}_{ctx.stem}.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def effective_share(result: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> float:
+    states = result.states
+    return sum(1 for s in states if is_effective(s, ttft_slo_s, tbt_slo_s)) / max(1, len(states))
