@@ -39,8 +39,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_s(fn: Callable[[], object], reps: int, device: str) -> float:
-    fn()  # warm-up
+def _median_s(fn: Callable[[], object], reps: int, device: str,
+              warmup: Callable[[], object] | None = None) -> float:
+    (warmup or fn)()
     times = []
     for _ in range(reps):
         _sync(device)
@@ -101,7 +102,9 @@ def bench_decode(engine: Engine, hf: torch.nn.Module, num_seqs: int, gen_len: in
         ours_out.clear()
         ours_out.update(_run_engine(engine, prompts, params, tag()))
 
-    ours = _median_s(ours_run, reps, dev)
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    ours = _median_s(ours_run, reps, dev,
+                     warmup=lambda: _run_engine(engine, prompts, short, tag()))
     gen_kw = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
                   pad_token_id=0, eos_token_id=None)
     hf_single: list[list[int]] = []
@@ -119,10 +122,13 @@ def bench_decode(engine: Engine, hf: torch.nn.Module, num_seqs: int, gen_len: in
         padded[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
 
+    warm_kw = {**gen_kw, "max_new_tokens": 4, "min_new_tokens": 4}
     with torch.inference_mode():
-        hf_one = _median_s(one_by_one, max(1, reps // 2), dev)
+        hf_one = _median_s(one_by_one, reps, dev, warmup=lambda: hf.generate(
+            torch.tensor([prompts[0]], device=dev), **warm_kw))
         hf_batch = _median_s(lambda: hf.generate(padded, attention_mask=mask, **gen_kw),
-                             reps, dev)
+                             reps, dev, warmup=lambda: hf.generate(
+                                 padded, attention_mask=mask, **warm_kw))
     ours_tokens = [ours_out[k] for k in sorted(ours_out, key=lambda k: int(k.rsplit("-", 1)[1]))]
     same = sum(a == b for a, b in zip(ours_tokens, hf_single, strict=True))
     total = num_seqs * gen_len
@@ -170,6 +176,8 @@ def main() -> None:
     ap.add_argument("--ttft-len", type=int, default=4096)
     ap.add_argument("--cached-len", type=int, default=3840)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode-reps", type=int, default=1,
+                    help="timed runs of the generation benchmark (after a short warm-up)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -197,7 +205,7 @@ def main() -> None:
           f"transformers={transformers.__version__}", flush=True)
     results = {"prefill": bench_prefill(cold, hf, args.prefill_len, args.reps, args.device)}
     print(json.dumps({"prefill": results["prefill"]}), flush=True)
-    results["decode"] = bench_decode(cold, hf, args.num_seqs, args.gen_len, args.reps,
+    results["decode"] = bench_decode(cold, hf, args.num_seqs, args.gen_len, args.decode_reps,
                                      args.device)
     print(json.dumps({"decode": results["decode"]}), flush=True)
     results["cached_ttft"] = bench_cached_ttft(warm, cold, args.ttft_len, args.cached_len,

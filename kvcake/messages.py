@@ -220,7 +220,8 @@ class MessageLink:
     reader thread. `close()` is idempotent and wakes a blocked `recv` (it returns None)."""
 
     def __init__(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._send_lock = threading.Lock()
         self._closed = False

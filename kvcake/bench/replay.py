@@ -66,10 +66,14 @@ def plan(records: Sequence[TraceRequest], builder: PromptBuilder,
 
 async def fetch_model_info(url: str, timeout_s: float = 30.0) -> dict[str, Any]:
     """The first entry of the server's /v1/models (vLLM and we report `max_model_len`)."""
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
-        response = await client.get("/v1/models")
-        response.raise_for_status()
-        models = response.json().get("data") or []
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+            response = await client.get("/v1/models")
+            response.raise_for_status()
+            models = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ValueError(f"--url: cannot read {url}/v1/models ({type(exc).__name__}: {exc}); "
+                         "is the server up?") from None
     if not models:
         raise ValueError(f"{url}/v1/models lists no model; pass --model and --vocab-size")
     return dict(models[0])

@@ -64,6 +64,19 @@ def is_effective(result: RequestResult, ttft_slo_s: float, tbt_slo_s: float) -> 
             and result.ttft_s <= ttft_slo_s and paper_tbt_s(result.gaps_s) <= tbt_slo_s)
 
 
+def per_request(results: Sequence[RequestResult]) -> dict[str, list[Any]]:
+    """Per-request arrays as `vllm bench serve` saves them (seconds), plus ours."""
+    return {
+        "outcomes": [r.outcome.value for r in results],
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_len for r in results],
+        "ttfts": [r.ttft_s for r in results],
+        "itls": [list(r.gaps_s) for r in results],
+        "tbts": [paper_tbt_s(r.gaps_s) if r.outcome is Outcome.OK else None for r in results],
+        "errors_per_request": [r.error for r in results],
+    }
+
+
 def _distribution(name: str, values_s: Sequence[float]) -> dict[str, float]:
     values_ms = np.asarray(values_s, dtype=np.float64) * 1000.0
     if values_ms.size == 0:

@@ -219,7 +219,11 @@ class Conductor:
     def _choose_decode(self, candidates: tuple[DecodeEstimate, ...]) -> DecodeEstimate:
         # Least predicted TBT; among equals (e.g. all idle at the forecast time) the instance with
         # the fewest requests booked, so a burst does not pile onto the first instance.
-        return min(candidates, key=lambda d: (d.tbt_s, self._decodes[d.instance_id].num_booked))
+        best_tbt = min(d.tbt_s for d in candidates)
+        ties = [d for d in candidates if d.tbt_s == best_tbt]
+        if len(ties) == 1:
+            return ties[0]
+        return min(ties, key=lambda d: self._decodes[d.instance_id].num_booked)
 
     def _admit(self, req: ScheduleRequest, now_s: float, ttft_s: float, decode: DecodeEstimate,
                candidates: tuple[PrefillEstimate, ...],

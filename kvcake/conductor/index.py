@@ -40,7 +40,9 @@ class GlobalIndex:
         self._masks: dict[Hashable, int] = {}
         self._bit: dict[str, int] = {}
         self._holder_of_bit: dict[int, str] = {}
-        self._keys: dict[str, set[Hashable]] = {}
+        # Only a count per holder, not its key set: a million-key set per holder would cost
+        # memory and, rebuilt as it churns, millisecond pauses on the decision path.
+        self._num_keys: dict[str, int] = {}
         self._free_bits: list[int] = []
 
     def add_holder(self, holder: str) -> None:
@@ -50,15 +52,18 @@ class GlobalIndex:
         bit = self._free_bits.pop() if self._free_bits else len(self._bit)
         self._bit[holder] = bit
         self._holder_of_bit[bit] = holder
-        self._keys[holder] = set()
+        self._num_keys[holder] = 0
 
     def remove_holder(self, holder: str) -> None:
-        """Forget `holder` and everything it held (a node that died, an instance removed)."""
+        """Forget `holder` and everything it held (a node that died, an instance removed).
+
+        One pass over the whole index: rare, and it keeps adds and matches cheap."""
         if holder not in self._bit:
             return
-        self.remove(holder, list(self._keys[holder]))
+        flag = 1 << self._bit[holder]
+        self.remove(holder, [key for key, mask in self._masks.items() if mask & flag])
         bit = self._bit.pop(holder)
-        del self._holder_of_bit[bit], self._keys[holder]
+        del self._holder_of_bit[bit], self._num_keys[holder]
         self._free_bits.append(bit)
 
     @property
@@ -68,30 +73,35 @@ class GlobalIndex:
     def add(self, holder: str, keys: Iterable[Hashable]) -> None:
         self.add_holder(holder)
         flag = 1 << self._bit[holder]
-        masks, held = self._masks, self._keys[holder]
+        masks, added = self._masks, 0
         for key in keys:
-            masks[key] = masks.get(key, 0) | flag
-            held.add(key)
+            mask = masks.get(key, 0)
+            if not mask & flag:
+                masks[key] = mask | flag
+                added += 1
+        self._num_keys[holder] += added
 
     def remove(self, holder: str, keys: Iterable[Hashable]) -> None:
         if holder not in self._bit:
             return
-        keep = ~(1 << self._bit[holder])
-        masks, held = self._masks, self._keys[holder]
+        flag = 1 << self._bit[holder]
+        masks, removed = self._masks, 0
         for key in keys:
-            mask = masks.get(key, 0) & keep
-            if mask:
-                masks[key] = mask
-            else:
-                masks.pop(key, None)
-            held.discard(key)
+            mask = masks.get(key, 0)
+            if mask & flag:
+                removed += 1
+                if mask == flag:
+                    del masks[key]
+                else:
+                    masks[key] = mask ^ flag
+        self._num_keys[holder] -= removed
 
     def holders_of(self, key: Hashable) -> list[str]:
         mask = self._masks.get(key, 0)
         return [h for h, bit in sorted(self._bit.items(), key=lambda kv: kv[1]) if mask >> bit & 1]
 
     def num_keys(self, holder: str) -> int:
-        return len(self._keys.get(holder, ()))
+        return self._num_keys.get(holder, 0)
 
     def __len__(self) -> int:
         """Distinct keys held by anyone."""

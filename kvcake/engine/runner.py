@@ -8,7 +8,8 @@ token's slot (block id, offset) from its position:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 
 import torch
 from torch import Tensor
@@ -86,5 +87,5 @@ class ModelRunner:
         bs = self.block_size
         return block_ids[..., None] * (2 * bs) + torch.arange(bs, device=self.device)
 
-    def _long(self, values: Sequence[int] | Sequence[Sequence[int]]) -> Tensor:
+    def _long(self, values: Seq[int] | Seq[Seq[int]]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -20,12 +20,13 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvcake.ids import RandomIds
 from kvcake.server.backend import Backend, FinishReason, Rejected, TokenEvent, TokenStream
@@ -88,7 +89,6 @@ class _Job:
     text: TextStream
     num_cached_tokens: int = 0
     finish_reason: FinishReason = FinishReason.ABORT
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class ApiFactory:
@@ -109,7 +109,12 @@ class ApiFactory:
         app.add_api_route("/metrics", self.render_metrics, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]
         return app
+
+    async def _http_error(self, _request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths and wrong methods get OpenAI's error body too."""
+        return self._error(str(exc.detail), exc.status_code)
 
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}

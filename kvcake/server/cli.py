@@ -75,6 +75,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default=e.device)
     p.add_argument("--dtype", default=e.dtype)
     p.add_argument("--seed", type=int, default=e.seed, help="seed of a preset's dummy weights")
+    p.add_argument("--num-threads", type=int, default=LocalBackendConfig().num_threads,
+                   help="torch intra-op threads of the engine (default: torch's)")
     p.set_defaults(func=serve)
 
 
@@ -87,7 +89,7 @@ def backend_config(args: argparse.Namespace) -> LocalBackendConfig:
         enable_prefix_caching=not args.no_prefix_caching)
     return LocalBackendConfig(model=args.model, engine=engine,
                               max_waiting_requests=args.max_waiting_requests,
-                              retry_after_s=args.retry_after_s)
+                              retry_after_s=args.retry_after_s, num_threads=args.num_threads)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine, RequestOutput
 from kvcake.engine.sampling import SamplingParams
@@ -45,6 +47,7 @@ class LocalBackendConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_waiting_requests: int | None = None  # None: no admission limit
     retry_after_s: float = 1.0
+    num_threads: int | None = None  # torch intra-op threads of the engine; None: torch's default
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -52,6 +55,8 @@ class LocalBackendConfig:
                              f"{self.max_waiting_requests}")
         if not self.retry_after_s > 0:
             raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
 
 
 @dataclass
@@ -200,6 +205,8 @@ class LocalBackend:
 
     # -- the engine-loop thread ----------------------------------------------------------------
     def _loop(self) -> None:
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)  # set here: OpenMP is per thread
         live: dict[str, _Add] = {}
         while True:
             for command in self._drain(block=not self.engine.has_unfinished()):

@@ -228,12 +228,6 @@ def build_generate_request(request_id: RequestId, token_ids: Sequence[int],
     )
 
 
-CHAT_TEMPLATE_DOC = (
-    "<|role|>\\n{content}\\n per message, then <|assistant|>\\n; used when the model "
-    "directory has no chat template (dummy presets)"
-)
-
-
 def render_chat_text(messages: Sequence[tuple[str, str]]) -> str:
     """The built-in chat template: one `<|role|>` header line per message, then the reply's.
 
@@ -248,9 +242,9 @@ def render_chat_text(messages: Sequence[tuple[str, str]]) -> str:
 
 def error_body(message: str, status: int, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    kinds = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
-    return {"error": {"message": message, "type": kinds.get(status, "server_error"),
-                      "param": param, "code": code}}
+    kinds = {404: "not_found_error", 429: "rate_limit_error"}
+    kind = kinds.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int,

@@ -191,7 +191,7 @@ class Worker:
     def send(self, message: Message) -> None:
         """To the connected frontend; dropped when there is none (it fails the request)."""
         link = self._link
-        if link is None:
+        if link is None or link.closed:
             return
         try:
             link.send(message)

@@ -89,8 +89,10 @@ class Cluster:
         self.store = BlockLRU(config.store_tokens // block) if config.store_tokens else None
         self.num_nodes = config.num_prefill + config.num_decode
         self.network = Network(max(2, self.num_nodes), nic)
-        max_input = max((a.input_len for a in arrivals), default=2)
-        predictor = PrefillTimePredictor.fit(profile_grid(self.cost, max(2, max_input)))
+        # The Conductor predicts prefill times with the paper's polynomial regression, fitted on
+        # profile points of the cost model over (at least) the trace's range of lengths.
+        max_input = max((a.input_len for a in arrivals), default=0)
+        predictor = PrefillTimePredictor.fit(profile_grid(self.cost, max(4096, max_input)))
         self.conductor = Conductor(
             ConductorConfig(
                 policy=Policy(config.policy),
@@ -183,7 +185,6 @@ class Cluster:
             node = self._holder_node(fetch.source, key)
             by_node[node] = by_node.get(node, 0) + max(0, tokens)
         events: list[Event] = []
-        self.network.advance(now_s)
         for node in sorted(by_node):
             if node == dst or by_node[node] == 0:
                 self.local_fetch_tokens += by_node[node]
@@ -229,7 +230,6 @@ class Cluster:
         state = self.states[started.req]
         self.conductor.on_prefill_started(self.prefill_ids[p], state.request_id, now_s)
         d = self._decode_index[state.decode_instance or ""]
-        self.network.advance(now_s)
         self._start_flow(now_s, _KV, state.index, p, self.config.num_prefill + d,
                          state.arrival.input_len * self.kv_per_token)
         return [event, *self._flow_event()]

@@ -53,7 +53,7 @@ class Network:
     def start_flow(self, now_s: float, flow_id: int, src: int, dst: int, num_bytes: float) -> None:
         """Start moving `num_bytes` from node `src` to node `dst` at `now_s`.
 
-        The caller must `advance(now_s)` first if flows may have finished before `now_s`.
+        Flows that finish at `now_s` stay until `advance` reports them (nothing is dropped).
         A flow within one node (`src == dst`) is the caller's business: it never crosses a NIC.
         """
         for name, node in (("src", src), ("dst", dst)):

@@ -15,6 +15,7 @@ On any error the contents of a caller's destination buffer are undefined.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,7 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_READ_ROUNDS = 3  # how many times the client asks the master again after every replica failed
+_READ_ROUNDS = 3
+_JOIN_BYTES = 256 << 10  # objects up to this size are written with their header in one request  # how many times the client asks the master again after every replica failed
 
 
 class Master(Protocol):
@@ -103,6 +105,7 @@ class StoreClient:
         self.num_replicas = num_replicas
         self.local_node = local_node
         self._embedded: EmbeddedStore | None = None
+        self._local = threading.local()
 
     @classmethod
     def embedded(cls, dram_bytes: int, *, disk_dir: str | None = None, disk_bytes: int = 0,
@@ -167,6 +170,10 @@ class StoreClient:
             for desc in descs:
                 segment = SegmentDesc.from_dict(desc["segment"])
                 header = pack_header(crc, desc["version"], len(view))
+                if len(view) <= _JOIN_BYTES:  # one request: copying is cheaper than a slice
+                    requests.append(TransferRequest(TransferOp.WRITE, header + view, segment,
+                                                    desc["offset"]))
+                    continue
                 headers.append(header)
                 requests.append(TransferRequest(TransferOp.WRITE, header, segment, desc["offset"]))
                 if len(view):
@@ -194,9 +201,19 @@ class StoreClient:
     def get(self, key: str) -> bytes:
         """The object's bytes; ObjectNotFound (a KeyError) if the key is not stored."""
         meta = self.master.get(key)
-        buffer = bytearray(meta["size_bytes"])
-        self._read(key, meta, memoryview(buffer))
-        return bytes(buffer)
+        size = int(meta["size_bytes"])
+        # One contiguous read (header + payload: one request, fewer slices) into a reused buffer
+        # whose pages are already mapped; the only copy is the final bytes().
+        scratch = self._scratch(HEADER_BYTES + size)
+        self._read(key, meta, scratch[HEADER_BYTES:HEADER_BYTES + size], whole=scratch)
+        return bytes(scratch[HEADER_BYTES:HEADER_BYTES + size])
+
+    def _scratch(self, num_bytes: int) -> memoryview:
+        buffer: bytearray | None = getattr(self._local, "scratch", None)
+        if buffer is None or len(buffer) < num_bytes:
+            buffer = bytearray(num_bytes)
+            self._local.scratch = buffer
+        return memoryview(buffer)[:num_bytes]
 
     def get_into(self, key: str, buffer: Any) -> int:
         """Read the object into the start of `buffer` (writable, large enough); returns its
@@ -236,15 +253,24 @@ class StoreClient:
         sizes: list[int | None] = [None if m is None else int(m["size_bytes"]) for m in metas]
         return sizes
 
-    def _read(self, key: str, meta: dict[str, Any], dest: memoryview) -> int:
+    def _read(self, key: str, meta: dict[str, Any], dest: memoryview,
+              whole: memoryview | None = None) -> int:
+        """Read a replica into `dest`, checked. With `whole` (header + payload bytes, `dest`
+        being its payload part), the object is read in one request."""
         _check_room(key, meta, dest)
-        header = bytearray(HEADER_BYTES)
+        header: bytearray | memoryview = bytearray(HEADER_BYTES)
         errors: list[str] = []
         num_corrupt = 0
         for _ in range(_READ_ROUNDS):
             for replica in meta["replicas"]:
+                if whole is not None:
+                    header = whole[:HEADER_BYTES]
+                    requests = [TransferRequest(TransferOp.READ, whole, SegmentDesc.from_dict(
+                        replica["segment"]), replica["offset"])]
+                else:
+                    requests = _read_requests(replica, meta, header, dest)
                 try:
-                    self.engine.transfer(_read_requests(replica, meta, header, dest))
+                    self.engine.transfer(requests)
                 except (TransferError, ValueError) as exc:
                     errors.append(f"{replica['node_id']}: {exc}")
                     continue
@@ -352,7 +378,7 @@ def _check_room(key: str, meta: dict[str, Any], dest: memoryview) -> None:
                              f"{meta['size_bytes']} bytes")
 
 
-def _read_requests(replica: dict[str, Any], meta: dict[str, Any], header: bytearray,
+def _read_requests(replica: dict[str, Any], meta: dict[str, Any], header: bytearray | memoryview,
                    dest: memoryview) -> list[TransferRequest]:
     segment = SegmentDesc.from_dict(replica["segment"])
     requests = [TransferRequest(TransferOp.READ, header, segment, replica["offset"])]
@@ -363,7 +389,7 @@ def _read_requests(replica: dict[str, Any], meta: dict[str, Any], header: bytear
     return requests
 
 
-def _valid(replica: dict[str, Any], meta: dict[str, Any], header: bytearray,
+def _valid(replica: dict[str, Any], meta: dict[str, Any], header: bytearray | memoryview,
            dest: memoryview) -> bool:
     try:
         verify(header, dest[:meta["size_bytes"]], replica["version"], meta["crc"])

@@ -41,7 +41,7 @@ class LruOrder:
         victims: list[str] = []
         freed = 0
         pinned: list[str] = []
-        for key in reversed(self._keys):
+        for key in self._keys:
             if freed >= bytes_to_free:
                 return victims
             if is_leased(key):

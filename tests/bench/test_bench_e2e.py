@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvcake.bench.prompts import PromptBuilder
 from kvcake.cli import main
 from kvcake.engine.config import EngineConfig
 from kvcake.server.api import ApiServer, create_app
@@ -30,15 +31,9 @@ def write_trace(path: Path, num_requests: int = 10) -> Path:
     return path
 
 
-def metric(url: str, name: str) -> float:
-    line = next(x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith(name))
-    return float(line.split()[-1])
-
-
 def test_bench_replays_a_trace_and_reports(server_url: str, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     trace = write_trace(tmp_path / "trace.jsonl")
-    hits_before = metric(server_url, "kvcake_prefix_cache_hits_total")
     status = main(["bench", "--trace", str(trace), "--url", server_url, "--speed", "4",
                    "--scale-tokens", "0.0625", "--out", str(tmp_path / "out"),
                    "--tbt-slo-ms", "5000"])
@@ -56,10 +51,17 @@ def test_bench_replays_a_trace_and_reports(server_url: str, tmp_path: Path,
         assert report[field] > 0, field
     assert report["effective_request_capacity"] == 1.0  # generous SLOs on an idle server
     assert report["duration"] >= 0.9 / 4  # the last request is sent 900 ms / speed 4 in
-    # Every request shares hash block 0 (32 tokens = 2 engine blocks): real prefix hits.
-    assert metric(server_url, "kvcake_prefix_cache_hits_total") - hits_before >= 9 * 32
+    # The server now caches the replayed prompts' blocks: the prompt the client built for
+    # record 0 (hash ids [0, 1], 64 tokens) is found again, so the client's blocks are real.
+    prompt = PromptBuilder(vocab_size=512, scale_tokens=0.0625).build([0, 1], 1024, 0)
+    again = httpx.post(server_url + "/v1/completions",
+                       json={"prompt": prompt, "max_tokens": 1}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert saved["completed"] == 10
+    assert saved["output_lens"] == [4] * 10
+    assert saved["input_lens"] == [64, 96] * 5
+    assert [len(gaps) for gaps in saved["itls"]] == [3] * 10  # one SSE chunk per token
     assert (tmp_path / "out" / "ttft_cdf.png").stat().st_size > 0
     assert (tmp_path / "out" / "tbt_cdf.png").stat().st_size > 0
 
@@ -77,9 +79,18 @@ def test_find_capacity_reports_probes(server_url: str, tmp_path: Path,
     assert capacity["best_request_rate"] == pytest.approx(3 / (0.3 / 16))
 
 
+def test_help_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0
+    assert ">= 90% of requests meet both SLOs" in " ".join(capsys.readouterr().out.split())
+
+
 def test_bad_flags_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--trace", str(tmp_path / "none.jsonl"), "--url", "http://x"]) == 2
     assert "does not exist" in capsys.readouterr().err
     trace = write_trace(tmp_path / "t.jsonl", 1)
     assert main(["bench", "--trace", str(trace), "--url", "http://x", "--speed", "0"]) == 2
     assert "--speed must be > 0" in capsys.readouterr().err
+    assert main(["bench", "--trace", str(trace), "--url", "http://127.0.0.1:1"]) == 2
+    assert "--url: cannot read http://127.0.0.1:1/v1/models" in capsys.readouterr().err

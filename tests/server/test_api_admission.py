@@ -57,3 +57,5 @@ def test_invalid_config_names_the_field() -> None:
         LocalBackendConfig(max_waiting_requests=-1)
     with pytest.raises(ValueError, match="retry_after_s"):
         LocalBackendConfig(retry_after_s=0)
+    with pytest.raises(ValueError, match="num_threads"):
+        LocalBackendConfig(num_threads=0)

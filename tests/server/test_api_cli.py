@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from kvcake.cli import main
 
@@ -38,6 +39,13 @@ def test_unknown_and_unimplemented_modes_are_clear_errors(capsys) -> None:  # ty
     assert "unknown mode 'turbo'" in capsys.readouterr().err
     assert main(["serve", "--mode", "disaggregated"]) == 2
     assert "not implemented yet; use --mode colocated" in capsys.readouterr().err
+
+
+def test_help_renders(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    assert "--max-waiting-requests" in capsys.readouterr().out
 
 
 def test_bad_size_is_a_clear_error(capsys) -> None:  # type: ignore[no-untyped-def]

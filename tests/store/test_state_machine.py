@@ -5,7 +5,7 @@ The model does not re-implement placement; it checks what must hold whatever the
 - a get returns exactly the bytes put, or KeyError for a key removed or evicted;
 - only unleased objects are ever evicted, and eviction is LRU: an object never goes while an
   older, unleased, unpinned one that was a candidate for the same eviction (a replica on every
-  node the evicted one had) stays;
+  node the evicted one had) stays, and a pinned one never goes while an unpinned candidate stays;
 - an object has at most one replica per node, and change_replica reports what the master holds;
 - the pool never holds more than its capacity.
 """
@@ -99,6 +99,7 @@ class StoreMachine(RuleBasedStateMachine):
             del self.data[key]
             self.order.remove(key)
             self.pinned.discard(key)
+            self.lease_until.pop(key, None)
         else:
             try:
                 self.client.remove(key)
@@ -147,8 +148,15 @@ class StoreMachine(RuleBasedStateMachine):
                         and self.lease_until.get(other, 0.0) <= now_s
                         and self.nodes_of.get(other, set()) >= self.nodes_of.get(gone, {"?"})):
                     raise AssertionError(f"{gone} was evicted before the older {other}")
+            if gone in self.pinned:  # a soft pin goes only when no unpinned candidate is left
+                for other in survivors:
+                    if (other != self.just_put and other not in self.pinned
+                            and self.lease_until.get(other, 0.0) <= now_s
+                            and self.nodes_of.get(other, set()) >= self.nodes_of[gone]):
+                        raise AssertionError(f"pinned {gone} was evicted before {other}")
         for gone in vanished:
             del self.data[gone]
+            self.lease_until.pop(gone, None)
             self.order.remove(gone)
             self.pinned.discard(gone)
         self.just_put = None

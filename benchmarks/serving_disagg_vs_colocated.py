@@ -1,0 +1,131 @@
+"""Disaggregated (+ store) vs colocated serving on the same number of workers, in one run.
+
+    .venv/bin/python benchmarks/serving_disagg_vs_colocated.py \
+        --trace ../shared/traces/conversation_trace.jsonl --max-requests 300 --speed 2 \
+        --scale-tokens 0.03125
+
+Each system is a cluster started by `kvcake.server.launcher` (worker processes, the same
+frontend, the same Conductor code): (a) 1 prefill + 1 decode worker with the store (policy
+global_cache), (b) 2 colocated workers (policy colocated: local prefix cache only, no store).
+`kvcake bench` replays the same scaled slice of the trace against each, twice: a cold pass
+(empty caches and store) and a warm pass (the same prompts again: prefixes in the store and the
+local caches). Printed: effective request capacity, TTFT and the paper's TBT per pass, the
+ratios disaggregated / colocated, and the KV streaming overlap measured by the prefill workers.
+Admission control is off in both (every request is served), so the capacity compares the
+systems and not the Conductor's rejections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvcake.conductor import ConductorConfig
+from kvcake.engine.config import EngineConfig
+from kvcake.server.api import ApiServer, create_app
+from kvcake.server.cluster_config import ClusterConfig
+from kvcake.server.launcher import Cluster
+
+FIELDS = ("completed", "failed", "effective_request_capacity", "mean_ttft_ms", "p90_ttft_ms",
+          "mean_tbt_ms", "p90_tbt_ms", "mean_tpot_ms", "request_throughput")
+
+
+def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "kvcake", "bench", "--trace", str(args.trace), "--url", url,
+           "--max-requests", str(args.max_requests), "--speed", str(args.speed),
+           "--scale-tokens", str(args.scale_tokens), "--tbt-slo-ms", str(args.tbt_slo_ms),
+           "--ttft-slo-s", str(args.ttft_slo_s)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    report: dict[str, Any] = json.loads(out)
+    return report
+
+
+def run_system(name: str, config: ClusterConfig, args: argparse.Namespace) -> dict[str, Any]:
+    print(f"[{name}] starting {len(config.workers)} workers", file=sys.stderr, flush=True)
+    with Cluster(config) as cluster:
+        assert cluster.backend is not None
+        api = ApiServer(create_app(cluster.backend), port=args.port)
+        api.start()
+        try:
+            passes = {}
+            for label in ("cold", "warm"):
+                started = time.perf_counter()
+                passes[label] = bench(api.url, args)
+                print(f"[{name}] {label} pass: {time.perf_counter() - started:.0f} s",
+                      file=sys.stderr, flush=True)
+            totals = cluster.backend.totals
+            streaming = {"num_prefills": totals.num_prefills,
+                         "kv_stream_hidden_share": totals.hidden_share,
+                         "prefill_compute_s": totals.compute_s,
+                         "transfer_span_s": totals.transfer_span_s,
+                         "transfer_exposed_s": totals.transfer_exposed_s,
+                         "transfer_bytes": totals.transfer_bytes,
+                         "cached_tokens": totals.num_cached_tokens,
+                         "fetched_tokens": totals.num_fetched_tokens}
+        finally:
+            api.close()
+    return {"passes": passes, "streaming": streaming}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", type=Path,
+                        default=Path(__file__).resolve().parents[2] / "shared" / "traces"
+                        / "conversation_trace.jsonl")
+    parser.add_argument("--max-requests", type=int, default=300)
+    parser.add_argument("--speed", type=float, default=2.0)
+    parser.add_argument("--scale-tokens", type=float, default=1 / 32)
+    parser.add_argument("--ttft-slo-s", type=float, default=30.0)
+    parser.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+    if not args.trace.is_file():
+        raise SystemExit(f"--trace: {args.trace} not found")
+    engine = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_batched_tokens=512)
+    conductor = {"admission": "none"}
+    worker = {"store_dram_bytes": 256 * 2**20, "staging_bytes": 64 * 2**20}
+    systems = {
+        "disaggregated": ClusterConfig.simple(
+            1, 1, engine=engine, worker=dict(worker),
+            conductor=ConductorConfig.from_dict({**conductor, "policy": "global_cache"})),
+        "colocated": ClusterConfig.simple(
+            2, 0, mode="colocated", engine=engine, worker=dict(worker),
+            conductor=ConductorConfig.from_dict({**conductor, "policy": "colocated"})),
+    }
+    results = {name: run_system(name, config, args) for name, config in systems.items()}
+    print_table(results)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "results": results}, indent=2) + "\n")
+    return 0
+
+
+def print_table(results: dict[str, Any]) -> None:
+    disagg, coloc = results["disaggregated"]["passes"], results["colocated"]["passes"]
+    print(f"{'metric':28s} {'pass':5s} {'disagg':>10s} {'colocated':>10s} {'ratio':>7s}")
+    for label in ("cold", "warm"):
+        for key in FIELDS:
+            a, b = disagg[label][key], coloc[label][key]
+            ratio = f"{a / b:7.2f}" if b else "      -"
+            print(f"{key:28s} {label:5s} {a:10.3f} {b:10.3f} {ratio}")
+    for name in ("disaggregated", "colocated"):
+        cold, warm = results[name]["passes"]["cold"], results[name]["passes"]["warm"]
+        print(f"{name}: mean TTFT warm / cold = {warm['mean_ttft_ms']:.1f} / "
+              f"{cold['mean_ttft_ms']:.1f} ms = {warm['mean_ttft_ms'] / cold['mean_ttft_ms']:.2f}")
+    s = results["disaggregated"]["streaming"]
+    print(f"KV streaming: {s['transfer_bytes'] / 2**20:.1f} MiB over {s['num_prefills']} prefills;"
+          f" hidden behind compute {s['kv_stream_hidden_share']:.1%} (exposed "
+          f"{s['transfer_exposed_s'] * 1000:.1f} ms of a {s['transfer_span_s'] * 1000:.1f} ms "
+          f"window; prefill compute {s['prefill_compute_s'] * 1000:.0f} ms); fetched from the "
+          f"store {s['fetched_tokens']} of {s['cached_tokens']} reused tokens")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

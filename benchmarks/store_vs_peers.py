@@ -1,0 +1,381 @@
+"""Our store vs Redis vs the real Mooncake store, side by side in one run, on loopback.
+
+The same layout for every system: one storage process, one client process that puts and gets.
+  ours:     `kvcake store master` + `kvcake store node` (the storage process; the master holds
+            metadata only); this script is the client, over TCP ("ours-tcp") and, as a second
+            row, over the node's shared-memory segment ("ours-shm", same host, no TCP at all)
+  redis:    `redis-server` (Debian), this script is the client through redis-py
+  mooncake: `mooncake_master` + a Mooncake client process holding a segment (storage) + a second,
+            pure Mooncake client process that puts and gets (PyPI
+            mooncake-transfer-engine-non-cuda in its own venv, set up by
+            ../shared/tools/peers/mooncake_store_setup.sh), TCP protocol
+Objects of 64 KiB, 1 MiB, 16 MiB: put and get GB/s and ops/s; batch get of 64 x 1 MiB; and the
+transfer engine alone (benchmarks/transfer_bench.py). Systems take turns for `--rounds` rounds
+and each keeps its best figure (the machine is shared; interleaving gives all the same chances).
+
+    .venv/bin/python benchmarks/store_vs_peers.py [--rounds 3] [--port 21100] [--json out.json]
+
+Ports used: --port .. --port+19 (ours, redis, mooncake) and 21800.. (transfer engine alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from kvcake.store import StoreClient  # noqa: E402
+from kvcake.transfer import TransferConfig  # noqa: E402
+
+MOONCAKE_VENV = Path(os.environ.get("MOONCAKE_VENV", "/tmp/mooncake-venv"))
+SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+COUNTS = {64 << 10: 400, 1 << 20: 100, 16 << 20: 16}  # objects per measurement
+BATCH = 64
+GB = 1e9
+
+MOONCAKE_WORKER = r'''
+import json, sys, time
+from mooncake.store import MooncakeDistributedStore
+role, master_port, segment, local_buffer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+store = MooncakeDistributedStore()
+rc = store.setup("127.0.0.1", f"http://127.0.0.1:{master_port + 1}/metadata", segment,
+                 local_buffer, "tcp", "", f"127.0.0.1:{master_port}")
+print(json.dumps({"ready": rc == 0, "rc": rc}), flush=True)
+if role == "storage":
+    sys.stdin.read()  # hold the segment until the benchmark closes our stdin
+    sys.exit(0)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    keys = [f"{cmd['prefix']}-{i}" for i in range(cmd["n"])]
+    value = bytes([7]) * cmd["size"]
+    out = {}
+    if cmd["op"] == "putget":
+        t0 = time.perf_counter()
+        bad = sum(store.put(k, value) != 0 for k in keys)
+        t1 = time.perf_counter()
+        got = [store.get(k) for k in keys]
+        t2 = time.perf_counter()
+        out = {"put_s": t1 - t0, "get_s": t2 - t1, "put_errors": bad,
+               "get_ok": all(g == value for g in got)}
+    elif cmd["op"] == "batch":
+        bad = sum(store.put(k, value) != 0 for k in keys)
+        t0 = time.perf_counter()
+        got = store.get_batch(keys)
+        t1 = time.perf_counter()
+        out = {"batch_get_s": t1 - t0, "put_errors": bad, "get_ok": all(g == value for g in got)}
+    for k in keys:
+        store.remove(k)
+    print(json.dumps(out), flush=True)
+'''
+
+
+class Ours:
+    def __init__(self, name: str, port: int, shm: bool) -> None:
+        self.name, self.port, self.shm = name, port, shm
+        self.procs: list[subprocess.Popen[str]] = []
+        self.client: StoreClient | None = None
+
+    def start(self, shared: Ours | None = None) -> None:
+        if shared is not None:  # the second row uses the same master and node
+            address = shared.address
+        else:
+            log = open(tempfile.mktemp(prefix="kvcake-master-", suffix=".log"), "w")  # noqa: SIM115
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "kvcake.store", "master", "--port", str(self.port),
+                 "--stats-interval-s", "3600"], stdout=log, stderr=subprocess.STDOUT))
+            address = f"127.0.0.1:{self.port}"
+            _wait_port(self.port)
+            node_log = open(tempfile.mktemp(prefix="kvcake-node-", suffix=".log"), "w")  # noqa: SIM115
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "kvcake.store", "node", "--master", address, "--dram",
+                 "2GiB", "--node-id", "bench", "--port", str(self.port + 1), "--rails", "4",
+                 "--stats-interval-s", "3600"], stdout=node_log, stderr=subprocess.STDOUT))
+            _wait_port(self.port + 1)
+            time.sleep(0.5)  # registration follows the segment server's start
+        self.address = address
+        config = TransferConfig(serve=False, use_shared_memory=self.shm, num_rails=4)
+        self.client = StoreClient(address, transfer_config=config)
+
+    def putget(self, size: int, n: int, prefix: str) -> dict[str, Any]:
+        assert self.client is not None
+        keys = [f"{prefix}-{i}" for i in range(n)]
+        value = bytes([7]) * size
+        t0 = time.perf_counter()
+        for k in keys:
+            self.client.put(k, value)
+        t1 = time.perf_counter()
+        got = [self.client.get(k) for k in keys]
+        t2 = time.perf_counter()
+        buffer = bytearray(size)
+        for k in keys:
+            self.client.get_into(k, buffer)
+        t3 = time.perf_counter()
+        ok = all(g == value for g in got) and buffer == value
+        self.client.remove_batch(keys)
+        return {"put_s": t1 - t0, "get_s": t2 - t1, "get_into_s": t3 - t2, "get_ok": ok}
+
+    def batch(self, size: int, n: int, prefix: str) -> dict[str, Any]:
+        assert self.client is not None
+        keys = [f"{prefix}-{i}" for i in range(n)]
+        value = bytes([7]) * size
+        self.client.put_batch(keys, [value] * n)
+        buffers = [bytearray(size) for _ in keys]
+        t0 = time.perf_counter()
+        sizes = self.client.get_batch_into(keys, buffers)
+        t1 = time.perf_counter()
+        self.client.remove_batch(keys)
+        return {"batch_get_s": t1 - t0, "get_ok": sizes == [size] * n and buffers[0] == value}
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        for proc in reversed(self.procs):
+            _terminate(proc)
+
+
+class Redis:
+    name = "redis"
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "no"], stdout=subprocess.DEVNULL)
+        _wait_port(self.port)
+        self.client = redis.Redis(host="127.0.0.1", port=self.port)
+        self.client.ping()
+
+    def putget(self, size: int, n: int, prefix: str) -> dict[str, Any]:
+        keys = [f"{prefix}-{i}" for i in range(n)]
+        value = bytes([7]) * size
+        t0 = time.perf_counter()
+        for k in keys:
+            self.client.set(k, value)
+        t1 = time.perf_counter()
+        got = [self.client.get(k) for k in keys]
+        t2 = time.perf_counter()
+        self.client.delete(*keys)
+        return {"put_s": t1 - t0, "get_s": t2 - t1, "get_ok": all(g == value for g in got)}
+
+    def batch(self, size: int, n: int, prefix: str) -> dict[str, Any]:
+        keys = [f"{prefix}-{i}" for i in range(n)]
+        value = bytes([7]) * size
+        self.client.mset({k: value for k in keys})
+        t0 = time.perf_counter()
+        got = self.client.mget(keys)
+        t1 = time.perf_counter()
+        self.client.delete(*keys)
+        return {"batch_get_s": t1 - t0, "get_ok": all(g == value for g in got)}
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _terminate(self.proc)
+
+
+class Mooncake:
+    name = "mooncake"
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self) -> None:
+        python = MOONCAKE_VENV / "bin" / "python"
+        master = MOONCAKE_VENV / "bin" / "mooncake_master"
+        if not python.exists() or not master.exists():
+            raise RuntimeError(f"no Mooncake venv at {MOONCAKE_VENV}: run "
+                               "../shared/tools/peers/mooncake_store_setup.sh")
+        self.procs.append(subprocess.Popen(
+            [str(master), "--port", str(self.port), "--enable_http_metadata_server=true",
+             "--http_metadata_server_host", "127.0.0.1",
+             "--http_metadata_server_port", str(self.port + 1)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        _wait_port(self.port)
+        _wait_port(self.port + 1)
+        worker = Path(tempfile.mktemp(prefix="mooncake-worker-", suffix=".py"))
+        worker.write_text(MOONCAKE_WORKER)
+        self.storage = self._worker(python, worker, "storage", 2 << 30, 16 << 20)
+        self.client = self._worker(python, worker, "client", 0, 1 << 30)
+
+    def _worker(self, python: Path, script: Path, role: str, segment: int,
+                buffer: int) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([str(python), str(script), role, str(self.port), str(segment),
+                                 str(buffer)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline() or '{"ready": false}')
+        if not ready.get("ready"):
+            raise RuntimeError(f"Mooncake {role} setup failed: {ready}")
+        return proc
+
+    def _ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.client.stdin is not None and self.client.stdout is not None
+        self.client.stdin.write(json.dumps(cmd) + "\n")
+        self.client.stdin.flush()
+        return dict(json.loads(self.client.stdout.readline()))
+
+    def putget(self, size: int, n: int, prefix: str) -> dict[str, Any]:
+        return self._ask({"op": "putget", "size": size, "n": n, "prefix": prefix})
+
+    def batch(self, size: int, n: int, prefix: str) -> dict[str, Any]:
+        return self._ask({"op": "batch", "size": size, "n": n, "prefix": prefix})
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+            _terminate(proc)
+
+
+def _wait_port(port: int, timeout_s: float = 60.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s")
+
+
+def _terminate(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def measure(systems: list[Any], rounds: int) -> dict[str, dict[str, float]]:
+    """{system: {metric: best value}}; metrics are GB/s and ops/s."""
+    best: dict[str, dict[str, float]] = {s.name: {} for s in systems}
+
+    def keep(system: str, metric: str, value: float) -> None:
+        best[system][metric] = max(best[system].get(metric, 0.0), value)
+
+    for r in range(rounds):
+        for label, size in SIZES.items():
+            n = COUNTS[size]
+            for system in systems:
+                out = system.putget(size, n, f"r{r}-{label}")
+                if not out.get("get_ok") or out.get("put_errors"):
+                    raise RuntimeError(f"{system.name} returned wrong bytes or failed: {out}")
+                for op in ("put", "get", "get_into"):
+                    if f"{op}_s" in out:
+                        keep(system.name, f"{label}.{op}.gbps", n * size / out[f"{op}_s"] / GB)
+                        keep(system.name, f"{label}.{op}.ops", n / out[f"{op}_s"])
+        for system in systems:
+            out = system.batch(1 << 20, BATCH, f"r{r}-batch")
+            if not out.get("get_ok"):
+                raise RuntimeError(f"{system.name} batch get returned wrong bytes: {out}")
+            keep(system.name, "batch64x1MiB.get.gbps", BATCH * (1 << 20) / out["batch_get_s"] / GB)
+            keep(system.name, "batch64x1MiB.get.ops", BATCH / out["batch_get_s"])
+    return best
+
+
+def report(best: dict[str, dict[str, float]]) -> str:
+    peers = [p for p in ("redis", "mooncake") if p in best]
+    ours = [s for s in best if s.startswith("ours")]
+    metrics = [f"{label}.{op}" for label in SIZES for op in ("put", "get")] + [
+        "batch64x1MiB.get"]
+    head = f"{'metric':18s}" + "".join(f"{s:>20s}" for s in [*ours, *peers])
+    head += "".join(f"{s + ' / best peer':>24s}" for s in ours)
+    lines = ["GB/s (ops/s)", head]
+    for metric in metrics:
+        row = f"{metric:18s}"
+        for system in [*ours, *peers]:
+            gbps = best[system].get(f"{metric}.gbps")
+            ops = best[system].get(f"{metric}.ops")
+            row += f"{'n/a':>20s}" if gbps is None else f"{gbps:8.3f} ({ops:8.0f})".rjust(20)
+        peer_best = max((best[p].get(f"{metric}.gbps", 0.0) for p in peers), default=0.0)
+        for system in ours:
+            value = best[system].get(f"{metric}.gbps")
+            ratio = f"{value / peer_best:.2f}x" if value and peer_best else "n/a"
+            row += f"{ratio:>24s}"
+        lines.append(row)
+    for system in ours:
+        extra = [f"{label} {best[system][f'{label}.get_into.gbps']:.3f}" for label in SIZES
+                 if f"{label}.get_into.gbps" in best[system]]
+        if extra:
+            lines.append(f"{system} get_into (zero-copy into a caller buffer) GB/s: "
+                         + ", ".join(extra))
+    return "\n".join(lines)
+
+
+def transfer_alone(port: int) -> str:
+    try:
+        from transfer_bench import format_report, run_transfer_benchmarks
+    except ImportError as exc:  # the transfer engineer's benchmark is not there
+        return f"TODO transfer engine alone: benchmarks/transfer_bench.py unavailable ({exc})"
+    result = run_transfer_benchmarks(size_bytes=64 << 20, duration_s=1.0, port=port, rounds=2)
+    return str(format_report(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--port", type=int, default=21100, help="base port (uses 20 ports)")
+    parser.add_argument("--transfer-port", type=int, default=21800)
+    parser.add_argument("--skip", default="", help="comma list of: redis, mooncake, transfer")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    ours_tcp = Ours("ours-tcp", args.port, shm=False)
+    ours_shm = Ours("ours-shm", args.port, shm=True)
+    systems: list[Any] = []
+    started: list[Any] = []
+    try:
+        ours_tcp.start()
+        started.append(ours_tcp)
+        ours_shm.start(shared=ours_tcp)
+        started.append(ours_shm)
+        systems += [ours_tcp, ours_shm]
+        if "redis" not in skip:
+            redis = Redis(args.port + 5)
+            redis.start()
+            started.append(redis)
+            systems.append(redis)
+        if "mooncake" not in skip:
+            mooncake = Mooncake(args.port + 10)
+            mooncake.start()
+            started.append(mooncake)
+            systems.append(mooncake)
+        print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} interleaved rounds, best "
+              "of each", flush=True)
+        best = measure(systems, args.rounds)
+    finally:
+        for system in reversed(started):
+            system.stop()
+    print(report(best))
+    if "transfer" not in skip:
+        print(transfer_alone(args.transfer_port))
+    print(f"load average after {os.getloadavg()[0]:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(best, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

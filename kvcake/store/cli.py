@@ -1,0 +1,115 @@
+"""`kvcake store master --port P` and `kvcake store node --master HOST:P --dram 4GiB [--disk DIR
+--disk-size 20GiB]`. Both log, report stats every `--stats-interval-s`, and stop cleanly on
+SIGTERM or SIGINT: a node unregisters first, so the master drops only that node's replicas."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvcake.store.config import MasterConfig, NodeConfig, Strategy
+from kvcake.store.errors import MasterUnavailable
+from kvcake.units import parse_size
+
+log = logging.getLogger("kvcake.store")
+_MASTER = MasterConfig()
+
+
+def register(subparsers: Any) -> None:
+    store = subparsers.add_parser("store", help="run a Mooncake Store master or node")
+    sub = store.add_subparsers(dest="store_command", metavar="ROLE")
+    sub.required = True
+
+    master = sub.add_parser("master", help="the metadata master")
+    master.add_argument("--host", default="127.0.0.1")
+    master.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    master.add_argument("--high-watermark", type=float, default=_MASTER.high_watermark)
+    master.add_argument("--low-watermark", type=float, default=_MASTER.low_watermark)
+    master.add_argument("--lease-s", type=float, default=_MASTER.lease_s)
+    master.add_argument("--put-timeout-s", type=float, default=_MASTER.put_timeout_s)
+    master.add_argument("--heartbeat-timeout-s", type=float, default=_MASTER.heartbeat_timeout_s)
+    master.add_argument("--replicas", type=int, default=_MASTER.default_replicas)
+    master.add_argument("--strategy", choices=[s.value for s in Strategy],
+                        default=_MASTER.strategy.value)
+    master.add_argument("--stats-interval-s", type=float, default=30.0)
+    master.set_defaults(func=run_master)
+
+    node = sub.add_parser("node", help="a node contributing DRAM (and disk) to the pool")
+    node.add_argument("--master", required=True, help="HOST:PORT of the master")
+    node.add_argument("--dram", required=True, help="segment size, e.g. 4GiB")
+    node.add_argument("--disk", default=None, help="directory of the SSD tier")
+    node.add_argument("--disk-size", default="0", help="SSD tier size, e.g. 20GiB")
+    node.add_argument("--node-id", default=None)
+    node.add_argument("--host", default="127.0.0.1", help="address the segment server binds")
+    node.add_argument("--port", type=int, default=0, help="segment server port (0: any)")
+    node.add_argument("--rails", type=int, default=4, help="transfer connections per peer")
+    node.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    node.add_argument("--stats-interval-s", type=float, default=30.0)
+    node.set_defaults(func=run_node)
+
+
+def _serve_until_signal(report: Callable[[], dict[str, Any]], interval_s: float) -> None:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop.wait(interval_s):
+        log.info("stats %s", json.dumps(report(), sort_keys=True))
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def run_master(args: argparse.Namespace) -> int:
+    from kvcake.store.master import MasterServer, MasterService
+
+    config = MasterConfig(high_watermark=args.high_watermark, low_watermark=args.low_watermark,
+                          lease_s=args.lease_s, put_timeout_s=args.put_timeout_s,
+                          heartbeat_timeout_s=args.heartbeat_timeout_s,
+                          default_replicas=args.replicas, strategy=Strategy(args.strategy))
+    _logging()
+    server = MasterServer(MasterService(config), args.host, args.port)
+    server.start()
+    log.info("master listening on %s", server.address)
+    try:
+        _serve_until_signal(server.service.stats, args.stats_interval_s)
+    finally:
+        server.close()
+        log.info("master stopped")
+    return 0
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from kvcake.store.node import StoreNode
+    from kvcake.transfer import TransferConfig
+
+    config = NodeConfig(dram_bytes=parse_size(args.dram, "--dram"), disk_dir=args.disk,
+                        disk_bytes=parse_size(args.disk_size, "--disk-size") if args.disk else 0,
+                        heartbeat_interval_s=args.heartbeat_interval_s)
+    transfer = TransferConfig(host=args.host, port=args.port, num_rails=args.rails)
+    _logging()
+    node = StoreNode(config, args.master, node_id=args.node_id, transfer_config=transfer,
+                     host=args.host)
+    try:
+        node.start()
+    except MasterUnavailable as exc:
+        node.close(unregister=False)
+        raise ValueError(f"--master: {exc}; is `kvcake store master` running there?") from None
+    log.info("node %s joined %s; segment server %s", node.node_id, args.master,
+             node.engine.address)
+    try:
+        _serve_until_signal(node.stats, args.stats_interval_s)
+    finally:
+        node.close()
+        log.info("node %s left the pool", node.node_id)
+    return 0

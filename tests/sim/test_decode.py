@@ -1,0 +1,71 @@
+"""Continuous batching arithmetic of one decode instance, with a toy linear step cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcake.sim.decode import DecodeInstance, Seq, StepCosts
+from kvcake.sim.events import EventKind
+
+
+def _costs() -> StepCosts:
+    # step = 10 ms + 1 us per context token; prefill = 1 ms per new token
+    return StepCosts(lambda batch, ctx: 0.010 + 1e-6 * ctx if batch else 0.0,
+                     lambda n, p: 0.001 * (n - p))
+
+
+def _seq(req: int, context: int, remaining: int, now: float = 0.0) -> Seq:
+    return Seq(req, context, remaining, context + remaining + 1, last_token_s=now)
+
+
+def test_one_event_per_run_until_the_first_member_finishes() -> None:
+    inst = DecodeInstance(0, _costs(), max_kv_tokens=10_000, max_batch_size=4)
+    ev = inst.add(0.0, _seq(0, 1000, 3))
+    assert ev is not None and ev.kind is EventKind.DECODE_STEP_DONE
+    # 3 steps: context 1000, 1001, 1002 -> 11 ms + 11.001 + 11.002
+    assert ev.time_s == pytest.approx(0.033003)
+    first, done, nxt = inst.on_step_done(ev.time_s, ev.token)
+    assert first == [] and [s.req for s in done] == [0] and nxt is None
+    assert done[0].gaps.num_gaps == 3
+    assert inst.reserved_tokens == 0
+
+
+def test_a_join_cuts_the_run_at_the_next_step_boundary() -> None:
+    inst = DecodeInstance(0, _costs(), max_kv_tokens=10_000, max_batch_size=4)
+    ev = inst.add(0.0, _seq(0, 0, 10))  # steps of 10 ms (+1 us per token)
+    cut = inst.add(0.015, _seq(1, 0, 2, now=0.015))  # arrives inside step 2
+    assert cut is not None and cut.token != ev.token
+    assert cut.time_s == pytest.approx(0.020001)  # end of step 2, not of the whole run
+    assert inst.on_step_done(ev.time_s, ev.token) == ([], [], None)  # the stale event
+    _, done, nxt = inst.on_step_done(cut.time_s, cut.token)
+    assert done == [] and inst.batch_size == 2 and nxt is not None
+    # Now a batch of 2: contexts 2 + 0 = 2 tokens; seq 1 finishes after 2 steps.
+    _, done, _ = inst.on_step_done(nxt.time_s, nxt.token)
+    assert [s.req for s in done] == [1]
+    gaps = done[0].gaps.gaps()
+    # seq 1's first gap includes its wait from 0.015 to the boundary at 0.020001
+    assert gaps[0] == pytest.approx(0.020001 - 0.015 + 0.010 + 2e-6)
+
+
+def test_kv_capacity_makes_a_sequence_wait_for_room() -> None:
+    inst = DecodeInstance(0, _costs(), max_kv_tokens=1000, max_batch_size=4)
+    inst.add(0.0, _seq(0, 500, 2))  # reserves 503 tokens, 2 steps
+    cut = inst.add(0.001, _seq(1, 600, 2))  # 503 + 603 > 1000
+    assert cut is not None  # the run is cut after step 1 to try the join...
+    _, done, nxt = inst.on_step_done(cut.time_s, cut.token)
+    assert done == [] and [s.req for s in inst.running] == [0]  # ...which does not fit
+    assert [s.req for s in inst.waiting] == [1] and nxt is not None
+    _, done, nxt = inst.on_step_done(nxt.time_s, nxt.token)
+    assert [s.req for s in done] == [0]  # seq 0 finished and freed its KV: seq 1 joins
+    assert [s.req for s in inst.running] == [1] and not inst.waiting
+    assert inst.reserved_tokens == 603 and nxt is not None
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_kv_tokens"):
+        DecodeInstance(0, _costs(), max_kv_tokens=0, max_batch_size=1)
+    with pytest.raises(ValueError, match="chunk_budget_tokens"):
+        DecodeInstance(0, _costs(), 100, 8, colocated=True, chunk_budget_tokens=8)
+    inst = DecodeInstance(0, _costs(), 100, 8)
+    with pytest.raises(ValueError, match="not colocated"):
+        inst.add_prefill(0.0, _seq(0, 10, 1))

@@ -1,0 +1,91 @@
+"""`kvcake store master|node` as real processes: start, serve, SIGTERM, nothing lost elsewhere."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcake.store import StoreClient
+from kvcake.transfer import TransferConfig
+
+KVCAKE = [sys.executable, "-m", "kvcake"]
+STORE = [sys.executable, "-m", "kvcake.store"]  # the same subcommands, without torch imports
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([*STORE, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(proc: subprocess.Popen[str], pattern: str, timeout_s: float = 60.0) -> re.Match[str]:
+    """Read the process's log until `pattern` shows up (process start-up, not event order)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match
+    raise AssertionError(f"{pattern!r} not in output: {''.join(seen)}")
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_master_and_nodes_serve_and_stop_on_sigterm(
+        procs: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    master = _spawn("master", "--port", "0", "--strategy", "local_first")
+    procs.append(master)
+    address = _wait_for(master, r"master listening on (\S+)").group(1)
+    nodes = []
+    for name in ("a", "b"):
+        node = _spawn("node", "--master", address, "--dram", "8MiB", "--node-id", name,
+                      "--rails", "1", "--disk", str(tmp_path / name), "--disk-size", "16MiB")
+        procs.append(node)
+        _wait_for(node, f"node {name} joined")
+        nodes.append(node)
+    tcp = TransferConfig(serve=False, use_shared_memory=False, num_rails=1)
+    with StoreClient(address, transfer_config=tcp, local_node="a") as on_a, \
+            StoreClient(address, transfer_config=tcp, local_node="b") as on_b:
+        data_a, data_b = os.urandom(200_000), os.urandom(300_000)
+        on_a.put("on-a", data_a)
+        on_b.put("on-b", data_b)
+        assert on_a.stats()["num_nodes"] == 2
+        nodes[0].send_signal(signal.SIGTERM)
+        assert nodes[0].wait(timeout=30) == 0
+        _wait_for(master, r"node a (left|closed)")
+        assert on_b.get("on-b") == data_b  # the other node's objects are intact
+        with pytest.raises(KeyError):
+            on_b.get("on-a")
+    nodes[1].send_signal(signal.SIGTERM)
+    assert nodes[1].wait(timeout=30) == 0
+    master.send_signal(signal.SIGTERM)
+    assert master.wait(timeout=30) == 0
+
+
+def test_node_with_bad_arguments_exits_2() -> None:
+    done = subprocess.run([*KVCAKE, "store", "node", "--master", "127.0.0.1:1", "--dram",
+                           "lots"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--dram" in done.stderr
+    done = subprocess.run([*STORE, "node", "--master", "127.0.0.1:1", "--dram", "1MiB"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--master" in done.stderr
