@@ -2,7 +2,8 @@
 
 Cluster: 64 prefill + 64 decode instances (configurable), llama3-70b@a800x8 cost model with a
 fitted prefill predictor (as the live cluster uses), a global index holding every prefill
-instance's cache plus a store tier, decode instances with tens of running requests each.
+instance's LRU cache (evictions reported) plus a store tier, and decode instances running ~10-16
+requests each (1500-token outputs).
 Prompts are 256 blocks: a shared system prompt, a session prefix that one or a few instances
 (and sometimes the store) hold, and new blocks. The cluster is kept in steady state: prefills and
 decodes are reported finished as simulated time advances, so queues stay bounded.

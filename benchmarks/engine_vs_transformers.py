@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,17 +40,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_s(fn: Callable[[], object], reps: int, device: str,
-              warmup: Callable[[], object] | None = None) -> float:
-    (warmup or fn)()
-    times = []
+def _medians_s(fns: dict[str, Callable[[], object]], reps: int, device: str,
+               warmups: dict[str, Callable[[], object]] | None = None) -> dict[str, float]:
+    """Median wall time of each fn. Runs are interleaved (ours, theirs, ours, ...) so that a
+    change in background load on a shared machine hits both sides alike."""
+    for name, fn in fns.items():
+        (warmups or {}).get(name, fn)()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -77,19 +82,20 @@ class _Tag:
         return f"run{self.n}"
 
 
-def bench_prefill(engine: Engine, hf: torch.nn.Module, n: int, reps: int, dev: str) -> dict:
+def bench_prefill(engine: Engine, hf: Any, n: int, reps: int, dev: str) -> dict:
     prompt = _prompt(n, 1, engine.model_config.vocab_size)
     ids = torch.tensor([prompt], device=dev)
     tag = _Tag()
-    ours = _median_s(lambda: _run_engine(engine, [prompt], SamplingParams(max_tokens=1), tag()),
-                     reps, dev)
     with torch.inference_mode():
-        theirs = _median_s(lambda: hf(ids, logits_to_keep=1), reps, dev)
+        t = _medians_s({
+            "ours": lambda: _run_engine(engine, [prompt], SamplingParams(max_tokens=1), tag()),
+            "hf": lambda: hf(ids, logits_to_keep=1)}, reps, dev)
+    ours, theirs = t["ours"], t["hf"]
     return {"prompt_len": n, "ours_tok_s": n / ours, "hf_tok_s": n / theirs,
             "ratio": theirs / ours}
 
 
-def bench_decode(engine: Engine, hf: torch.nn.Module, num_seqs: int, gen_len: int,
+def bench_decode(engine: Engine, hf: Any, num_seqs: int, gen_len: int,
                  reps: int, dev: str) -> dict:
     vocab = engine.model_config.vocab_size
     lens = [32 + (i * 37) % 129 for i in range(num_seqs)]  # 32..160 tokens
@@ -103,8 +109,6 @@ def bench_decode(engine: Engine, hf: torch.nn.Module, num_seqs: int, gen_len: in
         ours_out.update(_run_engine(engine, prompts, params, tag()))
 
     short = SamplingParams(max_tokens=4, ignore_eos=True)
-    ours = _median_s(ours_run, reps, dev,
-                     warmup=lambda: _run_engine(engine, prompts, short, tag()))
     gen_kw = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
                   pad_token_id=0, eos_token_id=None)
     hf_single: list[list[int]] = []
@@ -124,11 +128,16 @@ def bench_decode(engine: Engine, hf: torch.nn.Module, num_seqs: int, gen_len: in
 
     warm_kw = {**gen_kw, "max_new_tokens": 4, "min_new_tokens": 4}
     with torch.inference_mode():
-        hf_one = _median_s(one_by_one, reps, dev, warmup=lambda: hf.generate(
-            torch.tensor([prompts[0]], device=dev), **warm_kw))
-        hf_batch = _median_s(lambda: hf.generate(padded, attention_mask=mask, **gen_kw),
-                             reps, dev, warmup=lambda: hf.generate(
-                                 padded, attention_mask=mask, **warm_kw))
+        t = _medians_s(
+            {"ours": ours_run, "hf_batch": lambda: hf.generate(padded, attention_mask=mask,
+                                                               **gen_kw),
+             "hf_one": one_by_one},
+            reps, dev, warmups={
+                "ours": lambda: _run_engine(engine, prompts, short, tag()),
+                "hf_batch": lambda: hf.generate(padded, attention_mask=mask, **warm_kw),
+                "hf_one": lambda: hf.generate(torch.tensor([prompts[0]], device=dev),
+                                              **warm_kw)})
+    ours, hf_one, hf_batch = t["ours"], t["hf_one"], t["hf_batch"]
     ours_tokens = [ours_out[k] for k in sorted(ours_out, key=lambda k: int(k.rsplit("-", 1)[1]))]
     same = sum(a == b for a, b in zip(ours_tokens, hf_single, strict=True))
     total = num_seqs * gen_len
@@ -144,7 +153,9 @@ def bench_cached_ttft(engine: Engine, cold: Engine, n: int, cached: int, reps: i
     prefix = _prompt(cached, 7, vocab)
     one = SamplingParams(max_tokens=1)
     tag = _Tag()
-    hot_s, cold_s, hits = [], [], set()
+    hot_s: list[float] = []
+    cold_s: list[float] = []
+    hits: set[int] = set()
     for _ in range(reps):
         suffix = _prompt(n - cached, 1000 + tag.n, vocab)  # a fresh suffix every run
         _run_engine(engine, [prefix], one, tag())  # make sure the prefix is cached

@@ -81,8 +81,9 @@ for line in sys.stdin:
 class Ours:
     def __init__(self, name: str, port: int, shm: bool) -> None:
         self.name, self.port, self.shm = name, port, shm
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[subprocess.Popen[Any]] = []
         self.client: StoreClient | None = None
+        self.address = ""
 
     def start(self, shared: Ours | None = None) -> None:
         if shared is not None:  # the second row uses the same master and node
@@ -147,7 +148,7 @@ class Redis:
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[Any] | None = None
 
     def start(self) -> None:
         import redis
@@ -191,7 +192,7 @@ class Mooncake:
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[subprocess.Popen[Any]] = []
 
     def start(self) -> None:
         python = MOONCAKE_VENV / "bin" / "python"

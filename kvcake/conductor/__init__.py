@@ -5,6 +5,7 @@ Public API (stable; the simulator and the live frontend build on it):
     ScheduleRequest, Placement, Rejection, RejectReason, FetchPlan,
     PrefillEstimate, DecodeEstimate, Decision                      (decision.py)
     GlobalIndex, PrefixMatch                                       (index.py)
+    PrefillQueue, DecodeLoad                                       (load.py)
     CostModel; ModelProfile, HardwareProfile, parse_profile,
     model_profile_from_shape, MODEL_PROFILES, HARDWARE_PROFILES     (cost.py, profiles.py)
     PrefillModel, DecodeModel, PrefillTimePredictor, DecodeStepPredictor,
@@ -25,6 +26,7 @@ from kvcake.conductor.decision import (
     ScheduleRequest,
 )
 from kvcake.conductor.index import GlobalIndex, PrefixMatch
+from kvcake.conductor.load import DecodeLoad, PrefillQueue
 from kvcake.conductor.predictor import (
     DecodeModel,
     DecodePoint,
@@ -45,7 +47,7 @@ from kvcake.conductor.profiles import (
 
 __all__ = [
     "HARDWARE_PROFILES", "MODEL_PROFILES", "Admission", "Conductor", "ConductorConfig",
-    "CostModel", "DecodeEstimate", "DecodeModel", "DecodePoint", "DecodeStepPredictor",
+    "CostModel", "DecodeEstimate", "DecodeLoad", "PrefillQueue", "DecodeModel", "DecodePoint", "DecodeStepPredictor",
     "Decision", "FetchPlan", "GlobalIndex", "HardwareProfile", "ModelProfile", "Placement",
     "Policy", "PrefillEstimate", "PrefillModel", "PrefillPoint", "PrefillTimePredictor",
     "PrefixMatch", "RejectReason", "Rejection", "ScheduleRequest", "model_profile_from_shape",

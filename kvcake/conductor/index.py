@@ -21,7 +21,8 @@ from dataclasses import dataclass
 class PrefixMatch:
     """Matched blocks per holder (holders with 0 omitted) and the best of them.
 
-    best_holder: the holder with the longest match; ties go to the holder registered first.
+    best_holder: the holder with the longest match; ties go to the lowest holder slot, which is
+    registration order (a removed holder's slot is reused by the next new holder).
     None (with best_blocks 0) when nobody holds the first key.
     """
 

@@ -26,6 +26,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvcake.ids import RandomIds
@@ -176,14 +177,19 @@ class ApiFactory:
             self.metrics.on_rejected()
             retry = str(max(1, math.ceil(exc.retry_after_s)))
             return self._error(exc.reason, 429, None, "rejected", {"Retry-After": retry})
-        # A ValueError (the backend refuses the request as invalid) reaches the route: 400.
+        except ValueError:
+            raise  # the backend refuses the request as invalid: the route answers 400
+        except Exception as exc:
+            return self._error(f"the backend failed to admit the request: {exc}", 500)
         self.metrics.on_admitted(len(token_ids))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         job = _Job(request_id, kind, len(token_ids), stream, timer, include_usage,
                    body.return_token_ids, int(self._wall_s()), TextStream(self.backend.decode))
         if body.stream:
+            # The background close covers a client gone before the body is ever iterated.
             return StreamingResponse(self._sse(job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(job.stream.aclose))
         return await self._whole(request, job)
 
     async def _events(self, job: _Job) -> AsyncIterator[tuple[TokenEvent, str]]:
@@ -217,6 +223,7 @@ class ApiFactory:
             if not work.done():  # the client left: cancelling aborts the request
                 work.cancel()
         if work.cancelled():
+            await job.stream.aclose()  # idempotent; covers a task cancelled before it started
             return Response(status_code=499)
         try:
             text = work.result()

@@ -18,7 +18,8 @@ Who calls what:
 - The API always calls `aclose()` on the stream when it is done with it, also after a client
   disconnect cancelled the task iterating it. `aclose()` before the final event aborts the
   request in the backend and frees its KV cache; it must not suspend (it may run in a
-  cancelled task): hand slow cleanup to the backend's own thread or task.
+  cancelled task): hand slow cleanup to the backend's own thread or task. It is idempotent
+  (the API may call it more than once) and a no-op after the final event.
 - `encode`/`decode`/`chat_prompt` are cheap, thread-safe and never raise for valid text.
 """
 

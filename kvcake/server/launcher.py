@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 from kvcake.server.cluster_config import ClusterConfig, WorkerSpec
 from kvcake.server.disagg_backend import DisaggBackend
@@ -177,10 +176,8 @@ def _await_ready(worker_id: str, proc: subprocess.Popen[str]) -> str:
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     """`kvcake serve` arguments -> ClusterConfig (`--config FILE` wins over --prefill/--decode)."""
-    if getattr(args, "config", None):
-        config = ClusterConfig.from_toml(args.config)
-        return _replace(config, host=args.host, port=args.port) if hasattr(args, "host") \
-            else config
+    if getattr(args, "config", None):  # the file's [frontend] section names host and port
+        return ClusterConfig.from_toml(args.config)
     from kvcake.server.cli import backend_config
 
     engine = backend_config(args).engine
@@ -188,12 +185,6 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig.simple(getattr(args, "prefill", 1) or 1, getattr(args, "decode", 1) or 1,
                                 model=args.model, mode=mode, host=args.host, port=args.port,
                                 engine=engine)
-
-
-def _replace(config: ClusterConfig, **changes: Any) -> ClusterConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)
 
 
 def _interrupt(signum: int, frame: object) -> None:

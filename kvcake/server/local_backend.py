@@ -248,7 +248,7 @@ class LocalBackend:
         try:
             self.engine.add_request(request.request_id, request.prompt_token_ids,
                                     _sampling_params(request))
-        except ValueError as exc:
+        except Exception as exc:  # ValueError: bad input (400); anything else: a server error
             self._leave_waiting()
             command.admitted.set_exception(exc)
             return
@@ -263,9 +263,10 @@ class LocalBackend:
             add.started = True
             self._leave_waiting()
         reason = _FINISH.get(output.finish_reason) if output.finish_reason else None
-        _post(add, TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason))
-        if output.finished:
+        if output.finished:  # forget it before its reader can see the end
             del live[output.request_id]
+            self._num_live = len(live)
+        _post(add, TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason))
 
     def _fail_all(self, live: dict[str, _Add], error: Exception) -> None:
         for request_id, add in list(live.items()):

@@ -81,7 +81,7 @@ class WorkerConfig:
 
 def _role(value: object) -> Role:
     try:
-        return Role(value)
+        return Role(str(value))
     except ValueError:
         raise ValueError(f"role: must be one of {', '.join(r.value for r in Role)}, "
                          f"got {value!r}") from None

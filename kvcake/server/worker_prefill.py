@@ -182,10 +182,12 @@ class PrefillRole:
 
     def _submit_layer(self, state: _Prefill, layer_idx: int, first_block: int) -> None:
         pool = self.engine.pool
+        staging = state.staging
+        assert staging is not None
         block_ids = self.engine.request_block_ids(state.order.request_id)
         staging_blocks = state.order.staging_blocks
         requests = [
-            TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], state.staging,
+            TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], staging,
                             staging_blocks[i] * pool.block_nbytes + layer_idx * pool.layer_nbytes)
             for i, block_id in enumerate(block_ids[:len(staging_blocks)]) if i >= first_block]
         if not requests:
@@ -233,8 +235,8 @@ class PrefillRole:
             self.engine.abort(rid)
             self._live.pop(rid, None)
             return
-        reason = output.finish_reason
-        final = None if reason in (None, FinishReason.PREFILL_DONE) else reason.value
+        finish = output.finish_reason
+        final = None if finish is None or finish is FinishReason.PREFILL_DONE else finish.value
         self.worker.send(PrefillDone(
             rid, output.new_token_ids[0], final, output.num_cached_tokens,
             state.num_fetched_tokens, state.compute_s, span_s if had_transfers else 0.0,

@@ -106,6 +106,7 @@ class StoreClient:
         self.local_node = local_node
         self._embedded: EmbeddedStore | None = None
         self._local = threading.local()
+        self._start_lock = threading.Lock()
 
     @classmethod
     def embedded(cls, dram_bytes: int, *, disk_dir: str | None = None, disk_bytes: int = 0,
@@ -122,11 +123,14 @@ class StoreClient:
 
     @property
     def engine(self) -> TransferEngine:
-        if self._engine is None:
-            self._engine = TransferEngine(self._transfer_config)
         if not self._started:
-            self._engine.start()
-            self._started = True
+            with self._start_lock:  # first use may come from several threads at once
+                if self._engine is None:
+                    self._engine = TransferEngine(self._transfer_config)
+                if not self._started:
+                    self._engine.start()
+                    self._started = True
+        assert self._engine is not None
         return self._engine
 
     def close(self) -> None:
@@ -159,27 +163,24 @@ class StoreClient:
         crcs = [checksum(v) for v in views]
         items = [[k, len(v), c] for k, v, c in zip(keys, views, crcs, strict=True)]
         starts = self.master.put_start_batch(items, self.num_replicas, self.local_node)
-        written, requests, headers = [], [], []
-        for view, crc, item in zip(views, crcs, starts, strict=True):
+        written: list[bool] = []
+        allocated: list[tuple[str, memoryview, int, list[dict[str, Any]]]] = []
+        failure: StoreError | None = None
+        for key, view, crc, item in zip(keys, views, crcs, starts, strict=True):
             try:
-                descs = _unwrap(item)
+                allocated.append((key, view, crc, _unwrap(item)))
+                written.append(True)
             except ObjectExists:
                 written.append(False)
-                continue
-            written.append(True)
-            for desc in descs:
-                segment = SegmentDesc.from_dict(desc["segment"])
-                header = pack_header(crc, desc["version"], len(view))
-                if len(view) <= _JOIN_BYTES:  # one request: copying is cheaper than a slice
-                    requests.append(TransferRequest(TransferOp.WRITE, header + view, segment,
-                                                    desc["offset"]))
-                    continue
-                headers.append(header)
-                requests.append(TransferRequest(TransferOp.WRITE, header, segment, desc["offset"]))
-                if len(view):
-                    requests.append(TransferRequest(TransferOp.WRITE, view, segment,
-                                                    desc["offset"] + HEADER_BYTES))
-        todo = [k for k, w in zip(keys, written, strict=True) if w]
+            except StoreError as exc:  # e.g. NoSpace: undo the batch's other allocations below
+                failure = failure or exc
+        todo = [key for key, _, _, _ in allocated]
+        if failure is not None:
+            for key in todo:
+                self._revoke(key)
+            raise failure
+        requests = [r for key, view, crc, descs in allocated
+                    for r in _write_requests(view, crc, descs)]
         if requests:
             try:
                 self.engine.transfer(requests)
@@ -223,7 +224,9 @@ class StoreClient:
         return self._read(key, meta, dest)
 
     def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
-        """Read each key into its buffer; returns each size, None for a key that is not stored."""
+        """Read each key into its buffer; returns each size, None for a key that is not stored.
+        One master round trip and one transfer batch; a replica that fails its check is retried
+        alone. Raises TransferFailed if a stored object cannot be read intact at all."""
         if len(keys) != len(buffers):
             raise InvalidRequest(f"get_batch_into: {len(keys)} keys but {len(buffers)} buffers")
         dests = [buffer_view(b, writable=True, field=f"buffer of {k!r}")
@@ -329,15 +332,7 @@ class StoreClient:
         versions = [t["version"] for t in targets]
         try:
             self._read(key, source, memoryview(data))
-            requests = []
-            for target in targets:
-                segment = SegmentDesc.from_dict(target["segment"])
-                header = pack_header(source["crc"], target["version"], len(data))
-                requests.append(TransferRequest(TransferOp.WRITE, header, segment,
-                                                target["offset"]))
-                if data:
-                    requests.append(TransferRequest(TransferOp.WRITE, data, segment,
-                                                    target["offset"] + HEADER_BYTES))
+            requests = _write_requests(memoryview(data), source["crc"], targets)
             self.engine.transfer(requests)
         except (StoreError, TransferError) as exc:
             self.master.replicas_done(key, versions, False)
@@ -370,6 +365,24 @@ class StoreClient:
             raise InvalidRequest(f"key {key!r} was not stored with put_tensor") from None
         flat = torch.frombuffer(bytearray(data[4 + meta_len:]), dtype=torch.uint8)
         return flat.view(dtype).reshape(shape)
+
+
+def _write_requests(view: memoryview, crc: int,
+                    descs: list[dict[str, Any]]) -> list[TransferRequest]:
+    """Header + payload into every replica; small objects as one request (copying is cheaper
+    than a second slice)."""
+    requests = []
+    for desc in descs:
+        segment = SegmentDesc.from_dict(desc["segment"])
+        header = pack_header(crc, desc["version"], len(view))
+        if len(view) <= _JOIN_BYTES:
+            requests.append(TransferRequest(TransferOp.WRITE, header + view, segment,
+                                            desc["offset"]))
+            continue
+        requests.append(TransferRequest(TransferOp.WRITE, header, segment, desc["offset"]))
+        requests.append(TransferRequest(TransferOp.WRITE, view, segment,
+                                        desc["offset"] + HEADER_BYTES))
+    return requests
 
 
 def _check_room(key: str, meta: dict[str, Any], dest: memoryview) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from kvcake.store.allocator import OffsetAllocator, OutOfSpace
@@ -23,57 +22,8 @@ from kvcake.store.config import MasterConfig
 from kvcake.store.errors import InvalidRequest, NoNodes, NoSpace, ObjectExists, ObjectNotFound
 from kvcake.store.eviction import LruOrder
 from kvcake.store.layout import HEADER_BYTES
+from kvcake.store.objects import ActionKind, ObjectMeta, Replica, Tier, TierAction
 from kvcake.store.placement import NodeInfo, order_nodes
-
-
-class Tier(StrEnum):
-    DRAM = "dram"
-    DISK = "disk"
-
-
-@dataclass
-class Replica:
-    node_id: str
-    tier: Tier
-    offset: int  # in the node's DRAM segment; 0 on disk
-    alloc_bytes: int  # header + payload
-    version: int  # unique per allocation: a reused range never matches an old descriptor
-    complete: bool = False
-
-
-@dataclass
-class ObjectMeta:
-    key: str
-    size_bytes: int
-    crc: int
-    replicas: list[Replica]
-    committed: bool = False
-    deadline_s: float = 0.0  # uncommitted puts are reclaimed after this
-    lease_until_s: float = 0.0
-    pinned: bool = False
-
-    def dram(self) -> list[Replica]:
-        return [r for r in self.replicas if r.tier is Tier.DRAM and r.complete]
-
-    def disk(self) -> list[Replica]:
-        return [r for r in self.replicas if r.tier is Tier.DISK and r.complete]
-
-
-class ActionKind(StrEnum):
-    DEMOTE = "demote"  # copy DRAM range (offset, version) to disk as disk_version
-    PROMOTE = "promote"  # copy disk disk_version into DRAM range (offset) as version
-    DROP_DISK = "drop_disk"  # delete disk copy disk_version
-
-
-@dataclass(frozen=True)
-class TierAction:
-    kind: ActionKind
-    node_id: str
-    key: str
-    offset: int = 0
-    alloc_bytes: int = 0
-    version: int = 0
-    disk_version: int = 0
 
 
 @dataclass

@@ -16,6 +16,7 @@ from kvcake.conductor import (
     Admission,
     Conductor,
     ConductorConfig,
+    CostModel,
     DecodeStepPredictor,
     Placement,
     Policy,
@@ -340,3 +341,19 @@ def test_schedule_request_validation() -> None:
     with pytest.raises(ValueError, match="exceed prompt_len"):
         ScheduleRequest("r", 20, (1, 2, 3), BS, 1)
     assert ScheduleRequest("r", 33, [1, 2, 3], BS, 1).block_keys == (1, 2, 3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("bandwidth", "fetches"), [(1e9, False), (100e9, True)])
+def test_real_cost_model_fetches_only_above_the_bg_bandwidth(bandwidth: float, fetches: bool) -> None:
+    # llama3-70b on 8xA800: reusing an 8192-token prefix pays above ~6 GB/s (seed section IV)
+    # at peak FLOP/s, ~3 GB/s at the profile's 50% MFU; 1 GB/s is below, 100 GB/s far above.
+    cost = CostModel.from_spec("llama3-70b@a800x8")
+    cfg = ConductorConfig(fetch_only_if_faster=True, transfer_bandwidth_bytes_per_s=bandwidth,
+                          ttft_slo_s=1e9, tbt_slo_s=1e9)
+    c = Conductor(cfg, ["p0", "p1"], ["d0"], cost, cost, cost.model.kv_bytes_per_token)
+    c.on_blocks_stored("store", range(16))  # 8192 tokens of a 9000-token prompt, store only
+    d = placed(c.schedule(ScheduleRequest("r", 9000, tuple(range(18)), 512, 100), 0.0))
+    assert (d.fetch is not None) == fetches
+    assert d.prefix_len == (8192 if fetches else 0)
+    assert cost.min_reuse_bandwidth_bytes_per_s(8192, use_mfu=True) < 100e9
+    assert cost.min_reuse_bandwidth_bytes_per_s(8192, use_mfu=True) > 1e9

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvcake.conductor.index import GlobalIndex
 
 
@@ -66,3 +69,45 @@ def test_keys_are_opaque_hashables() -> None:
     index = GlobalIndex()
     index.add("p0", ["a", ("b", 1)])
     assert index.match(["a", ("b", 1), "c"]).blocks("p0") == 2
+
+
+_ops = st.lists(
+    st.tuples(st.sampled_from(["add", "remove", "drop"]), st.sampled_from(["p0", "p1", "p2", "s"]),
+              st.lists(st.integers(0, 9), max_size=6)),
+    max_size=30,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=_ops, query=st.lists(st.integers(0, 9), max_size=8))
+def test_match_agrees_with_a_naive_model(ops: list[tuple[str, str, list[int]]],
+                                         query: list[int]) -> None:
+    index = GlobalIndex()
+    model: dict[str, set[int]] = {}  # holder -> its keys
+    for op, holder, keys in ops:
+        if op == "add":
+            index.add(holder, keys)
+            model.setdefault(holder, set()).update(keys)
+        elif op == "remove":
+            index.remove(holder, keys)
+            if holder in model:
+                model[holder].difference_update(keys)
+        else:
+            index.remove_holder(holder)
+            model.pop(holder, None)
+    expected: dict[str, int] = {}
+    for holder, held in model.items():
+        n = 0
+        while n < len(query) and query[n] in held:
+            n += 1
+        if n:
+            expected[holder] = n
+    m = index.match(query)
+    assert m.blocks_by_holder == expected
+    assert m.best_blocks == max(expected.values(), default=0)
+    if expected:
+        assert m.best_holder is not None and expected[m.best_holder] == m.best_blocks
+    else:
+        assert m.best_holder is None
+    for holder in model:
+        assert index.num_keys(holder) == len(model[holder])

@@ -13,7 +13,7 @@ from kvcake.server.backend import GenerateRequest, Rejected
 from kvcake.server.local_backend import LocalBackend, LocalBackendConfig
 from kvcake.types import RequestId
 
-ENGINE = EngineConfig(kv_cache_bytes=16 * 2**20, max_num_batched_tokens=16)
+ENGINE = EngineConfig(kv_cache_bytes=16 * 2**20, max_num_batched_tokens=8)
 
 
 def test_queue_limit_zero_rejects_with_429_and_keeps_serving() -> None:
@@ -33,12 +33,12 @@ def test_queue_limit_zero_rejects_with_429_and_keeps_serving() -> None:
 
 
 def test_queue_limit_one_rejects_while_a_prefill_waits() -> None:
-    # A 2000-token prompt prefills in 125 chunks of 16 tokens: it waits for its first token
-    # far longer than the second request takes to arrive.
+    # A 512-token prompt prefills in 64 chunks of 8 tokens: it waits for its first token far
+    # longer than the second request takes to arrive.
     config = LocalBackendConfig(engine=ENGINE, max_waiting_requests=1)
 
     async def scenario(backend: LocalBackend) -> list[int]:
-        long = GenerateRequest(RequestId("long"), tuple([7] * 2000), max_tokens=2)
+        long = GenerateRequest(RequestId("long"), tuple([7] * 512), max_tokens=2)
         stream = await backend.generate(long)
         with pytest.raises(Rejected, match="limit 1"):
             await backend.generate(GenerateRequest(RequestId("late"), (1, 2), max_tokens=2))

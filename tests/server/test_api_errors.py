@@ -52,6 +52,10 @@ class FaultyBackend:
         return self.encode("".join(content for _role, content in messages))
 
     async def generate(self, request: GenerateRequest) -> _Stream:
+        if request.prompt_token_ids[0] == 14:
+            raise RuntimeError("no worker reachable")
+        if request.prompt_token_ids[0] == 15:
+            raise ValueError("prompt: this backend cannot serve prompts starting with 15")
         return _Stream(request)
 
     def stats(self) -> BackendStats:
@@ -74,7 +78,26 @@ def test_unknown_route_and_method_get_openai_errors(url: str) -> None:
                                      "type": "invalid_request_error", "param": None, "code": None}
 
 
+def test_failure_at_admission(url: str) -> None:
+    broken = httpx.post(url + "/v1/completions", json={"prompt": [14], "max_tokens": 2})
+    assert broken.status_code == 500
+    assert "no worker reachable" in broken.json()["error"]["message"]
+    refused = httpx.post(url + "/v1/completions", json={"prompt": [15], "max_tokens": 2})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        "prompt: this backend cannot serve prompts starting with 15")
+    assert httpx.post(url + "/v1/completions", json={"prompt": [1]}).status_code == 200
+
+
+def errors_500(url: str) -> int:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('kvcake_http_errors_total{status="500"}'):
+            return int(line.split()[-1])
+    return 0
+
+
 def test_failure_mid_generation(url: str) -> None:
+    before = errors_500(url)
     whole = httpx.post(url + "/v1/completions", json={"prompt": [13, 1], "max_tokens": 2})
     assert whole.status_code == 500
     assert "decode worker lost" in whole.json()["error"]["message"]
@@ -86,5 +109,4 @@ def test_failure_mid_generation(url: str) -> None:
     assert "[DONE]" not in events
     good = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2})
     assert good.json()["choices"][0]["text"] == "AB"
-    metrics = httpx.get(url + "/metrics").text.splitlines()
-    assert 'kvcake_http_errors_total{status="500"} 2' in metrics
+    assert errors_500(url) == before + 2

@@ -18,6 +18,7 @@ from kvcake.server.backend import GenerateRequest, TokenEvent
 from kvcake.server.cluster_config import ClusterConfig
 from kvcake.server.disagg_backend import STORE_HOLDER, DisaggBackend
 from kvcake.server.launcher import Cluster
+from kvcake.types import RequestId
 
 # Chunked prefill above 128 tokens: the long prompts below take several steps.
 ENGINE = EngineConfig(kv_cache_bytes=8 * 2**20, max_num_batched_tokens=128)
@@ -46,7 +47,7 @@ def run(backend: DisaggBackend, prompt: list[int], max_tokens: int,
         close_after: int | None = None) -> list[TokenEvent]:
     """All events of one greedy request (or the first `close_after`, then aclose)."""
     async def go() -> list[TokenEvent]:
-        request = GenerateRequest(f"t-{next(_counter)}", tuple(prompt), max_tokens,
+        request = GenerateRequest(RequestId(f"t-{next(_counter)}"), tuple(prompt), max_tokens,
                                   temperature=0.0, ignore_eos=True)
         stream = await backend.generate(request)
         events: list[TokenEvent] = []
@@ -129,7 +130,7 @@ def test_concurrent_requests_batch_on_the_decode_worker(backend: DisaggBackend,
     async def all_at_once() -> list[list[int]]:
         async def one(i: int, prompt: list[int]) -> list[int]:
             stream = await backend.generate(GenerateRequest(
-                f"batch-{i}", tuple(prompt), 12, temperature=0.0, ignore_eos=True))
+                RequestId(f"batch-{i}"), tuple(prompt), 12, temperature=0.0, ignore_eos=True))
             return [t async for e in stream for t in e.token_ids]
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 

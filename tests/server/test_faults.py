@@ -13,6 +13,7 @@ from kvcake.server.backend import GenerateRequest
 from kvcake.server.disagg_backend import DisaggBackend
 from kvcake.server.launcher import Cluster
 from kvcake.store import StoreClient
+from kvcake.types import RequestId
 from tests.server.test_disagg import (
     ENGINE,
     cluster_config,
@@ -65,7 +66,7 @@ def test_failed_fetch_falls_back_to_recompute(cluster: Cluster, llm: LLM) -> Non
     from kvcake.hashing import block_keys, key_hex
 
     def drop_from_store() -> None:  # the Conductor still believes the store holds them
-        with StoreClient(cluster.master_address) as store:
+        with StoreClient(str(cluster.master_address)) as store:
             keys = [f"{ns}:{key_hex(k)}" for k in block_keys(first, 16, ns)]
             assert all(store.remove_batch(keys))
 
@@ -99,7 +100,7 @@ def test_killed_decode_worker_ends_its_streams_and_survivors_serve(
 
         async def killed_mid_stream() -> tuple[int, str, str]:
             stream = await backend.generate(GenerateRequest(
-                "long", tuple(ids(300, 40)), 1500, temperature=0.0, ignore_eos=True))
+                RequestId("long"), tuple(ids(300, 40)), 1500, temperature=0.0, ignore_eos=True))
             victim = backend._flights["long"].placement.decode_id
             seen = 0
             try:

@@ -112,6 +112,14 @@ def test_bad_input_leaves_the_store_serving() -> None:
         assert client.stats()["num_objects"] == 1
 
 
+def test_a_failed_put_batch_leaves_nothing_pending() -> None:
+    with StoreClient.embedded(1 << 20) as client:
+        with pytest.raises(InvalidRequest, match="larger than any segment"):
+            client.put_batch(["small", "huge", "other"], [b"s", bytes(2 << 20), b"o"])
+        assert client.stats()["used_bytes"] == 0  # the batch's allocations were revoked
+        assert client.put("small", b"s") is True and client.get("small") == b"s"
+
+
 def test_a_lease_blocks_eviction_through_the_client() -> None:
     clock = ManualClock(0.0)
     config = MasterConfig(lease_s=5.0, heartbeat_timeout_s=1e9)

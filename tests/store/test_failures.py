@@ -122,6 +122,15 @@ def test_faulty_transport_never_yields_corrupted_bytes(seed: int) -> None:
                 continue
             assert got == value
             served += 1
+        keys = list(values)
+        buffers = [bytearray(len(values[k])) for k in keys]
+        try:
+            sizes = client.get_batch_into(keys, buffers)
+        except StoreError:
+            sizes = []
+        for key, size, buffer in zip(keys, sizes, buffers, strict=False):
+            if size is not None:  # a batch either fills a buffer with the right bytes or fails
+                assert bytes(buffer) == values[key]
     assert sum(f.num_corrupted for f in faulty) > 0 and sum(f.num_dropped for f in faulty) > 0
     assert served > 0  # faults were injected, reads still got through, none was wrong
     assert served + failed == len(values)
