@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcake.conductor import ConductorConfig
+from kvcake.conductor import Admission, ConductorConfig
 from kvcake.engine.config import EngineConfig
 from kvcake.server.api import ApiServer, create_app
 from kvcake.server.cluster_config import ClusterConfig
@@ -85,6 +85,10 @@ def main() -> int:
     parser.add_argument("--tbt-slo-ms", type=float, default=100.0)
     parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--streaming-requests", type=int, default=20)
+    parser.add_argument("--streaming-prompt-len", type=int, default=1500)
+    parser.add_argument("--skip-systems", action="store_true",
+                        help="run only the layer-wise streaming comparison")
     args = parser.parse_args()
     if not args.trace.is_file():
         raise SystemExit(f"--trace: {args.trace} not found")
@@ -99,12 +103,63 @@ def main() -> int:
             2, 0, mode="colocated", engine=engine, worker=dict(worker),
             conductor=ConductorConfig.from_dict({**conductor, "policy": "colocated"})),
     }
-    results = {name: run_system(name, config, args) for name, config in systems.items()}
-    print_table(results)
+    results: dict[str, Any] = {}
+    if not args.skip_systems:
+        results = {name: run_system(name, config, args) for name, config in systems.items()}
+        print_table(results)
+    results["streaming"] = {mode: streaming_run(layerwise, engine, args)
+                            for mode, layerwise in (("layerwise", True), ("after_prefill", False))}
+    print_streaming(results["streaming"])
     if args.out is not None:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                         "results": results}, indent=2) + "\n")
     return 0
+
+
+def streaming_run(layerwise: bool, engine: EngineConfig,
+                  args: argparse.Namespace) -> dict[str, float]:
+    """Sequential long prompts (3 chunks each) on 1 prefill + 1 decode worker, the KV streamed
+    layer by layer during the prefill or all of it after: TTFT and exposed transfer time."""
+    import asyncio
+
+    import numpy as np
+
+    from kvcake.server.backend import GenerateRequest
+    from kvcake.types import RequestId
+
+    config = ClusterConfig.simple(1, 1, engine=engine, conductor=ConductorConfig(
+        admission=Admission.NONE), worker={"layerwise": layerwise, "store_dram_bytes": 256 * 2**20,
+                                   "staging_bytes": 64 * 2**20})
+    rng = np.random.default_rng(7)
+    with Cluster(config) as cluster:
+        backend = cluster.backend
+        assert backend is not None
+
+        async def one(i: int) -> float:
+            prompt = tuple(rng.integers(0, 256, args.streaming_prompt_len).tolist())
+            start = time.perf_counter()
+            stream = await backend.generate(GenerateRequest(
+                RequestId(f"s{i}"), prompt, 2, temperature=0.0, ignore_eos=True))
+            first = None
+            async for _ in stream:
+                first = first or time.perf_counter() - start
+            return first or 0.0
+
+        ttfts = [asyncio.run(one(i)) for i in range(args.streaming_requests)]
+        t = backend.totals
+        return {"mean_ttft_ms": 1000 * float(np.mean(ttfts)),
+                "exposed_ms_per_request": 1000 * t.transfer_exposed_s / t.num_prefills,
+                "compute_ms_per_request": 1000 * t.compute_s / t.num_prefills,
+                "mib_per_request": t.transfer_bytes / t.num_prefills / 2**20,
+                "hidden_share": t.hidden_share}
+
+
+def print_streaming(runs: dict[str, dict[str, float]]) -> None:
+    for mode, r in runs.items():
+        print(f"streaming {mode:13s}: mean TTFT {r['mean_ttft_ms']:.1f} ms, exposed transfer "
+              f"{r['exposed_ms_per_request']:.2f} ms of {r['mib_per_request']:.2f} MiB per request"
+              f" (prefill compute {r['compute_ms_per_request']:.1f} ms, hidden share "
+              f"{r['hidden_share']:.1%})")
 
 
 def print_table(results: dict[str, Any]) -> None:

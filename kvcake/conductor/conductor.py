@@ -24,6 +24,7 @@ Pure: no I/O, no clock (`now_s` is an argument), no threads.
 from __future__ import annotations
 
 import random
+from operator import itemgetter
 from collections.abc import Hashable, Sequence
 
 from kvcake.conductor.config import Admission, ConductorConfig, Policy
@@ -31,6 +32,7 @@ from kvcake.conductor.decision import (
     Decision,
     DecodeEstimate,
     FetchPlan,
+    LazyPrefillCandidates,
     Placement,
     PrefillEstimate,
     Rejection,
@@ -40,6 +42,11 @@ from kvcake.conductor.decision import (
 from kvcake.conductor.index import GlobalIndex, PrefixMatch
 from kvcake.conductor.load import DecodeLoad, PrefillQueue
 from kvcake.conductor.predictor import DecodeModel, PrefillModel
+
+# (local_len, prefix_len, transfer_s, prefill_s, recompute_s): one instance's prefill plan;
+# recompute_s is the local alternative when fetch_only_if_faster must weigh it.
+_Plan = tuple[int, int, float, float, float | None]
+_TBT_S = itemgetter(3)  # DecodeEstimate.tbt_s
 
 
 class Conductor:
@@ -77,6 +84,8 @@ class Conductor:
         self._inflight_bytes: dict[str, int] = {}  # fetch source -> bytes planned, not done
         self._transfers: dict[str, tuple[str, int]] = {}  # request -> (source, bytes)
         self._placed: dict[str, tuple[str, str]] = {}  # request -> (prefill_id, decode_id)
+        self._last_decode_estimates: dict[str, DecodeEstimate] = {}  # instance -> its last one
+        self._prefill_pool: tuple[str, ...] = ()  # the keys of _queues, shared by decisions
         for instance_id in prefill_ids:
             self.add_prefill_instance(instance_id)
         for instance_id in decode_ids:
@@ -96,6 +105,7 @@ class Conductor:
         if instance_id in self._queues:
             raise ValueError(f"prefill instance {instance_id!r} is already registered")
         self._queues[instance_id] = PrefillQueue()
+        self._prefill_pool = tuple(self._queues)
         self.index.add_holder(instance_id)
 
     def add_decode_instance(self, instance_id: str) -> None:
@@ -106,7 +116,9 @@ class Conductor:
     def remove_instance(self, instance_id: str) -> None:
         """Forget an instance (it died or was drained), its queue and its cached blocks."""
         self._queues.pop(instance_id, None)
+        self._prefill_pool = tuple(self._queues)
         self._decodes.pop(instance_id, None)
+        self._last_decode_estimates.pop(instance_id, None)
         self.index.remove_holder(instance_id)
 
     def set_transfer_bandwidth(self, bytes_per_s: float) -> None:
@@ -140,8 +152,8 @@ class Conductor:
             return Rejection(req.request_id, RejectReason.NO_INSTANCE, self.config.min_retry_after_s,
                              float("inf"), float("inf"), (), ())
         match = self.index.match(req.block_keys)
-        candidates = self._estimate_prefills(req, match, now_s)
-        chosen = self._choose_prefill(candidates)
+        candidates, ttfts = self._estimate_prefills(req, match, now_s)
+        chosen = candidates[self._choose_prefill(candidates, ttfts)]
         ttft_s = chosen.ttft_s
         decode_candidates = self._estimate_decodes(req, chosen.instance_id, now_s, ttft_s)
         best_decode = self._choose_decode(decode_candidates)
@@ -150,56 +162,83 @@ class Conductor:
             return rejection
         fetch = self._fetch_plan(req, chosen, match)
         self._book(req, now_s, chosen, best_decode.instance_id, fetch, match.blocks(chosen.instance_id))
-        return Placement(req.request_id, chosen.instance_id, best_decode.instance_id,
-                         chosen.prefix_len, fetch, ttft_s, best_decode.tbt_s, candidates,
-                         decode_candidates)
+        return Placement._with_lazy_candidates(
+            candidates, request_id=req.request_id, prefill_id=chosen.instance_id,
+            decode_id=best_decode.instance_id, prefix_len=chosen.prefix_len, fetch=fetch,
+            predicted_ttft_s=ttft_s, predicted_tbt_s=best_decode.tbt_s,
+            decode_candidates=decode_candidates)
 
     def _reuse_len(self, req: ScheduleRequest, num_blocks: int) -> int:
         # The last prompt token is always computed: its logits give the first output token.
         return min(num_blocks * req.block_size, req.prompt_len - 1)
 
     def _estimate_prefills(self, req: ScheduleRequest, match: PrefixMatch,
-                           now_s: float) -> tuple[PrefillEstimate, ...]:
-        """Algorithm 1, lines 4-13, for every prefill instance (baselines: recompute only)."""
-        cfg = self.config
-        n = req.prompt_len
+                           now_s: float) -> tuple[LazyPrefillCandidates, list[float]]:
+        """Algorithm 1, lines 4-13, for every prefill instance (baselines: recompute only).
+
+        Returns the candidates, in compact form, and their `ttft_s` summed in the same order as
+        `PrefillEstimate.ttft_s` (so the very same floats) for the choice. Instances that hold the
+        same number of prefix blocks differ only in their queue: their plan is made once.
+        """
         predicted: dict[int, float] = {}  # prefix_len -> prefill seconds; few distinct per request
-
-        def prefill_s(prefix_len: int) -> float:
-            if prefix_len not in predicted:
-                predicted[prefix_len] = self._prefill_model.predict(n, prefix_len)
-            return predicted[prefix_len]
-
-        fetching = cfg.policy is Policy.GLOBAL_CACHE and match.best_holder is not None
-        best_len = self._reuse_len(req, match.best_blocks)
-        threshold = cfg.kvcache_balancing_threshold
-        backlog = self._inflight_bytes.get(match.best_holder or "", 0)
-        by_holder, block_size, cap = match.blocks_by_holder, req.block_size, n - 1
-        estimates = []
+        plans: dict[int, _Plan] = {}  # local prefix blocks -> plan
+        recomputes: dict[int, _Plan] = {}  # the same, when fetch_only_if_faster turns a fetch down
+        by_holder = match.blocks_by_holder
+        chosen_plans: list[_Plan] = []
+        queues: list[float] = []
+        ttfts: list[float] = []
         for instance_id, queue in self._queues.items():
-            local_len = min(by_holder.get(instance_id, 0) * block_size, cap)
+            num_blocks = by_holder.get(instance_id, 0) if by_holder else 0
+            plan = plans.get(num_blocks)
+            if plan is None:
+                plan = plans[num_blocks] = self._plan_prefill(req, match, num_blocks, predicted)
             queue_s = queue.queue_s(now_s)
-            if fetching and best_len > threshold * local_len:
-                fetch_bytes = (best_len - local_len) * self._kv_bytes_per_token
-                transfer_s = (backlog + fetch_bytes) / self._bandwidth
-                estimate = PrefillEstimate(instance_id, local_len, best_len, transfer_s, queue_s,
-                                           prefill_s(best_len))
-                if cfg.fetch_only_if_faster and queue_s + prefill_s(local_len) <= estimate.ttft_s:
-                    estimate = PrefillEstimate(instance_id, local_len, local_len, 0.0, queue_s,
-                                               prefill_s(local_len))
-            else:
-                estimate = PrefillEstimate(instance_id, local_len, local_len, 0.0, queue_s,
-                                           prefill_s(local_len))
-            estimates.append(estimate)
-        return tuple(estimates)
+            ttft_s = plan[2] + queue_s + plan[3]
+            recompute_s = plan[4]
+            if recompute_s is not None and queue_s + recompute_s <= ttft_s:
+                # fetch_only_if_faster: the fetch would not beat recomputing the rest locally.
+                local_plan = recomputes.get(num_blocks)
+                if local_plan is None:
+                    local_plan = recomputes[num_blocks] = (plan[0], plan[0], 0.0, recompute_s, None)
+                plan = local_plan
+                ttft_s = 0.0 + queue_s + recompute_s
+            chosen_plans.append(plan)
+            queues.append(queue_s)
+            ttfts.append(ttft_s)
+        return (LazyPrefillCandidates(self._prefill_pool, tuple(chosen_plans), tuple(queues)),
+                ttfts)
 
-    def _choose_prefill(self, candidates: tuple[PrefillEstimate, ...]) -> PrefillEstimate:
+    def _plan_prefill(self, req: ScheduleRequest, match: PrefixMatch, num_blocks: int,
+                      predicted: dict[int, float]) -> _Plan:
+        """Fetch or recompute, for an instance holding `num_blocks` prefix blocks (Algorithm 1)."""
+        cfg = self.config
+        local_len = self._reuse_len(req, num_blocks)
+        best_len = self._reuse_len(req, match.best_blocks)
+        if (cfg.policy is Policy.GLOBAL_CACHE and match.best_holder is not None
+                and best_len > cfg.kvcache_balancing_threshold * local_len):
+            fetch_bytes = (best_len - local_len) * self._kv_bytes_per_token
+            backlog = self._inflight_bytes.get(match.best_holder, 0)
+            transfer_s = (backlog + fetch_bytes) / self._bandwidth
+            recompute_s = (self._prefill_s(req, local_len, predicted)
+                           if cfg.fetch_only_if_faster else None)
+            return (local_len, best_len, transfer_s, self._prefill_s(req, best_len, predicted),
+                    recompute_s)
+        return local_len, local_len, 0.0, self._prefill_s(req, local_len, predicted), None
+
+    def _prefill_s(self, req: ScheduleRequest, prefix_len: int, predicted: dict[int, float]) -> float:
+        if prefix_len not in predicted:
+            predicted[prefix_len] = self._prefill_model.predict(req.prompt_len, prefix_len)
+        return predicted[prefix_len]
+
+    def _choose_prefill(self, candidates: LazyPrefillCandidates, ttfts: list[float]) -> int:
+        """The index of the chosen candidate."""
         policy = self.config.policy
         if policy is Policy.RANDOM:
-            return candidates[self._rng.randrange(len(candidates))]
+            return self._rng.randrange(len(candidates))
+        # min() keeps the first of equal keys: ties go to pool order.
         if policy is Policy.LOAD_BALANCE:
-            return min(candidates, key=lambda c: c.queue_s)
-        return min(candidates, key=lambda c: c.ttft_s)  # first of equals: pool order
+            return min(range(len(ttfts)), key=candidates.queue_s.__getitem__)
+        return min(range(len(ttfts)), key=ttfts.__getitem__)
 
     def _estimate_decodes(self, req: ScheduleRequest, prefill_id: str, now_s: float,
                           ttft_s: float) -> tuple[DecodeEstimate, ...]:
@@ -209,24 +248,33 @@ class Conductor:
         if self.config.policy is Policy.COLOCATED:
             loads = {prefill_id: self._decodes[prefill_id]}
         step = self._decode_model.decode_step_time_s
+        # An estimate is a pure function of (instance, batch, context tokens), and an instance's
+        # forecast rarely changes between decisions: reuse the last estimate when it matches
+        # rather than asking the model again and allocating a new record.
+        last_estimates = self._last_decode_estimates
+        new = tuple.__new__
         estimates = []
         for instance_id, load in loads.items():
             batch, tokens = load.batch_at(at_s)
             batch, tokens = batch + 1, tokens + context
-            estimates.append(DecodeEstimate(instance_id, batch, tokens, step(batch, tokens)))
+            estimate = last_estimates.get(instance_id)
+            if estimate is None or estimate[1] != batch or estimate[2] != tokens:
+                estimate = new(DecodeEstimate, (instance_id, batch, tokens, step(batch, tokens)))
+                last_estimates[instance_id] = estimate
+            estimates.append(estimate)
         return tuple(estimates)
 
     def _choose_decode(self, candidates: tuple[DecodeEstimate, ...]) -> DecodeEstimate:
         # Least predicted TBT; among equals (e.g. all idle at the forecast time) the instance with
         # the fewest requests booked, so a burst does not pile onto the first instance.
-        best_tbt = min(d.tbt_s for d in candidates)
-        ties = [d for d in candidates if d.tbt_s == best_tbt]
+        best_tbt = min(map(_TBT_S, candidates))
+        ties = [d for d in candidates if d[3] == best_tbt]
         if len(ties) == 1:
             return ties[0]
         return min(ties, key=lambda d: self._decodes[d.instance_id].num_booked)
 
     def _admit(self, req: ScheduleRequest, now_s: float, ttft_s: float, decode: DecodeEstimate,
-               candidates: tuple[PrefillEstimate, ...],
+               candidates: LazyPrefillCandidates,
                decode_candidates: tuple[DecodeEstimate, ...]) -> Rejection | None:
         cfg = self.config
         if cfg.admission is Admission.NONE:
@@ -240,7 +288,7 @@ class Conductor:
         else:
             return None
         return Rejection(req.request_id, reason, max(cfg.min_retry_after_s, retry_s), ttft_s,
-                         decode.tbt_s, candidates, decode_candidates)
+                         decode.tbt_s, candidates.expand(), decode_candidates)
 
     def _fetch_plan(self, req: ScheduleRequest, chosen: PrefillEstimate,
                     match: PrefixMatch) -> FetchPlan | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 Holder = str
 """Who holds a copy of a block: a prefill instance id, or a store tier name such as "store"."""
@@ -129,6 +129,70 @@ class Placement:
     @property
     def chosen(self) -> PrefillEstimate:
         return next(c for c in self.prefill_candidates if c.instance_id == self.prefill_id)
+
+    @classmethod
+    def _with_lazy_candidates(cls, prefill_candidates: LazyPrefillCandidates,
+                              **fields: object) -> Placement:
+        """The Conductor's constructor: `prefill_candidates` is expanded on first access.
+
+        Every other field is passed by name, as to `Placement(...)`. Until expanded, the
+        placement's `__dict__` holds the compact form instead of the field; the expanded
+        tuple is then stored as the plain attribute (equality, repr, hash, pickling and
+        `dataclasses` helpers all read it through attribute access, so they see the same values).
+        """
+        placement = object.__new__(cls)
+        placement.__dict__.update(fields)
+        placement.__dict__[_LAZY] = prefill_candidates
+        return placement
+
+    if not TYPE_CHECKING:  # hidden from mypy, which would otherwise accept any attribute name
+
+        def __getattr__(self, name: str) -> Any:
+            # Only called when normal lookup fails, i.e. for a not yet expanded candidate tuple.
+            lazy = self.__dict__.get(_LAZY) if name == "prefill_candidates" else None
+            if lazy is None:
+                raise AttributeError(f"'Placement' object has no attribute {name!r}")
+            value = lazy.expand()
+            object.__setattr__(self, "prefill_candidates", value)
+            object.__delattr__(self, _LAZY)
+            return value
+
+
+_LAZY = "_lazy_prefill_candidates"
+
+
+class LazyPrefillCandidates:
+    """The prefill candidates of one decision in compact form, expanded on demand.
+
+    A decision carries one `PrefillEstimate` per prefill instance. Few callers read them, but a
+    caller that keeps its placements for the request's lifetime (the live frontend does) would
+    keep ~64 small tracked objects per request alive: the cyclic garbage collector's work, and
+    the slowest 1% of decisions were the ones that paid for its passes. Here one decision holds
+    three tuples of atoms (which the collector untracks) whatever the pool size. Instances that
+    hold the same prefix share one plan `(local_len, prefix_len, transfer_s, prefill_s, ...)`;
+    only the queue differs.
+    """
+
+    __slots__ = ("instance_ids", "plans", "queue_s")
+
+    def __init__(self, instance_ids: tuple[str, ...], plans: tuple[tuple[Any, ...], ...],
+                 queue_s: tuple[float, ...]) -> None:
+        self.instance_ids, self.plans, self.queue_s = instance_ids, plans, queue_s
+
+    def __len__(self) -> int:
+        return len(self.instance_ids)
+
+    def __getitem__(self, index: int) -> PrefillEstimate:
+        plan = self.plans[index]
+        return PrefillEstimate(self.instance_ids[index], plan[0], plan[1], plan[2],
+                               self.queue_s[index], plan[3])
+
+    def expand(self) -> tuple[PrefillEstimate, ...]:
+        new = tuple.__new__  # what PrefillEstimate(...) does, without its Python-level __new__
+        return tuple([new(PrefillEstimate, (instance_id, plan[0], plan[1], plan[2], queue_s,
+                                            plan[3]))
+                      for instance_id, plan, queue_s in zip(self.instance_ids, self.plans,
+                                                            self.queue_s, strict=True)])
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,11 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, compress, repeat, takewhile
+from operator import and_, not_
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,16 @@ class GlobalIndex:
     def add(self, holder: str, keys: Iterable[Hashable]) -> None:
         self.add_holder(holder)
         flag = 1 << self._bit[holder]
-        masks, added = self._masks, 0
-        for key in keys:
-            mask = masks.get(key, 0)
+        masks = self._masks
+        keys = keys if isinstance(keys, tuple | list) else list(keys)
+        # Most added keys are new to the index: insert those in one C-level pass (in order, as a
+        # loop would), and walk only the keys someone already holds.
+        before = len(masks)
+        held = list(map(masks.get, keys, repeat(0)))
+        masks.update(zip(compress(keys, map(not_, held)), repeat(flag)))
+        added = len(masks) - before
+        for key in compress(keys, held):
+            mask = masks[key]
             if not mask & flag:
                 masks[key] = mask | flag
                 added += 1
@@ -111,26 +121,25 @@ class GlobalIndex:
     def match(self, keys: Sequence[Hashable]) -> PrefixMatch:
         """Longest contiguous prefix of `keys` held by each holder, in one pass over the keys."""
         masks = self._masks
-        alive = masks.get(keys[0], 0) if keys else 0
-        ended: dict[int, int] = {}  # bit -> matched blocks
-        i = 1
-        while alive and i < len(keys):
-            nxt = alive & masks.get(keys[i], 0)
-            if nxt != alive:
-                self._record(alive & ~nxt, i, ended)
-                alive = nxt
-            i += 1
-        self._record(alive, i, ended)
-        if not ended:
+        # alive[i]: the holders that have keys[0..i], up to the first key nobody left has. The
+        # running AND only clears bits, so alive is non-increasing as integers: the blocks a
+        # holder set keeps are found by bisection, not by a Python loop over the keys.
+        alive = list(takewhile(bool, accumulate(map(masks.get, keys, repeat(0)), and_)))
+        if not alive:
             return PrefixMatch({}, 0, None)
-        best_blocks = max(ended.values())
-        best_bit = min(bit for bit, n in ended.items() if n == best_blocks)
-        by_holder = {self._holder_of_bit[bit]: n for bit, n in ended.items()}
-        return PrefixMatch(by_holder, best_blocks, self._holder_of_bit[best_bit])
-
-    @staticmethod
-    def _record(dropped: int, num_blocks: int, ended: dict[int, int]) -> None:
-        while dropped:
-            low = dropped & -dropped
-            ended[low.bit_length() - 1] = num_blocks
-            dropped ^= low
+        ascending = alive[::-1]
+        num_alive = len(alive)
+        holder_of_bit = self._holder_of_bit
+        by_holder: dict[str, int] = {}
+        end = 0
+        while end < num_alive:
+            run = alive[end]
+            end = num_alive - bisect_left(ascending, run)  # blocks matched by the holders in run
+            dropped = run & ~alive[end] if end < num_alive else run
+            while dropped:  # lowest bit first: registration order
+                low = dropped & -dropped
+                by_holder[holder_of_bit[low.bit_length() - 1]] = end
+                dropped ^= low
+        # The last run matched the most blocks; ties go to its lowest bit.
+        best_bit = (run & -run).bit_length() - 1
+        return PrefixMatch(by_holder, end, holder_of_bit[best_bit])

@@ -15,9 +15,10 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class PrefillQueue:
@@ -68,8 +69,7 @@ class PrefillQueue:
         return predicted
 
 
-@dataclass(frozen=True)
-class _Pending:
+class _Pending(NamedTuple):  # a tuple: one small object per placed request, not two
     join_s: float
     context_tokens: int
     output_len: int
@@ -133,6 +133,10 @@ class DecodeLoad:
         self._finish_s: dict[str, float] = {}
         self._pending = _TimedBag()  # keyed by predicted join time
         self._pending_info: dict[str, _Pending] = {}
+        # The last forecast and the times [lo, hi) over which it holds: the forecast only
+        # changes at a finish or join time, so consecutive decisions (whose forecast times
+        # differ by a little) mostly reuse it. Any change to the book clears it.
+        self._forecast: tuple[float, float, int, int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -154,6 +158,7 @@ class DecodeLoad:
         """A request was placed here; it should join at `join_s` (when its prefill finishes)."""
         self._pending_info[request_id] = _Pending(join_s, context_tokens, output_len)
         self._pending.insert(join_s, request_id, context_tokens)
+        self._forecast = None
 
     def join(self, request_id: str, now_s: float,
              step_time_s: Callable[[int, int], float]) -> None:
@@ -163,29 +168,49 @@ class DecodeLoad:
         if info is None:
             return
         self._pending.delete(info.join_s, request_id)
+        self._forecast = None
         batch, tokens = self.batch_at(now_s)
         finish_s = now_s + info.output_len * step_time_s(batch + 1, tokens + info.context_tokens)
         self._finish_s[request_id] = finish_s
         self._active.insert(finish_s, request_id, info.context_tokens)
+        self._forecast = None
 
     def remove(self, request_id: str) -> None:
         """The request finished decoding, or was aborted before or after joining."""
         finish_s = self._finish_s.pop(request_id, None)
         if finish_s is not None:
             self._active.delete(finish_s, request_id)
+            self._forecast = None
         info = self._pending_info.pop(request_id, None)
         if info is not None:
             self._pending.delete(info.join_s, request_id)
+            self._forecast = None
 
     def batch_at(self, time_s: float) -> tuple[int, int]:
         """(batch size, context tokens) predicted at `time_s`: the decoding requests not
         predicted to have finished by then, plus the expected ones predicted to have joined."""
         # On the decision path for every decode instance: touch the lists directly.
+        forecast = self._forecast
+        if forecast is not None and forecast[0] <= time_s < forecast[1]:
+            return forecast[2], forecast[3]
         active, pending = self._active, self._pending
-        num_active = len(active._times)
-        done, done_ctx = active.until(time_s) if num_active else (0, 0)
+        done, done_ctx = active.until(time_s) if active._times else (0, 0)
         joined, joined_ctx = pending.until(time_s) if pending._times else (0, 0)
-        return num_active - done + joined, active.context_sum - done_ctx + joined_ctx
+        batch = len(active._times) - done + joined
+        tokens = active.context_sum - done_ctx + joined_ctx
+        # The same counts hold from the latest time counted (until() counts times <= time_s)
+        # up to, not including, the next time of either bag.
+        lo, hi = _bounds(active._times, done)
+        pending_lo, pending_hi = _bounds(pending._times, joined)
+        self._forecast = (max(lo, pending_lo), min(hi, pending_hi), batch, tokens)
+        return batch, tokens
 
     def next_finish_after(self, time_s: float) -> float | None:
         return self._active.first_after(time_s)
+
+
+def _bounds(times: list[float], num_counted: int) -> tuple[float, float]:
+    """[the last counted time, the first uncounted one) of a sorted list; -inf / inf at the ends."""
+    lo = times[num_counted - 1] if num_counted else -math.inf
+    hi = times[num_counted] if num_counted < len(times) else math.inf
+    return lo, hi

@@ -90,7 +90,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         worker.start()
         print(f"kvcake worker ready {worker.worker_id} {worker.address}", flush=True)
-        while not stop.wait(0.5):
+        while not stop.wait(0.5) and not worker.shutdown_requested.is_set():
             if args.parent_pid is not None and os.getppid() != args.parent_pid:
                 print(f"kvcake worker {worker.worker_id}: parent gone, exiting", file=sys.stderr)
                 break

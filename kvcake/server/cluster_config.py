@@ -38,6 +38,7 @@ class WorkerSpec:
     store_dram_bytes: int = 64 * 2**20
     staging_bytes: int = 32 * 2**20
     num_threads: int | None = 1
+    layerwise: bool = True  # prefill: stream KV layer by layer during compute (else after)
 
     def __post_init__(self) -> None:
         try:

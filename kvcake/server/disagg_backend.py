@@ -189,6 +189,8 @@ class DisaggBackend:
         return self
 
     def close(self, shutdown_workers: bool = False) -> None:
+        """Fail what is in flight and disconnect; `shutdown_workers` also asks every worker
+        process to exit (`kvcake worker` honours it)."""
         with self._lock:
             views = list(self._workers.values())
             for flight in list(self._flights.values()):

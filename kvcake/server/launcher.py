@@ -77,7 +77,8 @@ class Cluster:
                             master=self.master_address if spec.role is not Role.COLOCATED
                             else None,
                             store_dram_bytes=spec.store_dram_bytes,
-                            staging_bytes=spec.staging_bytes, num_threads=spec.num_threads)
+                            staging_bytes=spec.staging_bytes, num_threads=spec.num_threads,
+                            layerwise=spec.layerwise)
 
     def _launch(self, worker_id: str, spec: WorkerSpec) -> None:
         config = self._worker_config(worker_id, spec)
@@ -99,8 +100,8 @@ class Cluster:
         proc.wait(timeout=10)
 
     def close(self) -> None:
-        if self.backend is not None:
-            self.backend.close(shutdown_workers=True)
+        if self.backend is not None:  # workers it did not launch keep running
+            self.backend.close()
             self.backend = None
         for worker in self.workers.values():
             worker.close()

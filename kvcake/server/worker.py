@@ -103,6 +103,7 @@ class Worker:
         self._inbox: queue.Queue[Message | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
+        self.shutdown_requested = threading.Event()  # a frontend sent Shutdown
         self._last_load: LoadReport | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -238,7 +239,10 @@ class Worker:
         while True:
             idle = not engine.has_unfinished() and not role.has_pending()
             for message in self._drain(block=idle):
-                if message is None or isinstance(message, Shutdown):
+                if isinstance(message, Shutdown):
+                    self.shutdown_requested.set()  # the process owner (run_worker) stops
+                    continue
+                if message is None:
                     return
                 try:
                     role.handle(message)

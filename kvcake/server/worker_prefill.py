@@ -66,6 +66,7 @@ class _Prefill:
     staging: SegmentDesc | None  # None: colocated (decode here)
     num_fetched_tokens: int
     blocks_done: int = 0  # leading blocks fully streamed in earlier steps
+    step_end_block: int = 0  # blocks this step may write (set at layer 0 of each step)
     batches: list[Any] = field(default_factory=list)
     first_submit_s: float | None = None
     compute_s: float = 0.0
@@ -167,20 +168,32 @@ class PrefillRole:
         return imported * self.engine.block_size
 
     # -- step 3: layer-wise streaming ---------------------------------------------------------
-    def _running(self, request_id: str) -> bool:
-        return any(s.request_id == request_id for s in self.engine.batcher.running)
-
     def _layer_hook(self, layer_idx: int) -> None:
         """Layer `layer_idx` of every streaming request's blocks is written: ship it now."""
         if layer_idx == 0:
-            self._in_step = [s for s in self._live.values() if self._running(s.order.request_id)]
+            self._start_step()
         if not self.worker.config.layerwise:
             return
         for state in self._in_step:
             if state.staging is not None and not state.first_token_sent:
-                self._submit_layer(state, layer_idx, state.blocks_done)
+                self._submit_layer(state, layer_idx, state.blocks_done, state.step_end_block)
 
-    def _submit_layer(self, state: _Prefill, layer_idx: int, first_block: int) -> None:
+    def _start_step(self) -> None:
+        """Which prefills this step runs, and the blocks each may write: at most the step's
+        token budget past what was computed before (exact for one request per step; more
+        requests share the budget, and a block sent unfinished is sent again next step)."""
+        budget = self.engine.config.max_num_batched_tokens
+        bs = self.engine.block_size
+        self._in_step = []
+        for seq in self.engine.batcher.running:
+            state = self._live.get(seq.request_id)
+            if state is not None:
+                end = min(seq.num_prompt_tokens, seq.num_computed_tokens + budget)
+                state.step_end_block = -(-end // bs)
+                self._in_step.append(state)
+
+    def _submit_layer(self, state: _Prefill, layer_idx: int, first_block: int,
+                      end_block: int) -> None:
         pool = self.engine.pool
         staging = state.staging
         assert staging is not None
@@ -189,7 +202,8 @@ class PrefillRole:
         requests = [
             TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], staging,
                             staging_blocks[i] * pool.block_nbytes + layer_idx * pool.layer_nbytes)
-            for i, block_id in enumerate(block_ids[:len(staging_blocks)]) if i >= first_block]
+            for i, block_id in enumerate(block_ids[:min(end_block, len(staging_blocks))])
+            if i >= first_block]
         if not requests:
             return
         if state.first_submit_s is None:
@@ -217,10 +231,10 @@ class PrefillRole:
                 del self._live[rid]
             return
         state.first_token_sent = True
+        ended = time.perf_counter()
         if state.staging is not None and not self.worker.config.layerwise:
             for layer_idx in range(self.engine.pool.num_layers):
-                self._submit_layer(state, layer_idx, 0)
-        ended = time.perf_counter()
+                self._submit_layer(state, layer_idx, 0, len(state.order.staging_blocks))
         had_transfers = bool(state.batches)
         error = self._wait_transfers(state)
         exposed_s = time.perf_counter() - ended

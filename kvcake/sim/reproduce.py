@@ -175,7 +175,8 @@ def figure13(ctx: Context) -> list[str]:
               "the recomputation baseline), both with the prefill-to-decode KV hand-off on the "
               "same NICs.", "",
               "| NIC Gbps | global mean TTFT (s) | local mean TTFT (s) | mean fetch time (s) | "
-              "mean KV hand-off wait (s) | fetched tokens |", "|---|---|---|---|---|---|"]
+              "mean KV hand-off wait (s) | fetched tokens | global mean TBT (ms) | "
+              "global effective capacity |", "|---|---|---|---|---|---|---|---|"]
     ttft_g, ttft_l, fetch = [], [], []
     for gbps in FIGURE13_GBPS:
         g = ctx.sim(policy="global_cache", nic_gbps=float(gbps))
@@ -187,7 +188,9 @@ def figure13(ctx: Context) -> list[str]:
         ttft_l.append(loc["ttft_s"]["mean"])
         fetch.append(mean_fetch)
         lines.append(f"| {gbps} | {_fmt(ttft_g[-1])} | {_fmt(ttft_l[-1])} | {_fmt(mean_fetch)} | "
-                     f"{_fmt(sum(waits) / max(1, len(waits)))} | {g.summary['fetched_tokens']:,} |")
+                     f"{_fmt(sum(waits) / max(1, len(waits)))} | {g.summary['fetched_tokens']:,} | "
+                     f"{_fmt(1000 * g.summary['tbt_s']['mean'])} | "
+                     f"{g.summary['effective_request_capacity']:.3f} |")
     lines += ["", f"Paper: {paper.FIGURE13_CLAIM}.", ""]
     xs = [float(x) for x in FIGURE13_GBPS]
     plot_lines(ctx.out / f"figure13_{ctx.stem}.png", f"Figure 13: bandwidth, {ctx.stem}",

@@ -3,16 +3,17 @@
     from kvcake.store import StoreClient
     with StoreClient("127.0.0.1:21000") as store:       # a running `kvcake store master`
         store.put("key", data); store.get("key")
-    with StoreClient.embedded(dram_bytes=1 << 30) as store:   # everything in this process
+    with StoreClient.embedded(1 << 30) as store:   # everything in this process (EmbeddedConfig)
         ...
 
 Modules: index (pure metadata and policy), eviction (LRU order), allocator (segment ranges),
 placement (strategies), layout (object header + checksum), protocol / rpc_server (control frames),
-master, node, disk (SSD tier), client, remote, embedded, cli.
+master, node, disk (SSD tier), client, direct (small transfers on the caller's thread), remote,
+embedded, cli.
 """
 
 from kvcake.store.client import StoreClient
-from kvcake.store.config import MasterConfig, NodeConfig, Strategy
+from kvcake.store.config import EmbeddedConfig, MasterConfig, NodeConfig, Strategy
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.errors import (
     InvalidRequest,
@@ -29,7 +30,7 @@ from kvcake.store.master import MasterServer, MasterService
 from kvcake.store.node import StoreNode
 
 __all__ = [
-    "EmbeddedStore", "InvalidRequest", "MasterConfig", "MasterServer", "MasterService",
+    "EmbeddedConfig", "EmbeddedStore", "InvalidRequest", "MasterConfig", "MasterServer", "MasterService",
     "MasterUnavailable", "NoNodes", "NoSpace", "NodeConfig", "ObjectExists", "ObjectNotFound",
     "ObjectUnavailable", "StoreClient", "StoreError", "StoreNode", "Strategy", "TransferFailed",
 ]

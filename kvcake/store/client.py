@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
+from kvcake.store.direct import DirectPath
 from kvcake.store.errors import (
     WIRE_ERRORS,
     InvalidRequest,
@@ -38,18 +39,20 @@ from kvcake.transfer import (
     TransferError,
     TransferOp,
     TransferRequest,
+    TransportWrapper,
     buffer_view,
 )
 
 if TYPE_CHECKING:
     import torch
 
+    from kvcake.store.config import EmbeddedConfig
     from kvcake.store.embedded import EmbeddedStore
 
 log = logging.getLogger(__name__)
 
-_READ_ROUNDS = 3
-_JOIN_BYTES = 256 << 10  # objects up to this size are written with their header in one request  # how many times the client asks the master again after every replica failed
+_READ_ROUNDS = 3  # how many times the client asks the master again after every replica failed
+_JOIN_BYTES = 256 << 10  # objects up to this size are written with their header in one request
 
 
 class Master(Protocol):
@@ -71,6 +74,7 @@ class Master(Protocol):
                         local_node: str | None = None) -> list[Any]: ...
     def put_commit_batch(self, keys: list[Any]) -> list[Any]: ...
     def get_batch(self, keys: list[Any]) -> list[Any]: ...
+    def release_leases(self, leases: list[Any]) -> None: ...
     def exists_batch(self, keys: list[Any]) -> list[Any]: ...
     def remove_batch(self, keys: list[Any]) -> list[Any]: ...
 
@@ -87,12 +91,15 @@ class StoreClient:
     """A client of one store. `master` is "HOST:PORT" or an in-process master service.
 
     The transfer engine starts on first use (or pass a started `engine` to share one). Set
-    `transfer_config.use_shared_memory=False` to force TCP even to nodes on this host.
+    `transfer_config.use_shared_memory=False` to force TCP even to nodes on this host. A client
+    with its own engine moves batches of up to `slice_bytes` on the calling thread (`DirectPath`);
+    `wrap_transport` wraps every endpoint of both (tests inject faults with it).
     """
 
     def __init__(self, master: str | Master, *, engine: TransferEngine | None = None,
                  transfer_config: TransferConfig | None = None, num_replicas: int | None = None,
-                 local_node: str | None = None) -> None:
+                 local_node: str | None = None,
+                 wrap_transport: TransportWrapper | None = None) -> None:
         if isinstance(master, str):
             from kvcake.store.remote import RemoteMaster
 
@@ -101,6 +108,10 @@ class StoreClient:
         self._own_engine = engine is None
         self._engine = engine
         self._transfer_config = transfer_config or TransferConfig(serve=False)
+        self._wrap = wrap_transport
+        # A shared engine is used as it is (it may carry a test's transport wrapper).
+        self._direct = DirectPath(self._transfer_config, wrap_transport) if engine is None \
+            else None
         self._started = engine is not None
         self.num_replicas = num_replicas
         self.local_node = local_node
@@ -109,13 +120,15 @@ class StoreClient:
         self._start_lock = threading.Lock()
 
     @classmethod
-    def embedded(cls, dram_bytes: int, *, disk_dir: str | None = None, disk_bytes: int = 0,
-                 **kwargs: Any) -> StoreClient:
-        """A client with its own in-process master and one node of `dram_bytes`; close() stops
-        them. kwargs go to `EmbeddedStore` (config, clock, num_nodes)."""
+    def embedded(cls, config: EmbeddedConfig | int, **kwargs: Any) -> StoreClient:
+        """A client with its own in-process store (`config`, or just its DRAM bytes for one
+        node); close() stops it. kwargs go to `EmbeddedStore` (clock, wrap_transport)."""
+        from kvcake.store.config import EmbeddedConfig
         from kvcake.store.embedded import EmbeddedStore
 
-        store = EmbeddedStore(dram_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes, **kwargs)
+        if not isinstance(config, EmbeddedConfig):
+            config = EmbeddedConfig(dram_bytes=config)
+        store = EmbeddedStore(config, **kwargs)
         store.start()
         client = store.client()
         client._embedded = store
@@ -126,7 +139,8 @@ class StoreClient:
         if not self._started:
             with self._start_lock:  # first use may come from several threads at once
                 if self._engine is None:
-                    self._engine = TransferEngine(self._transfer_config)
+                    self._engine = TransferEngine(self._transfer_config,
+                                                  wrap_transport=self._wrap)
                 if not self._started:
                     self._engine.start()
                     self._started = True
@@ -134,6 +148,8 @@ class StoreClient:
         return self._engine
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
         if self._own_engine and self._engine is not None and self._started:
             self._engine.close()
             self._started = False
@@ -179,11 +195,10 @@ class StoreClient:
             for key in todo:
                 self._revoke(key)
             raise failure
-        requests = [r for key, view, crc, descs in allocated
-                    for r in _write_requests(view, crc, descs)]
+        requests = self._put_requests(allocated)
         if requests:
             try:
-                self.engine.transfer(requests)
+                self._transfer(requests)
             except (TransferError, ValueError) as exc:
                 for key in todo:
                     self._revoke(key)
@@ -191,6 +206,28 @@ class StoreClient:
         for result in self.master.put_commit_batch(todo):
             _unwrap(result)
         return written
+
+    def _put_requests(self, allocated: list[tuple[str, memoryview, int, list[dict[str, Any]]]]
+                      ) -> list[TransferRequest]:
+        if len(allocated) == 1 and len(allocated[0][3]) == 1 and self._direct is not None:
+            _, view, crc, (desc,) = allocated[0]
+            if HEADER_BYTES + len(view) <= self._transfer_config.slice_bytes:
+                # On the caller's thread a second request is a second round trip; copying the
+                # payload behind its header in a reused (already mapped) buffer is cheaper.
+                stage = self._buffer("stage", HEADER_BYTES + len(view))
+                stage[:HEADER_BYTES] = pack_header(crc, desc["version"], len(view))
+                stage[HEADER_BYTES:] = view
+                return [TransferRequest(TransferOp.WRITE, stage,
+                                        SegmentDesc.from_dict(desc["segment"]), desc["offset"])]
+        return [r for _, view, crc, descs in allocated for r in _write_requests(view, crc, descs)]
+
+    def _transfer(self, requests: list[TransferRequest]) -> None:
+        """Move a batch: on this thread when it is small (`DirectPath`), else (or if that fails)
+        through the engine, which retries on other rails. TransferError if it cannot be moved."""
+        direct = self._direct
+        if direct is not None and direct.accepts(requests) and direct.transfer(requests):
+            return
+        self.engine.transfer(requests)
 
     def _revoke(self, key: str) -> None:
         try:
@@ -205,15 +242,16 @@ class StoreClient:
         size = int(meta["size_bytes"])
         # One contiguous read (header + payload: one request, fewer slices) into a reused buffer
         # whose pages are already mapped; the only copy is the final bytes().
-        scratch = self._scratch(HEADER_BYTES + size)
+        scratch = self._buffer("scratch", HEADER_BYTES + size)
         self._read(key, meta, scratch[HEADER_BYTES:HEADER_BYTES + size], whole=scratch)
         return bytes(scratch[HEADER_BYTES:HEADER_BYTES + size])
 
-    def _scratch(self, num_bytes: int) -> memoryview:
-        buffer: bytearray | None = getattr(self._local, "scratch", None)
+    def _buffer(self, name: str, num_bytes: int) -> memoryview:
+        """This thread's reused buffer `name`, at least `num_bytes` long (grown, never shrunk)."""
+        buffer: bytearray | None = getattr(self._local, name, None)
         if buffer is None or len(buffer) < num_bytes:
             buffer = bytearray(num_bytes)
-            self._local.scratch = buffer
+            setattr(self._local, name, buffer)
         return memoryview(buffer)[:num_bytes]
 
     def get_into(self, key: str, buffer: Any) -> int:
@@ -238,6 +276,14 @@ class StoreClient:
             except ObjectNotFound:
                 metas.append(None)
         jobs = [(k, m, d) for k, m, d in zip(keys, metas, dests, strict=True) if m is not None]
+        try:
+            self._read_batch(jobs)
+        finally:
+            self._release([(key, meta) for key, meta, _ in jobs])
+        sizes: list[int | None] = [None if m is None else int(m["size_bytes"]) for m in metas]
+        return sizes
+
+    def _read_batch(self, jobs: list[tuple[str, dict[str, Any], memoryview]]) -> None:
         for key, meta, dest in jobs:
             _check_room(key, meta, dest)
         headers = [bytearray(HEADER_BYTES) for _ in jobs]
@@ -247,19 +293,37 @@ class StoreClient:
         batch_ok = True
         try:
             if requests:
-                self.engine.transfer(requests)
+                self._transfer(requests)
         except TransferError:
             batch_ok = False
         for (key, meta, dest), header in zip(jobs, headers, strict=True):
             if not batch_ok or not _valid(meta["replicas"][0], meta, header, dest):
                 self._read(key, meta, dest)  # replica by replica, asking the master again
-        sizes: list[int | None] = [None if m is None else int(m["size_bytes"]) for m in metas]
-        return sizes
+
+    def _release(self, leased: list[tuple[str, dict[str, Any]]]) -> None:
+        """Tell the master these reads are over (one message, no round trip), so the objects
+        may be evicted again without waiting out `lease_s`."""
+        leases = [[key, meta["lease_id"]] for key, meta in leased if "lease_id" in meta]
+        if not leases:
+            return
+        try:
+            self.master.release_leases(leases)
+        except StoreError as exc:  # the leases then just run out
+            log.warning("releasing %d read leases failed: %s", len(leases), exc)
 
     def _read(self, key: str, meta: dict[str, Any], dest: memoryview,
               whole: memoryview | None = None) -> int:
         """Read a replica into `dest`, checked. With `whole` (header + payload bytes, `dest`
-        being its payload part), the object is read in one request."""
+        being its payload part), the object is read in one request. Releases the read lease of
+        `meta` and of every descriptor it asks for again, when done."""
+        leased = [(key, meta)]
+        try:
+            return self._read_replicas(key, meta, dest, whole, leased)
+        finally:
+            self._release(leased)
+
+    def _read_replicas(self, key: str, meta: dict[str, Any], dest: memoryview,
+                       whole: memoryview | None, leased: list[tuple[str, dict[str, Any]]]) -> int:
         _check_room(key, meta, dest)
         header: bytearray | memoryview = bytearray(HEADER_BYTES)
         errors: list[str] = []
@@ -273,15 +337,23 @@ class StoreClient:
                 else:
                     requests = _read_requests(replica, meta, header, dest)
                 try:
-                    self.engine.transfer(requests)
+                    self._transfer(requests)
+                    if _valid(replica, meta, header, dest):
+                        return int(meta["size_bytes"])
+                    if self._direct is not None:
+                        # The direct path reads without a transport checksum (the check above
+                        # is end to end): once more through the engine's checked path before
+                        # this replica is called corrupt.
+                        self.engine.transfer(requests)
+                        if _valid(replica, meta, header, dest):
+                            return int(meta["size_bytes"])
                 except (TransferError, ValueError) as exc:
                     errors.append(f"{replica['node_id']}: {exc}")
                     continue
-                if _valid(replica, meta, header, dest):
-                    return int(meta["size_bytes"])
                 num_corrupt += 1
                 errors.append(f"{replica['node_id']}: bad bytes")
             meta = self.master.get(key)  # ObjectNotFound if the object went with its nodes
+            leased.append((key, meta))
             _check_room(key, meta, dest)
         if num_corrupt == 0:
             raise ObjectUnavailable(f"no replica of {key!r} is reachable (nodes down?): "
@@ -333,7 +405,7 @@ class StoreClient:
         try:
             self._read(key, source, memoryview(data))
             requests = _write_requests(memoryview(data), source["crc"], targets)
-            self.engine.transfer(requests)
+            self._transfer(requests)
         except (StoreError, TransferError) as exc:
             self.master.replicas_done(key, versions, False)
             raise TransferFailed(f"change_replica of {key!r} failed: {exc}") from exc

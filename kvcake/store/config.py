@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -76,6 +76,39 @@ class NodeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NodeConfig:
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class EmbeddedConfig:
+    """The whole store in one process (`EmbeddedStore`): a master with policy `master` and
+    `num_nodes` nodes of `dram_bytes` each, with a disk tier of `disk_bytes` each under
+    `disk_dir`/node-<i> when `disk_dir` is given."""
+
+    dram_bytes: int
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    num_nodes: int = 1
+    master: MasterConfig = field(default_factory=MasterConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1:
+            raise ValueError(f"num_nodes: must be >= 1, got {self.num_nodes}")
+        if not isinstance(self.master, MasterConfig):
+            raise ValueError(f"master: must be a MasterConfig, got {type(self.master).__name__}")
+        self.node(0)  # the node fields are checked as NodeConfig checks them
+
+    def node(self, index: int) -> NodeConfig:
+        """The config of node `index`."""
+        if self.disk_dir:
+            return NodeConfig(self.dram_bytes, f"{self.disk_dir}/node-{index}", self.disk_bytes)
+        return NodeConfig(self.dram_bytes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EmbeddedConfig:
+        data = dict(data)
+        if isinstance(data.get("master"), dict):
+            data["master"] = MasterConfig.from_dict(data["master"])
         return _from_dict(cls, data)
 
 

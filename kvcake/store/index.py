@@ -28,9 +28,12 @@ from kvcake.store.placement import NodeInfo, order_nodes
 
 @dataclass
 class _Deferred:
+    """A DRAM range of a removed replica, freed when its readers' leases end or are released."""
+
     node_id: str
     offset: int
     release_s: float
+    lease_ids: set[int]
 
 
 @dataclass
@@ -44,6 +47,7 @@ class StoreIndex:
     num_demoted: int = 0
     _deferred: list[_Deferred] = field(default_factory=list)
     _next_version: int = 1
+    _next_lease: int = 1
     _now_s: float = 0.0  # time of the public call in progress (passed in, never read here)
     _rng: random.Random = field(default_factory=random.Random)
 
@@ -126,19 +130,42 @@ class StoreIndex:
 
     # ---- get / exists / remove -----------------------------------------------------------------
     def get(self, key: str, now_s: float) -> ObjectMeta:
-        """The object with its complete DRAM replicas, under a read lease of `lease_s`. If it
+        """`get_leased` without the lease id (the lease then simply runs out)."""
+        return self.get_leased(key, now_s)[0]
+
+    def get_leased(self, key: str, now_s: float) -> tuple[ObjectMeta, int]:
+        """The object with its complete DRAM replicas, and the id of a new read lease that
+        protects them from eviction and reuse until `release` or `lease_s` from now. If it
         lives only on disk, a PROMOTE action is queued and the result has no DRAM replica yet:
         the caller runs the action, calls `promote_done`, then `get` again."""
         self._now_s = now_s
         meta = self.objects.get(key)
         if meta is None or not meta.committed:
             raise ObjectNotFound(f"key {key!r} is not in the store")
-        meta.lease_until_s = max(meta.lease_until_s, now_s + self.config.lease_s)
+        lease_id = self._next_lease
+        self._next_lease += 1
+        meta.leases = {i: end for i, end in meta.leases.items() if end > now_s}
+        meta.leases[lease_id] = now_s + self.config.lease_s
         if meta.dram():
             self.lru.touch(key)
         elif not any(r.tier is Tier.DRAM for r in meta.replicas):
             self._plan_promote(meta)
-        return meta
+        return meta, lease_id
+
+    def release(self, key: str, lease_id: int) -> None:
+        """The read under `lease_id` is over: the object may be evicted again, and a range of
+        it that was removed meanwhile is freed once no reader holds it. Unknown ids (expired,
+        released twice, object gone) are ignored."""
+        meta = self.objects.get(key)
+        if meta is not None:
+            meta.leases.pop(lease_id, None)
+        for deferred in [d for d in self._deferred if lease_id in d.lease_ids]:
+            deferred.lease_ids.discard(lease_id)
+            if not deferred.lease_ids:
+                self._deferred.remove(deferred)
+                node = self.nodes.get(deferred.node_id)
+                if node is not None:
+                    node.allocator.free(deferred.offset)
 
     def promote_done(self, key: str, version: int, ok: bool, now_s: float) -> None:
         self._now_s = now_s
@@ -223,7 +250,7 @@ class StoreIndex:
         release = meta.lease_until_s if meta.lease_until_s > now_s else 0.0
         for replica in extra:
             meta.replicas.remove(replica)
-            self._free_range(key, replica, release)
+            self._free_range(key, replica, release, meta)
         return len(extra)
 
     # ---- time ----------------------------------------------------------------------------------
@@ -383,9 +410,12 @@ class StoreIndex:
         meta = self.objects.pop(key)
         self.lru.discard(key)
         for replica in meta.replicas:
-            self._free_range(key, replica, release_s)
+            self._free_range(key, replica, release_s, meta)
 
-    def _free_range(self, key: str, replica: Replica, release_s: float) -> None:
+    def _free_range(self, key: str, replica: Replica, release_s: float,
+                    meta: ObjectMeta | None = None) -> None:
+        """Free a replica's space now, or (DRAM, `release_s` > 0) once the leases of `meta`'s
+        current readers are released or `release_s` passes, whichever comes first."""
         node = self.nodes.get(replica.node_id)
         if node is None:
             return
@@ -394,6 +424,7 @@ class StoreIndex:
             self.actions.append(TierAction(ActionKind.DROP_DISK, node.node_id, key,
                                            disk_version=replica.version))
         elif release_s > 0:
-            self._deferred.append(_Deferred(node.node_id, replica.offset, release_s))
+            readers = {i for i, end in meta.leases.items() if end > self._now_s} if meta else set()
+            self._deferred.append(_Deferred(node.node_id, replica.offset, release_s, readers))
         else:
             node.allocator.free(replica.offset)

@@ -141,15 +141,27 @@ class MasterService:
             self.index.put_revoke(key)
 
     def get(self, key: str) -> dict[str, Any]:
-        """{"size_bytes", "crc", "replicas": [descriptor]} under a read lease."""
+        """{"size_bytes", "crc", "replicas": [descriptor], "lease_id"}: the replicas are
+        protected by a read lease until `release_leases` names it or `lease_s` passes."""
         with self._lock:
-            meta = self.index.get(key, self.clock.now_s())
+            meta, lease_id = self.index.get_leased(key, self.clock.now_s())
             if not meta.dram():
                 self._run_actions()
-                meta = self.index.get(key, self.clock.now_s())
+                self.index.release(key, lease_id)
+                meta, lease_id = self.index.get_leased(key, self.clock.now_s())
             if not meta.dram():
                 raise TransferFailed(f"key {key!r} is on disk and could not be promoted")
-            return self._describe(meta)
+            return {**self._describe(meta), "lease_id": lease_id}
+
+    def release_leases(self, leases: list[Any]) -> None:
+        """End the read leases [[key, lease_id], ...] (their reads are over). One-way on the
+        wire: the client does not wait for it."""
+        with self._lock:
+            for item in leases:
+                if not (isinstance(item, list | tuple) and len(item) == 2
+                        and isinstance(item[0], str) and isinstance(item[1], int)):
+                    raise InvalidRequest("leases: each must be [key, lease_id]")
+                self.index.release(item[0], item[1])
 
     def exists(self, key: str) -> bool:
         with self._lock:

@@ -3,7 +3,7 @@ index asks nodes to make. Pure."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -30,8 +30,13 @@ class ObjectMeta:
     replicas: list[Replica]
     committed: bool = False
     deadline_s: float = 0.0  # uncommitted puts are reclaimed after this
-    lease_until_s: float = 0.0
+    leases: dict[int, float] = field(default_factory=dict)  # lease id -> end, one per read
     pinned: bool = False
+
+    @property
+    def lease_until_s(self) -> float:
+        """When the last read lease ends (0.0: none was given)."""
+        return max(self.leases.values(), default=0.0)
 
     def dram(self) -> list[Replica]:
         return [r for r in self.replicas if r.tier is Tier.DRAM and r.complete]

@@ -39,6 +39,7 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
                         "local_node": (_STR, False)},
     "put_commit_batch": {"keys": (_LIST, True)},
     "get": {"key": (_STR, True)},
+    "release_leases": {"leases": (_LIST, True)},
     "get_batch": {"keys": (_LIST, True)},
     "exists": {"key": (_STR, True)},
     "exists_batch": {"keys": (_LIST, True)},
@@ -56,6 +57,10 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
                 "version": (_INT, True), "disk_version": (_INT, True)},
     "drop_disk": {"key": (_STR, True), "disk_version": (_INT, True)},
 }
+
+
+# Ops the server never answers: the client sends them and goes on (see RpcConnection.send).
+ONE_WAY_OPS = frozenset({"release_leases"})
 
 
 def validate(message: object) -> tuple[int, str, dict[str, Any]]:
@@ -145,6 +150,18 @@ class RpcConnection:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
         self._next_id = 0
+
+    def send(self, op: str, **args: Any) -> None:
+        """Send a one-way request (an op in ONE_WAY_OPS): no reply is read, so it costs one send
+        and no round trip. It is handled before any later request on this connection."""
+        if op not in ONE_WAY_OPS:
+            raise ValueError(f"op: {op!r} is answered; use call()")
+        with self._lock:
+            self._next_id += 1
+            try:
+                self._sock.sendall(encode({"id": self._next_id, "op": op, "args": args}))
+            except OSError as exc:
+                raise MasterUnavailable(f"{self.address}: {exc}") from None
 
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:

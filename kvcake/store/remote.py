@@ -42,6 +42,9 @@ class RemoteMaster:
     def get(self, key: str) -> dict[str, Any]:
         return dict(self._conn.call("get", key=key))
 
+    def release_leases(self, leases: list[Any]) -> None:
+        self._conn.send("release_leases", leases=leases)
+
     def exists(self, key: str) -> bool:
         return bool(self._conn.call("exists", key=key))
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcake.store.errors import InvalidRequest
-from kvcake.store.protocol import encode, error_reply, read_frame, validate
+from kvcake.store.protocol import ONE_WAY_OPS, encode, error_reply, read_frame, validate
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,12 @@ class RpcServer:
                     return
                 if message is None:
                     return
-                conn.sendall(encode(self._dispatch(message, session)))
+                reply = self._dispatch(message, session)
+                if isinstance(message, dict) and message.get("op") in ONE_WAY_OPS:
+                    if not reply["ok"]:  # nobody waits for this reply: log it instead
+                        log.warning("one-way %s failed: %s", message["op"], reply["error"])
+                    continue
+                conn.sendall(encode(reply))
         except OSError:
             pass
         finally:

@@ -25,6 +25,10 @@ class TransferConfig:
       loopback, N TCP connections), each driven by its own thread (socket calls release the GIL).
     rail_bind_hosts: optional local address per rail, to pin a rail's connections to one NIC.
     max_endpoints_per_rail: bound of each rail's endpoint pool (SIEVE eviction beyond it).
+    inline_max_slices: the synchronous calls (`transfer`, `read`, `write`) move a batch of at most
+      this many slices on the caller's thread, with its own endpoints, instead of handing it to
+      the rail threads: two thread hand-offs cost more than a small transfer on a busy host
+      (0 = always use the rails). Retries still go to the rails.
     max_retries: how many times one slice may be retried on another rail before its request fails.
     checksum: the per-slice digest: "auto" (xxh3 when the xxhash package is installed, else
       crc32), "crc32" or "xxh3".
@@ -43,6 +47,7 @@ class TransferConfig:
     num_rails: int = 4
     rail_bind_hosts: tuple[str, ...] = ()
     max_endpoints_per_rail: int = 64
+    inline_max_slices: int = 2
     max_retries: int = 3
     checksum: str = "auto"
     checksum_tcp: bool = True
@@ -64,6 +69,9 @@ class TransferConfig:
                 raise ValueError(f"TransferConfig.{name} must be a positive integer, got {value!r}")
         if self.slice_bytes < 4096:
             raise ValueError(f"TransferConfig.slice_bytes must be >= 4096, got {self.slice_bytes}")
+        if not isinstance(self.inline_max_slices, int) or self.inline_max_slices < 0:
+            raise ValueError(f"TransferConfig.inline_max_slices must be >= 0, got "
+                             f"{self.inline_max_slices!r}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"TransferConfig.max_retries must be >= 0, got {self.max_retries!r}")
         if self.rail_bind_hosts and len(self.rail_bind_hosts) != self.num_rails:

@@ -60,6 +60,10 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._rails = [RailWorker(r, self._connect, self.config.max_endpoints_per_rail,
                                   self._on_slice_failure) for r in range(self.config.num_rails)]
+        # Endpoints of the caller-thread fast path: one caller at a time, under the lock.
+        self._inline = RailWorker(0, self._connect, self.config.max_endpoints_per_rail,
+                                  self._on_slice_failure)
+        self._inline_lock = threading.Lock()
         self._server: SegmentServer | None = None
         self._started = False
         self._closing = False
@@ -86,6 +90,8 @@ class TransferEngine:
         self._closing = True
         for rail in self._rails:
             rail.close()
+        with self._inline_lock:
+            self._inline.close()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -193,6 +199,12 @@ class TransferEngine:
     def submit(self, requests: Sequence[TransferRequest]) -> BatchId:
         """Start moving a batch; returns at once. ValueError (naming the request and field) if
         any request is invalid, in which case nothing of the batch is started."""
+        batch_id, tasks = self._prepare(requests)
+        for task in tasks:
+            self._rails[task.slice.rail].submit(task)
+        return batch_id
+
+    def _prepare(self, requests: Sequence[TransferRequest]) -> tuple[BatchId, list[SliceTask]]:
         if not self._started:
             raise RuntimeError("transfer engine not started; call start() first")
         if not requests:
@@ -209,9 +221,7 @@ class TransferEngine:
                 counts[piece.request_index] += 1
             batch = Batch(batch_id, [len(v.local) for v in resolved], counts)
             self._batches[batch_id] = batch
-        for piece in slices:
-            self._rails[piece.rail].submit(SliceTask(batch, resolved[piece.request_index], piece, 0))
-        return batch_id
+        return batch_id, [SliceTask(batch, resolved[p.request_index], p, 0) for p in slices]
 
     def status(self, batch_id: BatchId) -> BatchStatus:
         """A snapshot of the batch; KeyError once `wait` has returned it finished."""
@@ -234,8 +244,22 @@ class TransferEngine:
         return batch.status()
 
     def transfer(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> None:
-        """Submit and wait; TransferError if any request failed."""
-        self.wait(self.submit(requests), timeout_s).raise_for_failure()
+        """Submit and wait; TransferError if any request failed.
+
+        A batch of at most `config.inline_max_slices` slices moves on this thread (when no other
+        caller is using the inline endpoints); `timeout_s` then bounds only the retries, each
+        inline socket call being bounded by `config.io_timeout_s`."""
+        batch_id, tasks = self._prepare(requests)
+        if len(tasks) <= self.config.inline_max_slices and self._inline_lock.acquire(False):
+            try:
+                for task in tasks:
+                    self._inline.run_one(task)
+            finally:
+                self._inline_lock.release()
+        else:
+            for task in tasks:
+                self._rails[task.slice.rail].submit(task)
+        self.wait(batch_id, timeout_s).raise_for_failure()
 
     def read(self, segment: SegmentDesc, remote_offset: int, buffer: Any,
              timeout_s: float | None = None) -> None:

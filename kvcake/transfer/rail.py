@@ -78,19 +78,23 @@ class RailWorker:
         """Keys of the pooled endpoints, oldest first (for tests and stats)."""
         return self._pool.keys()
 
+    def run_one(self, task: SliceTask) -> None:
+        """Move one slice on the calling thread (the rail's own, or an inline caller's)."""
+        if task.batch.has_failed(task.slice.request_index):
+            task.batch.slice_skipped(task.slice.request_index)
+            return
+        try:
+            self._execute(task)
+        except TransportError as e:
+            self._drop(task.request.endpoint)
+            self._on_failure(task, e)
+        except Exception as e:  # a bug must fail the request, not kill the rail
+            log.exception("rail %d: slice failed unexpectedly", self.rail)
+            task.batch.slice_failed(task.slice.request_index, f"internal error: {e!r}")
+
     def _run(self) -> None:
         while (task := self._queue.get()) is not None:
-            if task.batch.has_failed(task.slice.request_index):
-                task.batch.slice_skipped(task.slice.request_index)
-                continue
-            try:
-                self._execute(task)
-            except TransportError as e:
-                self._drop(task.request.endpoint)
-                self._on_failure(task, e)
-            except Exception as e:  # a bug must fail the request, not kill the rail
-                log.exception("rail %d: slice failed unexpectedly", self.rail)
-                task.batch.slice_failed(task.slice.request_index, f"internal error: {e!r}")
+            self.run_one(task)
 
     def _execute(self, task: SliceTask) -> None:
         request, piece = task.request, task.slice
@@ -98,8 +102,8 @@ class RailWorker:
         local = request.local[piece.local_offset:piece.local_offset + piece.length]
         kind = request.checksum
         if request.op is TransferOp.READ:
-            digest = transport.read(request.segment, piece.remote_offset, local, checksum=kind)
-            if kind is not None and kind.compute(local) != digest:
+            digests = transport.read(request.segment, piece.remote_offset, local, checksum=kind)
+            if kind is not None and (digests is None or digests[0] != digests[1]):
                 raise TransportError(f"checksum mismatch reading {request.segment.name!r} "
                                      f"[{piece.remote_offset}, +{piece.length})")
         else:

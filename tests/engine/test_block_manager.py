@@ -6,7 +6,7 @@ import pytest
 
 from kvcake.engine.block_manager import BlockManager, KvEvent, KvEventKind
 from kvcake.hashing import block_keys
-from kvcake.types import BlockKey
+from kvcake.types import BlockId, BlockKey
 
 BS = 4
 
@@ -35,11 +35,11 @@ def test_allocate_cache_free_reuse_exact_ids() -> None:
     kb = keys(b)
     assert bm.allocate("b", len(b), kb) == 4
     assert bm.block_ids("b") == [0, 3, 4]
-    assert [bm.ref_count(i) for i in range(6)] == [2, 1, 1, 1, 1, 0]
+    assert [bm.ref_count(BlockId(i)) for i in range(6)] == [2, 1, 1, 1, 1, 0]
 
     bm.free("a")  # last block first: 2 (no key) to the head, then 1 (keyed) to the tail
     assert bm.free_block_ids() == [2, 5, 1]
-    assert bm.ref_count(0) == 1
+    assert bm.ref_count(BlockId(0)) == 1
     bm.free("b")
     # b never cached its own blocks: 4 then 3 go to the head; shared keyed block 0 to the tail.
     assert bm.free_block_ids() == [3, 4, 2, 5, 1, 0]
@@ -110,7 +110,7 @@ def test_import_block_keys_a_free_block() -> None:
     k = keys([4] * 4)[0]
     assert bm.import_block(k) == 0
     assert bm.import_block(k) is None  # already cached
-    assert bm.free_block_ids() == [1, 0] and bm.ref_count(0) == 0
+    assert bm.free_block_ids() == [1, 0] and bm.ref_count(BlockId(0)) == 0
     assert bm.allocate("a", 5, [k]) == 4 and bm.block_ids("a") == [0, 1]
     assert bm.drain_events() == stored(k)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 PROMPT = [int(x) for x in torch.randint(0, 512, (45,), generator=torch.Generator().manual_seed(3))]
 
 
-def _hf_model(path: Path) -> torch.nn.Module:
+def _hf_model(path: Path) -> Any:
     model = transformers.LlamaForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
     return model.eval()
 

@@ -142,6 +142,11 @@ def test_kv_streaming_is_accounted_layer_by_layer(backend: DisaggBackend) -> Non
     before = backend.totals.transfer_bytes
     run(backend, ids(20, 40), 3)  # 3 blocks (the last partial), one chunk
     assert backend.totals.transfer_bytes - before == 3 * hello.num_layers * hello.layer_nbytes
+    # 300 tokens in 3 chunks of <= 128 (chunk ends on block boundaries): each step sends only
+    # the blocks it computed, so each of the 19 blocks goes once per layer.
+    before = backend.totals.transfer_bytes
+    run(backend, ids(21, 300), 3)
+    assert backend.totals.transfer_bytes - before == 19 * hello.num_layers * hello.layer_nbytes
     totals = backend.totals
     assert totals.compute_s > 0 and totals.transfer_span_s > 0
     assert 0.0 <= totals.hidden_share <= 1.0

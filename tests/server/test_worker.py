@@ -18,6 +18,7 @@ from kvcake.messages import (
     PrefillDone,
     PrefillOrder,
     RequestFailed,
+    Shutdown,
     Tokens,
 )
 from kvcake.server.worker import Role, Worker, WorkerConfig
@@ -107,6 +108,17 @@ def test_a_garbage_frame_drops_the_link_not_the_worker(colocated: Worker) -> Non
         assert isinstance(next_of(again, Hello), Hello)
     finally:
         again.close()
+
+
+def test_shutdown_is_passed_to_the_process_owner(colocated: Worker) -> None:
+    link = MessageLink.connect(colocated.address)
+    try:
+        next_of(link, Hello)
+        assert not colocated.shutdown_requested.is_set()
+        link.send(Shutdown())
+        assert colocated.shutdown_requested.wait(timeout=20)
+    finally:
+        link.close()
 
 
 def test_decode_order_with_bad_staging_slots_is_refused() -> None:

@@ -120,3 +120,15 @@ def test_reproduce_unknown_experiment_exits_2(small_trace: Path, tmp_path: Path,
     code, _, err = _run(["reproduce", "figure99", "--trace", str(small_trace), "--out",
                          str(tmp_path)], capsys)
     assert code == 2 and "figure99" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("experiment", ["figure5", "figure10", "figure13", "figure15", "capacity"])
+def test_every_experiment_writes_a_report(experiment: str, small_trace: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "rep"
+    code, out, _ = _run(["reproduce", experiment, "--trace", str(small_trace), "--out",
+                         str(out_dir), "--max-requests", "25"], capsys)
+    assert code == 0
+    report = (out_dir / f"{experiment}_small.md").read_text()
+    assert report.startswith("# ") and "paper" in report.lower() and "--max-requests 25" in report
+    assert (out_dir / f"{experiment}_small.png").read_bytes()[:4] == b"\x89PNG"

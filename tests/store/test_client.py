@@ -11,7 +11,7 @@ import torch
 
 from kvcake.clock import ManualClock
 from kvcake.store import StoreClient
-from kvcake.store.config import MasterConfig, NodeConfig
+from kvcake.store.config import EmbeddedConfig, MasterConfig, NodeConfig
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.errors import InvalidRequest, NoSpace, ObjectNotFound
 from kvcake.store.master import MasterServer
@@ -120,23 +120,47 @@ def test_a_failed_put_batch_leaves_nothing_pending() -> None:
         assert client.put("small", b"s") is True and client.get("small") == b"s"
 
 
-def test_a_lease_blocks_eviction_through_the_client() -> None:
+def test_a_lease_blocks_eviction_during_the_read_and_ends_with_it() -> None:
     clock = ManualClock(0.0)
     config = MasterConfig(lease_s=5.0, heartbeat_timeout_s=1e9)
-    with EmbeddedStore(1 << 20, config=config, clock=clock) as store:
+    with EmbeddedStore(EmbeddedConfig(1 << 20, master=config), clock=clock) as store:
         client = store.client()
         half = bytes(400_000)
         client.put("a", half)
         client.put("b", half)
-        clock.advance(1.0)
-        assert client.get("a") == half  # leased until t=6; b is older now
-        clock.advance(1.0)
-        client.get("b")  # b too, until t=7
+        client.pin("b")  # b goes last: only a's lease can make eviction take it
+        reading = store.master.get("a")  # a reader holds a's lease (what get() does first)
+        client.put("c", half)  # during that read: a, older and unpinned, is still kept
+        assert client.exists("a") and not client.exists("b") and client.exists("c")
+        store.master.release_leases([["a", reading["lease_id"]]])  # the read is over
+        client.put("d", half)  # no time passed: a goes now, not after lease_s
+        assert not client.exists("a") and client.exists("c") and client.exists("d")
+        readers = [store.master.get("c"), store.master.get("d")]
         with pytest.raises(NoSpace):
-            client.put("c", half)  # everything is leased: nothing may go
-        clock.advance(4.5)  # a's lease is over, b's is not
-        client.put("c", half)
-        assert not client.exists("a") and client.exists("b") and client.exists("c")
+            client.put("e", half)  # both are being read: nothing may go
+        store.master.release_leases([[k, m["lease_id"]] for k, m in zip("cd", readers)])
+        client.put("e", half)
+        assert not client.exists("c") and client.exists("d") and client.exists("e")
+
+
+def test_get_releases_its_lease_when_the_read_completes(master: MasterServer) -> None:
+    node = StoreNode(NodeConfig(1 << 20, heartbeat_interval_s=3600), master.address,
+                     node_id="n").start()
+    try:
+        with StoreClient(master.address, transfer_config=TCP) as client:
+            client.put("k", b"abc")
+            client.put("j", b"defg")
+            objects = master.service.index.objects
+            assert client.get("k") == b"abc"
+            assert client.get_into("j", bytearray(4)) == 4
+            assert client.get_batch_into(["k", "j", "gone"], [bytearray(4)] * 3) == [3, 4, None]
+            client.exists("k")  # one answered call: the one-way releases before it are done
+            assert objects["k"].leases == {} and objects["j"].leases == {}
+            assert master.service.stats()["used_bytes"] > 0
+            client.remove_batch(["k", "j"])  # unleased: the space is free at once
+            assert master.service.stats()["used_bytes"] == 0
+    finally:
+        node.close()
 
 
 def test_master_and_nodes_expire_and_reclaim(master: MasterServer, clock: ManualClock) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from kvcake.clock import ManualClock
 from kvcake.store import StoreClient
-from kvcake.store.config import MasterConfig, NodeConfig
+from kvcake.store.config import EmbeddedConfig, MasterConfig, NodeConfig
 from kvcake.store.disk import DiskTier
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.layout import HEADER_BYTES, CorruptObject, pack_header
@@ -32,7 +32,7 @@ def test_demote_and_promote_round_trip_embedded(tmp_path: Path) -> None:
     config = MasterConfig(lease_s=1.0, heartbeat_timeout_s=1e9)
     values = {k: os.urandom(SLOT) for k in "abc"}
     disk_dir = tmp_path / "node-0"
-    with EmbeddedStore(250_000, disk_dir=str(tmp_path), disk_bytes=1 << 20, config=config,
+    with EmbeddedStore(EmbeddedConfig(250_000, str(tmp_path), 1 << 20, master=config),
                        clock=clock) as store:
         client = store.client()
         client.put("a", values["a"])

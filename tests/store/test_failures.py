@@ -11,7 +11,7 @@ import pytest
 
 from kvcake.clock import ManualClock
 from kvcake.store import StoreClient
-from kvcake.store.config import NodeConfig
+from kvcake.store.config import EmbeddedConfig, NodeConfig
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.errors import ObjectNotFound, StoreError
 from kvcake.store.master import MasterServer
@@ -107,7 +107,7 @@ def test_faulty_transport_never_yields_corrupted_bytes(seed: int) -> None:
 
     values = {f"k{i}": os.urandom(5_000 + 997 * i) for i in range(40)}
     served = failed = 0
-    with EmbeddedStore(4 << 20, num_nodes=2, wrap_transport=wrap) as store:
+    with EmbeddedStore(EmbeddedConfig(4 << 20, num_nodes=2), wrap_transport=wrap) as store:
         client = store.client(num_replicas=2)
         for key, value in values.items():
             try:
@@ -138,7 +138,7 @@ def test_faulty_transport_never_yields_corrupted_bytes(seed: int) -> None:
 
 def test_removed_key_is_not_found_even_with_an_old_descriptor() -> None:
     clock = ManualClock(0.0)
-    with EmbeddedStore(1 << 20, clock=clock) as store:
+    with EmbeddedStore(EmbeddedConfig(1 << 20), clock=clock) as store:
         client = store.client()
         client.put("old", b"A" * 1000)
         stale = client.master.get("old")

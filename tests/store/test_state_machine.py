@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcake.clock import ManualClock
-from kvcake.store.config import MasterConfig
+from kvcake.store.config import EmbeddedConfig, MasterConfig
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.errors import NoSpace, ObjectNotFound
 
@@ -32,7 +32,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.clock = ManualClock(0.0)
         config = MasterConfig(high_watermark=0.8, low_watermark=0.6, lease_s=LEASE_S,
                               heartbeat_timeout_s=1e9, put_timeout_s=1e9)
-        self.store = EmbeddedStore(16 << 10, num_nodes=2, config=config, clock=self.clock)
+        self.store = EmbeddedStore(EmbeddedConfig(16 << 10, num_nodes=2, master=config),
+                                   clock=self.clock)
         self.store.start()
         self.client = self.store.client()
         self.data: dict[str, bytes] = {}
@@ -77,8 +78,7 @@ class StoreMachine(RuleBasedStateMachine):
                 return
             raise AssertionError(f"{key} was never put or was removed, yet it was served")
         assert self.client.get(key) == self.data[key]
-        self._touch(key)
-        self.lease_until[key] = self.clock.now_s() + LEASE_S
+        self._touch(key)  # the read's lease is released when it completes: none to model
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True))
     def get_batch(self, keys: list[str]) -> None:
@@ -87,8 +87,7 @@ class StoreMachine(RuleBasedStateMachine):
         for key, size, buffer in zip(keys, sizes, buffers, strict=True):
             if key in self.data:
                 assert size == len(self.data[key]) and bytes(buffer[:size]) == self.data[key]
-                self._touch(key)
-                self.lease_until[key] = self.clock.now_s() + LEASE_S
+                self._touch(key)  # leases released with the batch
             else:
                 assert size is None
 

@@ -10,7 +10,7 @@ from kvcake.transfer import TransferConfig, TransferEngine
 
 SERVER_CONFIG = TransferConfig(port=20200, port_search=300, num_rails=2, io_timeout_s=10.0)
 TCP_CLIENT_CONFIG = TransferConfig(serve=False, use_shared_memory=False, num_rails=2,
-                                   slice_bytes=4096, io_timeout_s=10.0)
+                                   slice_bytes=4096, io_timeout_s=10.0, inline_max_slices=0)
 
 
 @pytest.fixture
@@ -21,6 +21,7 @@ def server() -> Iterator[TransferEngine]:
 
 @pytest.fixture
 def client() -> Iterator[TransferEngine]:
-    """Reaches every segment over TCP, with 4 KiB slices so small transfers stripe."""
+    """Reaches every segment over TCP, with 4 KiB slices so small transfers stripe, always on the
+    rail threads (no inline fast path: tests/transfer/test_inline.py covers that)."""
     with TransferEngine(TCP_CLIENT_CONFIG) as engine:
         yield engine

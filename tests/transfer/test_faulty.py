@@ -18,6 +18,7 @@ from kvcake.transfer import (
     SegmentDesc,
     TransferConfig,
     TransferEngine,
+    TransferError,
     TransferOp,
     TransferRequest,
     Transport,
@@ -33,9 +34,11 @@ def owner() -> Iterator[tuple[TransferEngine, SegmentDesc]]:
         yield engine, engine.allocate_segment("dram", SEGMENT_BYTES)
 
 
-def faulty_client(spec: FaultSpec, seed: int, shm: bool, checksums: bool = True) -> TransferEngine:
+def faulty_client(spec: FaultSpec, seed: int, shm: bool, checksums: bool = True,
+                  inline: bool = False) -> TransferEngine:
     config = TransferConfig(serve=False, use_shared_memory=shm, num_rails=3, slice_bytes=4096,
-                            max_retries=8, checksum_shm=checksums, checksum_tcp=checksums)
+                            max_retries=8, checksum_shm=checksums, checksum_tcp=checksums,
+                            inline_max_slices=1000 if inline else 0)
     injected: list[FaultyTransport] = []
 
     def wrap(t: Transport, key: EndpointKey, rail: int) -> Transport:
@@ -51,28 +54,39 @@ transfers = st.tuples(
     st.integers(0, SEGMENT_BYTES - 1).flatmap(
         lambda off: st.tuples(st.just(off), st.integers(1, min(20_000, SEGMENT_BYTES - off)))),
     st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.integers(0, 2**16), st.booleans(),
-    st.sampled_from([TransferOp.READ, TransferOp.WRITE]))
+    st.sampled_from([TransferOp.READ, TransferOp.WRITE]), st.booleans())
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(transfers)
 def test_delivered_bytes_are_always_the_source_bytes(
         owner: tuple[TransferEngine, SegmentDesc], case: tuple) -> None:  # type: ignore[type-arg]
-    (offset, length), drop, corrupt, seed, shm, op = case
+    (offset, length), drop, corrupt, seed, shm, op, inline = case
     engine, desc = owner
     rng = np.random.default_rng(seed)
     segment = engine.segment("dram").array
     segment[:] = rng.integers(0, 256, SEGMENT_BYTES, dtype=np.uint8)
     data = rng.integers(0, 256, length, dtype=np.uint8)
     local = data.copy() if op is TransferOp.WRITE else np.zeros(length, np.uint8)
-    with faulty_client(FaultSpec(drop_rate=drop, corrupt_rate=corrupt), seed, shm) as client:
-        status = client.wait(client.submit([TransferRequest(op, local, desc, offset)]), 60)
-    if status.requests[0].state is RequestState.DONE:
+    request = TransferRequest(op, local, desc, offset)
+    spec = FaultSpec(drop_rate=drop, corrupt_rate=corrupt)
+    with faulty_client(spec, seed, shm, inline=inline) as client:
+        if inline:  # the synchronous call: slices start on this thread, retries on the rails
+            try:
+                client.transfer([request], timeout_s=60)
+                error = None
+            except TransferError as e:
+                error = str(e)
+        else:
+            status = client.wait(client.submit([request]), 60)
+            error = status.requests[0].error
+            assert (error is None) == (status.requests[0].state is RequestState.DONE)
+    if error is None:
         source = data if op is TransferOp.WRITE else segment[offset:offset + length]
         target = segment[offset:offset + length] if op is TransferOp.WRITE else local
         assert np.array_equal(source, target)
     else:
-        assert "failed after 9 attempts" in (status.requests[0].error or "")
+        assert "failed after 9 attempts" in error
 
 
 @pytest.mark.parametrize("shm", [False, True])

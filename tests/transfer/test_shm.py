@@ -19,7 +19,8 @@ from kvcake.transfer import (
 from kvcake.transfer.segment import SHM_DIR
 from tests.transfer.conftest import SERVER_CONFIG
 
-SHM_CLIENT = TransferConfig(serve=False, num_rails=2, slice_bytes=4096, checksum_shm=True)
+SHM_CLIENT = TransferConfig(serve=False, num_rails=2, slice_bytes=4096, checksum_shm=True,
+                            inline_max_slices=0)
 
 
 def test_round_trip_through_a_mapped_segment(server: TransferEngine) -> None:
@@ -39,7 +40,8 @@ def test_private_memory_goes_over_tcp_and_shm_can_be_turned_off(server: Transfer
     private = server.allocate_segment("private", 4096, shared=False)
     shared = server.allocate_segment("shared", 4096)
     assert private.shm_name is None
-    with TransferEngine(TransferConfig(serve=False, num_rails=1, use_shared_memory=False)) as c:
+    with TransferEngine(TransferConfig(serve=False, num_rails=1, use_shared_memory=False,
+                                       inline_max_slices=0)) as c:
         c.read(shared, 0, bytearray(8))
         c.read(private, 0, bytearray(8))
         assert c.endpoint_keys(0) == [EndpointKey(TransportKind.TCP, server.address)]
@@ -65,6 +67,16 @@ def test_an_unlinked_segment_fails_cleanly(server: TransferEngine) -> None:
     with TransferEngine(SHM_CLIENT) as client, pytest.raises(TransferError,
                                                              match="cannot open shared memory"):
         client.read(desc, 0, bytearray(8))
+
+
+def test_a_mapped_segment_whose_owner_unlinks_it_is_never_read_stale(
+        server: TransferEngine) -> None:
+    desc = server.allocate_segment("dram", 4096)
+    with TransferEngine(SHM_CLIENT) as client:
+        client.write(desc, 0, b"old")  # the mapping is now pooled on the rail
+        server.unregister_segment("dram")
+        with pytest.raises(TransferError, match="was unlinked"):
+            client.read(desc, 0, bytearray(3))
 
 
 def test_close_unlinks_the_segments_the_engine_allocated() -> None:

@@ -54,6 +54,10 @@ def test_registered_numpy_torch_and_bytearray_segments(server: TransferEngine,
     assert bytes(array[8000:]) == b"x" * 192
     client.write(descs[2], 99, b"!")
     assert raw[99:] == b"!"
+    with pytest.raises(ValueError, match="tensor must be contiguous"):
+        server.register_segment("strided", torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="request 0.buffer: tensor must be contiguous"):
+        client.read(descs[0], 0, torch.zeros(4, 4).t())
 
 
 def test_lookup_by_name(server: TransferEngine, client: TransferEngine) -> None:
@@ -152,7 +156,7 @@ def test_each_rail_binds_its_own_local_address(server: TransferEngine) -> None:
         return t
 
     config = TransferConfig(serve=False, use_shared_memory=False, num_rails=2, slice_bytes=4096,
-                            rail_bind_hosts=("127.0.0.2", "127.0.0.3"))
+                            rail_bind_hosts=("127.0.0.2", "127.0.0.3"), inline_max_slices=0)
     with TransferEngine(config, wrap_transport=wrap) as client:
         client.write(desc, 0, b"y" * 8192)
     assert bound == {0: "127.0.0.2", 1: "127.0.0.3"}

@@ -1,0 +1,137 @@
+"""`DirectPath`: move one small batch on the caller's own thread, one transport call per request.
+
+The transfer engine hands every slice to a rail thread and wakes the caller when the batch is
+done: two thread hand-offs, ~0.1-0.5 ms each on a loaded host, which is most of the cost of a
+1 MiB store operation. A store get or put of one object is one or two requests of at most a few
+MiB, which the engine would put on one or two rails anyway, so the client moves such batches
+itself, through the same transports (TCP to the owner's segment server, or the owner's shared
+memory mapped here) and the same wire format, with one connection per peer per calling thread.
+
+Nothing is weakened: a request that fails here (path fault, peer gone, rejected range) makes
+`transfer` return False and the caller hands the whole batch to the engine, which validates it,
+retries slices on other rails and reports the error. Writes carry the engine's per-request
+checksum exactly as the engine would (`checksum_tcp` / `checksum_shm`). Reads carry none: every
+store read is verified end to end (version and crc32 of the payload, `layout.verify`), and a read
+that fails that check is retried through the engine, with its checksums, before the replica is
+given up (see `StoreClient._read`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from kvcake.transfer import (
+    EndpointKey,
+    TransferConfig,
+    TransferOp,
+    TransferRequest,
+    Transport,
+    TransportError,
+    TransportKind,
+    TransportWrapper,
+    buffer_view,
+    local_host_id,
+)
+from kvcake.transfer import checksum as checksums
+from kvcake.transfer.shm import ShmTransport
+from kvcake.transfer.tcp import TcpTransport
+
+
+class DirectPath:
+    """Per-thread endpoints to store nodes, for batches of at most `config.slice_bytes` bytes
+    (larger ones are worth the engine's striping over rails). `wrap` is applied to every new
+    endpoint, as `TransferEngine(wrap_transport=...)` does (tests inject faults with it)."""
+
+    def __init__(self, config: TransferConfig, wrap: TransportWrapper | None = None) -> None:
+        self.config = config
+        self._wrap = wrap
+        self._kind = checksums.parse(config.checksum, "TransferConfig.checksum")
+        self._local = threading.local()
+        self._all: list[Transport] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def accepts(self, requests: Sequence[TransferRequest]) -> bool:
+        """True if this batch is small enough to move on the caller's thread."""
+        total = 0
+        for request in requests:
+            total += len(request.buffer) if request.length is None else request.length
+        return 0 < total <= self.config.slice_bytes and not self._closed
+
+    def transfer(self, requests: Sequence[TransferRequest]) -> bool:
+        """Move every request, in order, on this thread. False as soon as one fails (the rest are
+        not tried; the failed endpoint is closed): the caller then gives the batch to the engine.
+        Never raises for a transport fault."""
+        for request in requests:
+            try:
+                self._one(request)
+            except (TransportError, ValueError, TypeError):
+                return False
+        return True
+
+    def close(self) -> None:
+        """Close every endpoint of every thread. Idempotent; later batches are not accepted."""
+        self._closed = True
+        with self._lock:
+            transports, self._all = self._all, []
+        for transport in transports:
+            transport.close()
+
+    def _one(self, request: TransferRequest) -> None:
+        segment = request.segment
+        key = self._endpoint_key(segment.shm_name, segment.host_id, segment.address)
+        transport = self._endpoint(key)
+        view = buffer_view(request.buffer, writable=request.op is TransferOp.READ)
+        if request.length is not None:
+            view = view[:request.length]
+        try:
+            if request.op is TransferOp.READ:
+                transport.read(segment, request.remote_offset, view, checksum=None)
+                return
+            on = self.config.checksum_shm if key.kind is TransportKind.SHM \
+                else self.config.checksum_tcp
+            kind = self._kind if on else None
+            transport.write(segment, request.remote_offset, view, checksum=kind,
+                            digest=kind.compute(view) if kind is not None else None)
+        except TransportError:
+            self._drop(key)
+            raise
+
+    def _endpoint_key(self, shm_name: str | None, host_id: str, address: str) -> EndpointKey:
+        if self.config.use_shared_memory and shm_name and host_id == local_host_id():
+            return EndpointKey(TransportKind.SHM, shm_name)
+        if not address:
+            raise ValueError("segment has no server address")
+        return EndpointKey(TransportKind.TCP, address)
+
+    def _endpoint(self, key: EndpointKey) -> Transport:
+        pool: dict[EndpointKey, Transport] | None = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = self._local.pool = {}
+        transport = pool.get(key)
+        if transport is None:
+            transport = self._connect(key)
+            pool[key] = transport
+            with self._lock:
+                self._all.append(transport)
+        return transport
+
+    def _connect(self, key: EndpointKey) -> Transport:
+        transport: Transport
+        if key.kind is TransportKind.SHM:
+            transport = ShmTransport.attach(key.peer)
+        else:
+            transport = TcpTransport.connect(key.peer, timeout_s=self.config.io_timeout_s,
+                                             buffer_bytes=self.config.socket_buffer_bytes)
+        return self._wrap(transport, key, 0) if self._wrap is not None else transport
+
+    def _drop(self, key: EndpointKey) -> None:
+        pool: dict[EndpointKey, Transport] = self._local.pool
+        transport = pool.pop(key, None)
+        if transport is None:
+            return
+        with self._lock:
+            if transport in self._all:
+                self._all.remove(transport)
+        transport.close()
