@@ -267,11 +267,13 @@ class Conductor:
     def _choose_decode(self, candidates: tuple[DecodeEstimate, ...]) -> DecodeEstimate:
         # Least predicted TBT; among equals (e.g. all idle at the forecast time) the instance with
         # the fewest requests booked, so a burst does not pile onto the first instance.
-        best_tbt = min(map(_TBT_S, candidates))
-        ties = [d for d in candidates if d[3] == best_tbt]
-        if len(ties) == 1:
-            return ties[0]
-        return min(ties, key=lambda d: self._decodes[d.instance_id].num_booked)
+        tbts = list(map(_TBT_S, candidates))
+        best_tbt = min(tbts)
+        if tbts.count(best_tbt) == 1 and best_tbt == best_tbt:  # (NaN: no ties, as ==)
+            return candidates[tbts.index(best_tbt)]
+        decodes = self._decodes
+        return min((d for d in candidates if d.tbt_s == best_tbt),
+                   key=lambda d: decodes[d.instance_id].num_booked)
 
     def _admit(self, req: ScheduleRequest, now_s: float, ttft_s: float, decode: DecodeEstimate,
                candidates: LazyPrefillCandidates,

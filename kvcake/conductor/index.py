@@ -16,8 +16,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, repeat, takewhile
-from operator import and_, not_
+from itertools import accumulate, repeat, takewhile
+from operator import and_
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,9 @@ class GlobalIndex:
     def add(self, holder: str, keys: Iterable[Hashable]) -> None:
         self.add_holder(holder)
         flag = 1 << self._bit[holder]
-        masks = self._masks
-        keys = keys if isinstance(keys, tuple | list) else list(keys)
-        # Most added keys are new to the index: insert those in one C-level pass (in order, as a
-        # loop would), and walk only the keys someone already holds.
-        before = len(masks)
-        held = list(map(masks.get, keys, repeat(0)))
-        masks.update(zip(compress(keys, map(not_, held)), repeat(flag)))
-        added = len(masks) - before
-        for key in compress(keys, held):
-            mask = masks[key]
+        masks, added = self._masks, 0
+        for key in keys:
+            mask = masks.get(key, 0)
             if not mask & flag:
                 masks[key] = mask | flag
                 added += 1

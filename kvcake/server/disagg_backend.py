@@ -104,7 +104,7 @@ class TransferTotals:
         """Share of the streaming window overlapped with compute: 1 - exposed / span."""
         if self.transfer_span_s <= 0:
             return 0.0
-        return 1.0 - self.transfer_exposed_s / self.transfer_span_s
+        return max(0.0, 1.0 - self.transfer_exposed_s / self.transfer_span_s)
 
 
 class _Stream:

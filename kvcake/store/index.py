@@ -41,10 +41,12 @@ class StoreIndex:
     config: MasterConfig
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     objects: dict[str, ObjectMeta] = field(default_factory=dict)
-    lru: LruOrder = field(default_factory=LruOrder)
+    lru: LruOrder = field(default_factory=LruOrder)  # objects with a DRAM replica
+    disk_lru: LruOrder = field(default_factory=LruOrder)  # objects with a disk copy
     actions: list[TierAction] = field(default_factory=list)
     num_evicted: int = 0
     num_demoted: int = 0
+    num_disk_evicted: int = 0
     _deferred: list[_Deferred] = field(default_factory=list)
     _next_version: int = 1
     _next_lease: int = 1
@@ -146,6 +148,8 @@ class StoreIndex:
         self._next_lease += 1
         meta.leases = {i: end for i, end in meta.leases.items() if end > now_s}
         meta.leases[lease_id] = now_s + self.config.lease_s
+        if meta.disk():
+            self.disk_lru.touch(key)
         if meta.dram():
             self.lru.touch(key)
         elif not any(r.tier is Tier.DRAM for r in meta.replicas):
@@ -282,7 +286,8 @@ class StoreIndex:
         return {"num_nodes": len(self.nodes), "num_objects": sum(m.committed for m in
                 self.objects.values()), "capacity_bytes": capacity, "used_bytes": used,
                 "disk_used_bytes": sum(n.disk_used_bytes for n in self.nodes.values()),
-                "num_evicted": self.num_evicted, "num_demoted": self.num_demoted}
+                "num_evicted": self.num_evicted, "num_demoted": self.num_demoted,
+                "num_disk_evicted": self.num_disk_evicted}
 
     # ---- internals -----------------------------------------------------------------------------
     def _check_key(self, key: object) -> None:
@@ -376,7 +381,10 @@ class StoreIndex:
     def _plan_demote(self, meta: ObjectMeta, dram: list[Replica]) -> None:
         for replica in dram:
             node = self.nodes[replica.node_id]
+            if node.disk_free_bytes < replica.alloc_bytes:
+                self._evict_disk(node, replica.alloc_bytes - node.disk_free_bytes)
             if node.disk_free_bytes >= replica.alloc_bytes:
+                self.disk_lru.touch(meta.key)
                 node.disk_used_bytes += replica.alloc_bytes
                 disk = Replica(node.node_id, Tier.DISK, 0, replica.alloc_bytes,
                                self._new_version(), complete=True)
@@ -386,6 +394,35 @@ class StoreIndex:
                                                replica.version, disk.version))
                 self.num_demoted += 1
                 return
+
+    def _evict_disk(self, node: NodeInfo, bytes_to_free: int) -> None:
+        """Make room on `node`'s disk by dropping the disk copies of its least recently used
+        objects (an object whose only copy that was is gone). Nothing is dropped unless enough
+        room can be made: the object being demoted would be lost anyway."""
+        victims: list[tuple[ObjectMeta, Replica]] = []
+        freed = 0
+        for key in self.disk_lru.oldest_first():
+            if freed >= bytes_to_free:
+                break
+            meta = self.objects.get(key)
+            if meta is None or not meta.disk():
+                self.disk_lru.discard(key)  # gone since (this order is cleaned lazily)
+                continue
+            disk = next((r for r in meta.disk() if r.node_id == node.node_id), None)
+            if disk is None or meta.lease_until_s > self._now_s:
+                continue
+            victims.append((meta, disk))
+            freed += disk.alloc_bytes
+        if freed < bytes_to_free:
+            return
+        for meta, disk in victims:
+            self.num_disk_evicted += 1
+            meta.replicas.remove(disk)
+            self._free_range(meta.key, disk, 0.0)
+            if not meta.disk():
+                self.disk_lru.discard(meta.key)
+            if not meta.replicas:
+                self._forget(meta.key)
 
     def _plan_promote(self, meta: ObjectMeta) -> None:
         for disk in meta.disk():
@@ -409,6 +446,7 @@ class StoreIndex:
     def _forget(self, key: str, release_s: float = 0.0) -> None:
         meta = self.objects.pop(key)
         self.lru.discard(key)
+        self.disk_lru.discard(key)
         for replica in meta.replicas:
             self._free_range(key, replica, release_s, meta)
 

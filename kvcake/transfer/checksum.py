@@ -28,27 +28,6 @@ class ChecksumKind(enum.IntEnum):
         return digest
 
 
-class Hasher:
-    """An incremental digest: `update` with consecutive pieces, then `digest()` equals `compute`
-    over their concatenation. Lets a receiver hash each piece while it is still in cache."""
-
-    def __init__(self, kind: ChecksumKind) -> None:
-        self.kind = kind
-        self._crc = 0
-        self._xxh = _xxhash.xxh3_64() if kind is ChecksumKind.XXH3_64 and _xxhash else None
-        if kind is ChecksumKind.XXH3_64 and self._xxh is None:
-            raise ValueError("checksum xxh3 needs the xxhash package (pip install xxhash)")
-
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        if self._xxh is not None:
-            self._xxh.update(data)
-        else:
-            self._crc = zlib.crc32(data, self._crc)
-
-    def digest(self) -> int:
-        return int(self._xxh.intdigest()) if self._xxh is not None else self._crc
-
-
 def available() -> tuple[ChecksumKind, ...]:
     return (ChecksumKind.CRC32,) if _xxhash is None else (ChecksumKind.CRC32, ChecksumKind.XXH3_64)
 

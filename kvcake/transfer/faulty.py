@@ -4,9 +4,9 @@
                             FaultyTransport(t, FaultSpec(drop_rate=0.2, corrupt_rate=0.2), seed=rail))
 
 drop: the slice fails as a lost connection would (a read first scribbles on its destination, as a
-  half-delivered read does). corrupt: one bit flips in the bytes delivered (read) or sent (write)
-  on the way, i.e. before the receiver hashes them, while the source's digest still describes the
-  true bytes, so only checksums stand between the caller and bad data. delay: the slice is held `delay_s`. hold: every slice waits until the event is set
+  half-delivered read does). corrupt: one byte flips in the bytes delivered (read) or sent (write)
+  while the checksum still describes the true bytes, so only checksums stand between the caller
+  and bad data. delay: the slice is held `delay_s`. hold: every slice waits until the event is set
   (lets a test pin a batch as pending without sleeping).
 """
 
@@ -51,19 +51,16 @@ class FaultyTransport:
         self.num_corrupted = 0
 
     def read(self, segment: SegmentDesc, offset: int, dest: memoryview, *,
-             checksum: ChecksumKind | None) -> tuple[int, int] | None:
+             checksum: ChecksumKind | None) -> int | None:
         self._before()
         if self._roll(self.spec.drop_rate):
             dest[: min(len(dest), 64)] = self._rng.randbytes(min(len(dest), 64))
             self.num_dropped += 1
             raise TransportError("injected drop")
-        digests = self.inner.read(segment, offset, dest, checksum=checksum)
+        digest = self.inner.read(segment, offset, dest, checksum=checksum)
         if self._roll(self.spec.corrupt_rate):
             self._flip(dest)
-            if digests is not None and checksum is not None:
-                # the flip happened on the way in, before the receiver hashed what landed
-                digests = (digests[0], checksum.compute(dest))
-        return digests
+        return digest
 
     def write(self, segment: SegmentDesc, offset: int, src: memoryview, *,
               checksum: ChecksumKind | None, digest: int | None) -> None:

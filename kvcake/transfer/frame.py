@@ -11,9 +11,8 @@ and is followed by `length` payload bytes where the op has a payload:
     LOOKUP  -> segment name (utf-8)   reply LOOKUP|REPLY + msgpack descriptor
     PING    -> (no payload)           reply PING|REPLY
 An error reply has status != OK and a utf-8 message as its payload. `flags` names at most one
-checksum algorithm (a ChecksumKind bit). A WRITE carries the digest of its data in `checksum`. A
-READ asking for one gets it as an 8-byte trailer (u64) after the data, so the server can hash each
-piece just before sending it. The receiver checks the digest before trusting the bytes.
+checksum algorithm (a ChecksumKind bit): a READ asks for it, and the data's sender puts its digest
+in `checksum`; the receiver checks it before trusting the bytes.
 """
 
 from __future__ import annotations
@@ -25,11 +24,9 @@ from dataclasses import dataclass
 from kvcake.transfer.checksum import ChecksumKind
 
 MAGIC = 0x4B54  # "KT"
-VERSION = 2
+VERSION = 1
 HEADER = struct.Struct("!HBBBBHIQQQQ")
 HEADER_BYTES = HEADER.size
-TRAILER = struct.Struct("!Q")  # the digest after a checksummed READ reply's data
-HASH_PIECE_BYTES = 256 * 1024  # hashed then sent while still in cache
 REPLY = 0x80
 MAX_NAME_BYTES = 1024
 MAX_ERROR_BYTES = 4096

@@ -102,8 +102,8 @@ class RailWorker:
         local = request.local[piece.local_offset:piece.local_offset + piece.length]
         kind = request.checksum
         if request.op is TransferOp.READ:
-            digests = transport.read(request.segment, piece.remote_offset, local, checksum=kind)
-            if kind is not None and (digests is None or digests[0] != digests[1]):
+            digest = transport.read(request.segment, piece.remote_offset, local, checksum=kind)
+            if kind is not None and kind.compute(local) != digest:
                 raise TransportError(f"checksum mismatch reading {request.segment.name!r} "
                                      f"[{piece.remote_offset}, +{piece.length})")
         else:

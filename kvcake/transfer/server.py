@@ -147,16 +147,12 @@ class SegmentServer:
                 raise FrameError(f"checksum {kind.name} is not available on this server",
                                  Status.BAD_CHECKSUM_KIND)
             if request.op == Op.READ:
-                reply = Header(op=Op.READ | frame.REPLY, request_id=request.request_id,
-                               length=len(view), flags=request.flags)
-                if kind is None:
-                    _reply(conn, reply, view)
-                else:
-                    _send_hashed(conn, reply, view, checksum.Hasher(kind))
+                digest = kind.compute(view) if kind is not None else 0
+                _reply(conn, Header(op=Op.READ | frame.REPLY, request_id=request.request_id,
+                                    length=len(view), checksum=digest, flags=request.flags), view)
             else:
-                hasher = checksum.Hasher(kind) if kind is not None else None
-                recv_exactly(conn, view, hasher)
-                if hasher is not None and hasher.digest() != request.checksum:
+                recv_exactly(conn, view)
+                if kind is not None and kind.compute(view) != request.checksum:
                     raise FrameError("checksum mismatch on written data", Status.CHECKSUM_MISMATCH)
                 _reply(conn, Header(op=Op.WRITE | frame.REPLY, request_id=request.request_id), b"")
         else:  # a reply op sent as a request
@@ -182,18 +178,6 @@ class SegmentServer:
 
 def _reply(conn: socket.socket, header: Header, body: bytes | memoryview) -> None:
     send_message(conn, header.pack(), body)
-
-
-def _send_hashed(conn: socket.socket, reply: Header, data: memoryview,
-                 hasher: checksum.Hasher) -> None:
-    """Send header, data and the data's digest as an 8-byte trailer. Each piece is hashed just
-    before it is sent, so the kernel copies it out of cache instead of reading memory twice."""
-    conn.sendall(reply.pack())
-    for start in range(0, len(data), frame.HASH_PIECE_BYTES):
-        piece = data[start:start + frame.HASH_PIECE_BYTES]
-        hasher.update(piece)
-        conn.sendall(piece)
-    conn.sendall(frame.TRAILER.pack(hasher.digest()))
 
 
 def _drain(conn: socket.socket, length: int) -> None:

@@ -48,13 +48,11 @@ class ShmTransport:
         return cls(shm_name, fd, mapping)
 
     def read(self, segment: SegmentDesc, offset: int, dest: memoryview, *,
-             checksum: ChecksumKind | None) -> tuple[int, int] | None:
+             checksum: ChecksumKind | None) -> int | None:
         source = self._region(segment, offset, len(dest))
         digest = checksum.compute(source.data) if checksum is not None else None
         np.copyto(np.frombuffer(dest, dtype=np.uint8), source)
-        if checksum is None or digest is None:
-            return None
-        return digest, checksum.compute(dest)
+        return digest
 
     def write(self, segment: SegmentDesc, offset: int, src: memoryview, *,
               checksum: ChecksumKind | None, digest: int | None) -> None:

@@ -13,7 +13,7 @@ import struct
 import msgpack
 
 from kvcake.transfer import frame
-from kvcake.transfer.checksum import ChecksumKind, Hasher
+from kvcake.transfer.checksum import ChecksumKind
 from kvcake.transfer.errors import TransportError
 from kvcake.transfer.frame import Header, Op, Status
 from kvcake.transfer.segment import SegmentDesc
@@ -48,16 +48,13 @@ def set_kernel_timeout(sock: socket.socket, timeout_s: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
-def recv_exactly(sock: socket.socket, dest: memoryview, hasher: Hasher | None = None) -> None:
-    """Fill `dest` from the socket, feeding each piece to `hasher` as it lands (still in cache,
-    and overlapped with the sender's next bytes); ConnectionError if the peer closes first."""
+def recv_exactly(sock: socket.socket, dest: memoryview) -> None:
+    """Fill `dest` from the socket; ConnectionError if the peer closes first."""
     got, size = 0, len(dest)
     while got < size:
         n = sock.recv_into(dest[got:] if got else dest)
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {size} bytes")
-        if hasher is not None:
-            hasher.update(dest[got:got + n])
         got += n
 
 
@@ -83,7 +80,6 @@ class TcpTransport:
         self.timeout_s = timeout_s
         self._sock = sock
         self._header = bytearray(frame.HEADER_BYTES)
-        self._trailer = bytearray(frame.TRAILER.size)
         self._request_ids = itertools.count(1)
 
     @classmethod
@@ -107,7 +103,7 @@ class TcpTransport:
         return f"{host}:{port}"
 
     def read(self, segment: SegmentDesc, offset: int, dest: memoryview, *,
-             checksum: ChecksumKind | None) -> tuple[int, int] | None:
+             checksum: ChecksumKind | None) -> int | None:
         request = Header(op=Op.READ, segment_id=segment.segment_id, offset=offset,
                          length=len(dest), request_id=next(self._request_ids),
                          flags=int(checksum or 0))
@@ -116,13 +112,8 @@ class TcpTransport:
             self.close()
             raise TransportError(f"{self.address}: reply carries {reply.length} bytes, "
                                  f"asked for {len(dest)}")
-        if checksum is None:
-            self._recv(dest)
-            return None
-        hasher = Hasher(checksum)
-        self._recv(dest, hasher)
-        self._recv(memoryview(self._trailer))
-        return frame.TRAILER.unpack(self._trailer)[0], hasher.digest()
+        self._recv(dest)
+        return reply.checksum if checksum else None
 
     def write(self, segment: SegmentDesc, offset: int, src: memoryview, *,
               checksum: ChecksumKind | None, digest: int | None) -> None:
@@ -165,9 +156,9 @@ class TcpTransport:
             raise self._remote_error(reply)
         return reply
 
-    def _recv(self, dest: memoryview, hasher: Hasher | None = None) -> None:
+    def _recv(self, dest: memoryview) -> None:
         try:
-            recv_exactly(self._sock, dest, hasher)
+            recv_exactly(self._sock, dest)
         except OSError as e:
             self.close()
             raise TransportError(f"{self.address}: {_describe(e, self.timeout_s)}") from e

@@ -30,12 +30,11 @@ class EndpointKey:
 
 class Transport(Protocol):
     def read(self, segment: SegmentDesc, offset: int, dest: memoryview, *,
-             checksum: ChecksumKind | None) -> tuple[int, int] | None:
+             checksum: ChecksumKind | None) -> int | None:
         """Fill all of `dest` from the segment at `offset`.
 
-        With `checksum`, returns (the digest the source computed over those bytes, the digest of
-        the bytes as they landed in `dest`); the caller accepts the slice only if they are equal.
-        Else None. Raises TransportError; `dest` is then undefined.
+        With `checksum`, returns the digest the source computed over those bytes (the caller
+        checks `dest` against it), else None. Raises TransportError; `dest` is then undefined.
         """
         ...
 

@@ -87,6 +87,61 @@ def test_removed_while_leased_is_freed_only_after_the_lease() -> None:
     assert index.nodes["n0"].allocator.used_bytes == 0
 
 
+def test_a_released_lease_ends_before_lease_s() -> None:
+    index = make(dram=512, lease_s=5.0)
+    put(index, "a")
+    put(index, "b")
+    _, first = index.get_leased("a", 10.0)
+    _, second = index.get_leased("a", 10.0)  # two readers of a
+    index.get("b", 10.0)  # b: leased, never released (runs out at 15)
+    index.release("a", first)
+    with pytest.raises(NoSpace):  # the second reader still holds a
+        index.put_start("c", OBJ, 0, 1, None, 11.0)
+    index.release("a", second)
+    index.release("a", second)  # twice, or an unknown id: ignored
+    index.release("gone", 12345)
+    put(index, "c", now_s=11.0)  # a went at once, not at 15; b is still leased
+    assert sorted(index.objects) == ["b", "c"]
+
+
+def test_removed_while_leased_is_freed_when_its_readers_release() -> None:
+    index = make(dram=512, lease_s=5.0)
+    put(index, "a")
+    _, lease_id = index.get_leased("a", 10.0)
+    index.remove("a", 11.0)
+    assert index.nodes["n0"].allocator.used_bytes == 256  # the reader may still be copying
+    index.release("a", lease_id)
+    assert index.nodes["n0"].allocator.used_bytes == 0
+
+
+def test_a_full_disk_drops_its_own_lru_objects_to_take_a_demoted_one() -> None:
+    index = make(dram=512, disk=512)  # two objects in DRAM, two on disk
+    for key in "abcd":
+        put(index, key, now_s=1.0)  # c evicts a, d evicts b: both demoted, the disk is full
+    assert [index.objects[k].disk() != [] for k in "ab"] == [True, True]
+    index.take_actions()
+    put(index, "e", now_s=2.0)  # evicts c (DRAM LRU); to take it the disk drops a, its LRU
+    assert "a" not in index.objects and index.num_disk_evicted == 1
+    assert [r.tier for r in index.objects["c"].replicas] == [Tier.DISK]
+    assert [r.tier for r in index.objects["b"].replicas] == [Tier.DISK]
+    kinds = [(a.kind, a.key) for a in index.take_actions()]
+    assert kinds == [(ActionKind.DROP_DISK, "a"), (ActionKind.DEMOTE, "c")]
+    assert index.nodes["n0"].disk_used_bytes == 512
+    index.get("b", 3.0)  # a read makes b the disk's most recent object; promoting b evicts d
+    assert sorted(index.objects) == ["b", "d", "e"]  # and taking d drops c, not the older b
+    assert index.num_disk_evicted == 2 and index.objects["d"].disk() != []
+
+
+def test_a_disk_too_small_for_the_object_drops_nothing_of_it() -> None:
+    index = make(dram=512, disk=256)
+    for key in "abc":
+        put(index, key, now_s=1.0)  # a demoted: the disk is full
+    index.set_pin("a", True)  # irrelevant on disk; a stays the disk's only object
+    index.get("a", 20.0)  # a is leased (the promote needs DRAM: b goes, without a demote
+    assert "b" not in index.objects  # since the only disk object, a, is leased)
+    assert index.objects["a"].disk() != []
+
+
 def test_soft_pins_go_last() -> None:
     index = make(dram=768)
     for key in "abc":
