@@ -24,6 +24,7 @@ Pure: no I/O, no clock (`now_s` is an argument), no threads.
 from __future__ import annotations
 
 import random
+from itertools import repeat
 from operator import itemgetter
 from collections.abc import Hashable, Sequence
 
@@ -47,6 +48,21 @@ from kvcake.conductor.predictor import DecodeModel, PrefillModel
 # recompute_s is the local alternative when fetch_only_if_faster must weigh it.
 _Plan = tuple[int, int, float, float, float | None]
 _TBT_S = itemgetter(3)  # DecodeEstimate.tbt_s
+_MAX_PREDICTIONS = 1 << 16  # remembered prefill predictions (a few MB at most)
+
+
+def _turn_down_slow_fetches(plans: list[_Plan], queues: list[float], ttfts: list[float]) -> None:
+    """fetch_only_if_faster: where recomputing locally finishes no later than fetching, plan that."""
+    local_plans: dict[int, _Plan] = {}  # local_len -> the recompute plan
+    for i, (plan, queue_s) in enumerate(zip(plans, queues, strict=True)):
+        recompute_s = plan[4]
+        if recompute_s is not None and queue_s + recompute_s <= ttfts[i]:
+            local_len = plan[0]
+            local = local_plans.get(local_len)
+            if local is None:
+                local = local_plans[local_len] = (local_len, local_len, 0.0, recompute_s, None)
+            plans[i] = local
+            ttfts[i] = 0.0 + queue_s + recompute_s
 
 
 class Conductor:
@@ -86,6 +102,7 @@ class Conductor:
         self._placed: dict[str, tuple[str, str]] = {}  # request -> (prefill_id, decode_id)
         self._last_decode_estimates: dict[str, DecodeEstimate] = {}  # instance -> its last one
         self._prefill_pool: tuple[str, ...] = ()  # the keys of _queues, shared by decisions
+        self._predicted_prefill_s: dict[tuple[int, int], float] = {}  # (prompt, prefix) -> s
         for instance_id in prefill_ids:
             self.add_prefill_instance(instance_id)
         for instance_id in decode_ids:
@@ -180,33 +197,17 @@ class Conductor:
         `PrefillEstimate.ttft_s` (so the very same floats) for the choice. Instances that hold the
         same number of prefix blocks differ only in their queue: their plan is made once.
         """
-        predicted: dict[int, float] = {}  # prefix_len -> prefill seconds; few distinct per request
-        plans: dict[int, _Plan] = {}  # local prefix blocks -> plan
-        recomputes: dict[int, _Plan] = {}  # the same, when fetch_only_if_faster turns a fetch down
+        pool = self._prefill_pool
         by_holder = match.blocks_by_holder
-        chosen_plans: list[_Plan] = []
-        queues: list[float] = []
-        ttfts: list[float] = []
-        for instance_id, queue in self._queues.items():
-            num_blocks = by_holder.get(instance_id, 0) if by_holder else 0
-            plan = plans.get(num_blocks)
-            if plan is None:
-                plan = plans[num_blocks] = self._plan_prefill(req, match, num_blocks, predicted)
-            queue_s = queue.queue_s(now_s)
-            ttft_s = plan[2] + queue_s + plan[3]
-            recompute_s = plan[4]
-            if recompute_s is not None and queue_s + recompute_s <= ttft_s:
-                # fetch_only_if_faster: the fetch would not beat recomputing the rest locally.
-                local_plan = recomputes.get(num_blocks)
-                if local_plan is None:
-                    local_plan = recomputes[num_blocks] = (plan[0], plan[0], 0.0, recompute_s, None)
-                plan = local_plan
-                ttft_s = 0.0 + queue_s + recompute_s
-            chosen_plans.append(plan)
-            queues.append(queue_s)
-            ttfts.append(ttft_s)
-        return (LazyPrefillCandidates(self._prefill_pool, tuple(chosen_plans), tuple(queues)),
-                ttfts)
+        blocks = list(map(by_holder.get, pool, repeat(0))) if by_holder else [0] * len(pool)
+        predicted: dict[int, float] = {}  # prefix_len -> prefill seconds; few distinct per request
+        plan_of = {n: self._plan_prefill(req, match, n, predicted) for n in dict.fromkeys(blocks)}
+        plans = list(map(plan_of.__getitem__, blocks))
+        queues = list(map(PrefillQueue.queue_s, self._queues.values(), repeat(now_s)))
+        ttfts = [plan[2] + queue_s + plan[3] for plan, queue_s in zip(plans, queues, strict=True)]
+        if self.config.fetch_only_if_faster:
+            _turn_down_slow_fetches(plans, queues, ttfts)
+        return LazyPrefillCandidates(pool, tuple(plans), tuple(queues)), ttfts
 
     def _plan_prefill(self, req: ScheduleRequest, match: PrefixMatch, num_blocks: int,
                       predicted: dict[int, float]) -> _Plan:
@@ -227,7 +228,15 @@ class Conductor:
 
     def _prefill_s(self, req: ScheduleRequest, prefix_len: int, predicted: dict[int, float]) -> float:
         if prefix_len not in predicted:
-            predicted[prefix_len] = self._prefill_model.predict(req.prompt_len, prefix_len)
+            # The model is a pure function of its arguments, and prompt lengths repeat: keep its
+            # answers (a bounded table, cleared when full) rather than ask again.
+            key = (req.prompt_len, prefix_len)
+            seconds = self._predicted_prefill_s.get(key)
+            if seconds is None:
+                if len(self._predicted_prefill_s) >= _MAX_PREDICTIONS:
+                    self._predicted_prefill_s.clear()
+                seconds = self._predicted_prefill_s[key] = self._prefill_model.predict(*key)
+            predicted[prefix_len] = seconds
         return predicted[prefix_len]
 
     def _choose_prefill(self, candidates: LazyPrefillCandidates, ttfts: list[float]) -> int:
@@ -252,10 +261,10 @@ class Conductor:
         # forecast rarely changes between decisions: reuse the last estimate when it matches
         # rather than asking the model again and allocating a new record.
         last_estimates = self._last_decode_estimates
-        new = tuple.__new__
+        new = tuple.__new__  # what DecodeEstimate(...) does, without its Python-level __new__
         estimates = []
-        for instance_id, load in loads.items():
-            batch, tokens = load.batch_at(at_s)
+        forecasts = map(DecodeLoad.batch_at, loads.values(), repeat(at_s))
+        for instance_id, (batch, tokens) in zip(loads, forecasts):
             batch, tokens = batch + 1, tokens + context
             estimate = last_estimates.get(instance_id)
             if estimate is None or estimate[1] != batch or estimate[2] != tokens:
@@ -272,8 +281,16 @@ class Conductor:
         if tbts.count(best_tbt) == 1 and best_tbt == best_tbt:  # (NaN: no ties, as ==)
             return candidates[tbts.index(best_tbt)]
         decodes = self._decodes
-        return min((d for d in candidates if d.tbt_s == best_tbt),
-                   key=lambda d: decodes[d.instance_id].num_booked)
+        chosen: DecodeEstimate | None = None
+        fewest = 0
+        for candidate in candidates:  # the first of the least booked, as min() would pick
+            if candidate[3] == best_tbt:
+                num_booked = decodes[candidate[0]].num_booked
+                if chosen is None or num_booked < fewest:
+                    chosen, fewest = candidate, num_booked
+        if chosen is None:
+            raise ValueError(f"no decode candidate has the least predicted TBT {best_tbt!r}")
+        return chosen
 
     def _admit(self, req: ScheduleRequest, now_s: float, ttft_s: float, decode: DecodeEstimate,
                candidates: LazyPrefillCandidates,

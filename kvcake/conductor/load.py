@@ -136,7 +136,7 @@ class DecodeLoad:
         # The last forecast and the times [lo, hi) over which it holds: the forecast only
         # changes at a finish or join time, so consecutive decisions (whose forecast times
         # differ by a little) mostly reuse it. Any change to the book clears it.
-        self._forecast: tuple[float, float, int, int] | None = None
+        self._forecast: tuple[float, float, tuple[int, int]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -192,7 +192,7 @@ class DecodeLoad:
         # On the decision path for every decode instance: touch the lists directly.
         forecast = self._forecast
         if forecast is not None and forecast[0] <= time_s < forecast[1]:
-            return forecast[2], forecast[3]
+            return forecast[2]
         active, pending = self._active, self._pending
         done, done_ctx = active.until(time_s) if active._times else (0, 0)
         joined, joined_ctx = pending.until(time_s) if pending._times else (0, 0)
@@ -202,8 +202,9 @@ class DecodeLoad:
         # up to, not including, the next time of either bag.
         lo, hi = _bounds(active._times, done)
         pending_lo, pending_hi = _bounds(pending._times, joined)
-        self._forecast = (max(lo, pending_lo), min(hi, pending_hi), batch, tokens)
-        return batch, tokens
+        counts = (batch, tokens)
+        self._forecast = (max(lo, pending_lo), min(hi, pending_hi), counts)
+        return counts
 
     def next_finish_after(self, time_s: float) -> float | None:
         return self._active.first_after(time_s)

@@ -100,7 +100,7 @@ class Worker:
         self._role: Any = None
         self._listener: socket.socket | None = None
         self._link: MessageLink | None = None
-        self._inbox: queue.Queue[Message | None] = queue.Queue()
+        self._inbox: queue.Queue[Any] = queue.Queue()  # messages, role-internal items, None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self.shutdown_requested = threading.Event()  # a frontend sent Shutdown
@@ -189,6 +189,10 @@ class Worker:
             max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
             staging=staging, num_staging_blocks=num_staging)
 
+    def post(self, item: object) -> None:
+        """Hand a role-internal item (e.g. a finished fetch) to the engine-loop thread."""
+        self._inbox.put(item)
+
     def send(self, message: Message) -> None:
         """To the connected frontend; dropped when there is none (it fails the request)."""
         link = self._link
@@ -254,7 +258,7 @@ class Worker:
             role.after_step()
             self._publish()
 
-    def _drain(self, block: bool) -> list[Message | None]:
+    def _drain(self, block: bool) -> list[Any]:
         items = [self._inbox.get()] if block else []
         while True:
             try:

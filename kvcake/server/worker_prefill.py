@@ -60,6 +60,15 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
                           ignore_eos=sampling.ignore_eos)
 
 
+@dataclass(frozen=True)
+class _Fetched:
+    """What the fetcher thread read for an order (size None: not in the store)."""
+
+    order: PrefillOrder
+    sizes: list[int | None]
+    buffers: list[bytearray]
+
+
 @dataclass
 class _Prefill:
     order: PrefillOrder
@@ -85,6 +94,9 @@ class PrefillRole:
         self._put_keys: dict[int, None] = {}  # keys handed to the writer (insertion ordered)
         self._writer: threading.Thread | None = None
         self._in_step: list[_Prefill] = []  # requests in the step now running (set at layer 0)
+        self._fetches: queue.Queue[PrefillOrder | None] = queue.Queue()
+        self._fetching: dict[str, PrefillOrder] = {}  # handed to the fetcher, not started
+        self._fetcher: threading.Thread | None = None
 
     # -- the role contract (see worker.py) ---------------------------------------------------
     def start(self) -> None:
@@ -92,11 +104,15 @@ class PrefillRole:
             self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                             name=f"{self.worker.worker_id}-store-writer")
             self._writer.start()
+            self._fetcher = threading.Thread(target=self._fetch_loop, daemon=True,
+                                             name=f"{self.worker.worker_id}-fetcher")
+            self._fetcher.start()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writes.put(None)
-            self._writer.join(timeout=10)
+        for thread, inbox in ((self._writer, self._writes), (self._fetcher, self._fetches)):
+            if thread is not None:
+                inbox.put(None)
+                thread.join(timeout=10)
 
     def staging(self) -> tuple[dict[str, Any] | None, int]:
         return None, 0
@@ -105,12 +121,18 @@ class PrefillRole:
         return False
 
     def num_pending(self) -> int:
-        return 0
+        return len(self._fetching)
 
-    def handle(self, message: Message) -> None:
+    def handle(self, message: Message | _Fetched) -> None:
         if isinstance(message, PrefillOrder):
             self._admit(message)
+        elif isinstance(message, _Fetched):
+            if self._fetching.pop(message.order.request_id, None) is not None:
+                self._start(message.order, message)
         elif isinstance(message, Abort):
+            if self._fetching.pop(message.request_id, None) is not None:
+                self.worker.send(RequestFailed(message.request_id, "aborted"))
+                return
             state = self._live.pop(message.request_id, None)
             if state is not None:
                 self.engine.abort(message.request_id)
@@ -134,37 +156,57 @@ class PrefillRole:
 
     # -- step 1: prefix reuse ----------------------------------------------------------------
     def _admit(self, order: PrefillOrder) -> None:
+        try:
+            sampling_params(sampling_from_wire(order.sampling))
+        except ValueError as exc:
+            self.worker.send(RequestFailed(order.request_id, f"prefill refused: {exc}"))
+            return
+        if order.fetch_keys and self.worker.store is not None:
+            # The store read runs on the fetcher thread, so the engine keeps computing.
+            self._fetching[order.request_id] = order
+            self._fetches.put(order)
+        else:
+            self._start(order, None)
+
+    def _start(self, order: PrefillOrder, fetched: _Fetched | None) -> None:
         rid = order.request_id
         try:
             params = sampling_params(sampling_from_wire(order.sampling))
-            fetched = self._fetch(order.fetch_keys)
+            num_fetched = self._import(fetched) if fetched is not None else 0
             staging = SegmentDesc.from_dict(order.staging) if order.staging_blocks else None
             self.engine.add_request(rid, order.prompt_token_ids, params,
                                     prefill_only=staging is not None)
         except (ValueError, KeyError) as exc:
             self.worker.send(RequestFailed(rid, f"prefill refused: {exc}"))
             return
-        self._live[rid] = _Prefill(order, staging, fetched)
+        self._live[rid] = _Prefill(order, staging, num_fetched)
 
-    def _fetch(self, keys: list[int]) -> int:
-        """Import the longest fetchable prefix of `keys`; returns the tokens it covers."""
+    def _fetch_loop(self) -> None:
         store = self.worker.store
-        if store is None or not keys:
-            return 0
-        ns = self.engine.namespace
-        todo = [k for k in keys if self.engine.block_manager.lookup(BlockKey(k)) is None]
-        buffers = [bytearray(self.engine.pool.block_nbytes) for _ in todo]
-        try:
-            sizes = store.get_batch_into([f"{ns}:{key_hex(BlockKey(k))}" for k in todo], buffers)
-        except (StoreError, TransferError, OSError, ValueError) as exc:
-            log.warning("%s: fetch of %d blocks failed, recomputing: %s",
-                        self.worker.worker_id, len(todo), exc)
-            return 0
+        assert store is not None
+        ns, nbytes = self.engine.namespace, self.engine.pool.block_nbytes
+        while (order := self._fetches.get()) is not None:
+            keys = order.fetch_keys
+            buffers = [bytearray(nbytes) for _ in keys]
+            try:
+                sizes = store.get_batch_into([f"{ns}:{key_hex(BlockKey(k))}" for k in keys],
+                                             buffers)
+            except (StoreError, TransferError, OSError, ValueError) as exc:
+                log.warning("%s: fetch of %d blocks failed, recomputing: %s",
+                            self.worker.worker_id, len(keys), exc)
+                sizes = [None] * len(keys)
+            self.worker.post(_Fetched(order, sizes, buffers))
+
+    def _import(self, fetched: _Fetched) -> int:
+        """Import the longest usable prefix of the fetched blocks; returns its tokens."""
         imported = 0
-        for key, size, data in zip(todo, sizes, buffers, strict=True):
-            if size != len(data) or not self.engine.import_block_kv(BlockKey(key), bytes(data)):
+        for key, size, data in zip(fetched.order.fetch_keys, fetched.sizes, fetched.buffers,
+                                   strict=True):
+            cached = self.engine.block_manager.lookup(BlockKey(key)) is not None
+            if not cached and (size != len(data)
+                               or not self.engine.import_block_kv(BlockKey(key), bytes(data))):
                 break  # later blocks are useless without this one
-            imported += 1
+            imported += not cached
         return imported * self.engine.block_size
 
     # -- step 3: layer-wise streaming ---------------------------------------------------------

@@ -124,10 +124,44 @@ def read_frame(sock: socket.socket) -> object | None:
     body = _recv_exact(sock, length)
     if body is None:
         return None
+    return _decode(body)
+
+
+def _decode(body: bytes | bytearray) -> object:
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as exc:
         raise InvalidRequest(f"frame: not valid msgpack ({exc})") from None
+
+
+class FrameReader:
+    """`read_frame` for one socket with fewer system calls: what one recv brings (usually a
+    whole small frame, length prefix included) is kept for the next frame. One reader per
+    socket, used by one thread at a time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+
+    def read(self) -> object | None:
+        """The decoded body of the next frame; None at the end of stream; InvalidRequest for
+        an oversized or undecodable frame (the stream is then out of sync)."""
+        needed = _LEN.size
+        while True:
+            if len(self._buf) >= _LEN.size:
+                (length,) = _LEN.unpack_from(self._buf)
+                if length > MAX_FRAME_BYTES:
+                    raise InvalidRequest(f"frame: {length} bytes is over the {MAX_FRAME_BYTES} "
+                                         "byte limit")
+                needed = _LEN.size + length
+                if len(self._buf) >= needed:
+                    body = bytes(self._buf[_LEN.size:needed])
+                    del self._buf[:needed]
+                    return _decode(body)
+            chunk = self._sock.recv(max(1 << 16, needed - len(self._buf)))
+            if not chunk:
+                return None
+            self._buf += chunk
 
 
 def parse_address(address: str, field: str = "address") -> tuple[str, int]:
@@ -148,6 +182,7 @@ class RpcConnection:
         except OSError as exc:
             raise MasterUnavailable(f"cannot connect to {address}: {exc}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._reader = FrameReader(self._sock)
         self._lock = threading.Lock()
         self._next_id = 0
 
@@ -168,7 +203,7 @@ class RpcConnection:
             self._next_id += 1
             try:
                 self._sock.sendall(encode({"id": self._next_id, "op": op, "args": args}))
-                reply = read_frame(self._sock)
+                reply = self._reader.read()
             except OSError as exc:
                 raise MasterUnavailable(f"{self.address}: {exc}") from None
         if not isinstance(reply, dict) or reply.get("id") != self._next_id:

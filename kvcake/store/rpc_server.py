@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcake.store.errors import InvalidRequest
-from kvcake.store.protocol import ONE_WAY_OPS, encode, error_reply, read_frame, validate
+from kvcake.store.protocol import ONE_WAY_OPS, FrameReader, encode, error_reply, validate
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,11 @@ class RpcServer:
 
     def _serve(self, conn: socket.socket) -> None:
         session: dict[str, Any] = {}
+        reader = FrameReader(conn)
         try:
             while not self._closed:
                 try:
-                    message = read_frame(conn)
+                    message = reader.read()
                 except InvalidRequest as exc:  # cannot resync a broken stream: reply, then close
                     conn.sendall(encode(error_reply(0, exc)))
                     return

@@ -56,3 +56,16 @@ def test_simple_needs_both_roles() -> None:
         ClusterConfig.simple(1, 0)
     with pytest.raises(ValueError, match="mode colocated needs only colocated workers"):
         ClusterConfig(mode="colocated", workers=(WorkerSpec(Role.PREFILL),))
+
+
+def test_serve_arguments_become_a_cluster() -> None:
+    from kvcake.cli import build_parser
+    from kvcake.server.launcher import config_from_args
+
+    args = build_parser().parse_args(["serve", "--kv-cache-bytes", "8MiB", "--port", "24050"])
+    args.mode, args.prefill, args.decode = "disaggregated", 2, 1
+    config = config_from_args(args)
+    assert [w.role for w in config.workers] == [Role.PREFILL, Role.PREFILL, Role.DECODE]
+    assert (config.engine.kv_cache_bytes, config.port) == (8 * 2**20, 24050)
+    args.config = str(EXAMPLE)
+    assert config_from_args(args) == ClusterConfig.from_toml(EXAMPLE)
