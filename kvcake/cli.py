@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 _COMMAND_MODULES = (
     "kvcake.engine.cli",  # generate
@@ -22,12 +23,20 @@ _COMMAND_MODULES = (
 )
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr (what to change) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="kvcake",
         description="KVCache-centric disaggregated LLM serving (MOONCAKE in Python)",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                       parser_class=_OneLineParser)
     subparsers.required = True
     for name in _COMMAND_MODULES:
         if importlib.util.find_spec(name) is None:  # subpackage not built yet

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvcake.store.errors import InvalidRequest
-from kvcake.store.protocol import encode, read_frame
+from kvcake.store.protocol import FrameReader, encode
 
 
 class MessageError(ValueError):
@@ -223,6 +223,7 @@ class MessageLink:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
+        self._reader = FrameReader(sock)  # one reader thread per link, as FrameReader needs
         self._send_lock = threading.Lock()
         self._closed = False
 
@@ -248,7 +249,7 @@ class MessageLink:
     def recv(self) -> Message | None:
         """The next message, or None at the end of the stream (peer closed, or close())."""
         try:
-            body = read_frame(self._sock)
+            body = self._reader.read()
         except InvalidRequest as exc:
             raise MessageError(str(exc)) from None
         except OSError:

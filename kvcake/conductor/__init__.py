@@ -6,6 +6,7 @@ Public API (stable; the simulator and the live frontend build on it):
     PrefillEstimate, DecodeEstimate, Decision                      (decision.py)
     GlobalIndex, PrefixMatch                                       (index.py)
     PrefillQueue, DecodeLoad                                       (load.py)
+    freeze_heap                                                    (heap.py)
     CostModel; ModelProfile, HardwareProfile, parse_profile,
     model_profile_from_shape, MODEL_PROFILES, HARDWARE_PROFILES     (cost.py, profiles.py)
     PrefillModel, DecodeModel, PrefillTimePredictor, DecodeStepPredictor,
@@ -25,6 +26,7 @@ from kvcake.conductor.decision import (
     RejectReason,
     ScheduleRequest,
 )
+from kvcake.conductor.heap import freeze_heap
 from kvcake.conductor.index import GlobalIndex, PrefixMatch
 from kvcake.conductor.load import DecodeLoad, PrefillQueue
 from kvcake.conductor.predictor import (
@@ -51,5 +53,5 @@ __all__ = [
     "Decision", "FetchPlan", "GlobalIndex", "HardwareProfile", "ModelProfile", "Placement",
     "Policy", "PrefillEstimate", "PrefillModel", "PrefillPoint", "PrefillTimePredictor",
     "PrefixMatch", "RejectReason", "Rejection", "ScheduleRequest", "model_profile_from_shape",
-    "parse_profile", "profile_grid",
+    "freeze_heap", "parse_profile", "profile_grid",
 ]

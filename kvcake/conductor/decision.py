@@ -114,6 +114,8 @@ class Placement:
 
     prefix_len: prompt tokens whose KVCache is reused (never the last prompt token, whose logits
     give the first output token). In COLOCATED mode prefill_id == decode_id.
+    The Conductor's placements build `prefill_candidates` on first access (the same values; see
+    `LazyPrefillCandidates`): most callers never read them.
     """
 
     request_id: str
@@ -154,7 +156,7 @@ class Placement:
                 raise AttributeError(f"'Placement' object has no attribute {name!r}")
             value = lazy.expand()
             object.__setattr__(self, "prefill_candidates", value)
-            object.__delattr__(self, _LAZY)
+            self.__dict__.pop(_LAZY, None)  # (two threads may both expand: same values)
             return value
 
 

@@ -78,8 +78,9 @@ class GlobalIndex:
         self.add_holder(holder)
         flag = 1 << self._bit[holder]
         masks, added = self._masks, 0
+        get = masks.get
         for key in keys:
-            mask = masks.get(key, 0)
+            mask = get(key, 0)
             if not mask & flag:
                 masks[key] = mask | flag
                 added += 1

@@ -149,7 +149,7 @@ class DecodeLoad:
     @property
     def num_booked(self) -> int:
         """Requests decoding here or placed here and still to join."""
-        return len(self._active) + len(self._pending)
+        return len(self._active._times) + len(self._pending._times)  # decision path: no calls
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._finish_s or request_id in self._pending_info

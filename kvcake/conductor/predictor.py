@@ -21,13 +21,19 @@ import numpy as np
 
 class PrefillModel(Protocol):
     def predict(self, input_len: int, prefix_len: int) -> float:
-        """Seconds to prefill `input_len` tokens of which the first `prefix_len` are cached."""
+        """Seconds to prefill `input_len` tokens of which the first `prefix_len` are cached.
+
+        Must be a pure function of its arguments (the fitted predictors are immutable): the
+        Conductor remembers answers."""
         ...
 
 
 class DecodeModel(Protocol):
     def decode_step_time_s(self, batch_size: int, context_tokens: int) -> float:
-        """Seconds of one decode step of `batch_size` sequences holding `context_tokens` in all."""
+        """Seconds of one decode step of `batch_size` sequences holding `context_tokens` in all.
+
+        Must be a pure function of its arguments: the Conductor reuses an instance's last answer
+        while its forecast batch is unchanged."""
         ...
 
 

@@ -115,6 +115,14 @@ class Worker:
         return f"{host}:{port}"
 
     def start(self) -> Worker:
+        """Load, mount and serve; on any failure what was started is stopped again."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> Worker:
         from kvcake.server.worker_decode import DecodeRole
         from kvcake.server.worker_prefill import PrefillRole
 

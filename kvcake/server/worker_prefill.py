@@ -2,7 +2,8 @@
 
 Lifecycle of one `PrefillOrder` on the engine-loop thread:
   1. prefix reuse: blocks the Conductor planned to fetch are read from the store
-     (`namespace:key_hex`), verified by the store client and imported into the prefix cache;
+     (`namespace:key_hex`, verified by the store client) on the fetcher thread while the engine
+     keeps stepping, then imported into the prefix cache on the engine thread;
      a failed or partial fetch only shortens the reused prefix (the rest is recomputed, so the
      tokens are the same);
   2. `add_request(prefill_only=True)`: the engine reuses the cached prefix and prefills the

@@ -10,6 +10,12 @@ range reused by another object is never served) and the payload's crc32 must mat
 A replica that fails the check, or whose node is gone, is skipped for the next; after every
 replica failed the client asks the master again, which may say the object is gone (KeyError).
 On any error the contents of a caller's destination buffer are undefined.
+
+Each descriptor the master hands out comes with a read lease (the object is neither evicted nor
+its range reused while it is held); the client releases it, in a one-way message, as soon as the
+read is over. A put sends put_start without the crc and computes the crc (and stages a lone
+object) while the master allocates; the crc goes with the commit, which is acknowledged before
+`put` returns.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from kvcake.store.errors import (
     StoreError,
     TransferFailed,
 )
-from kvcake.store.layout import HEADER_BYTES, CorruptObject, checksum, pack_header, verify
+from kvcake.store.layout import HEADER_BYTES, checksum, pack_header
+from kvcake.store.remote import RemoteMaster
+from kvcake.store.replica_io import check_room, read_requests, valid, write_requests
 from kvcake.transfer import (
     SegmentDesc,
     TransferConfig,
@@ -52,15 +60,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _READ_ROUNDS = 3  # how many times the client asks the master again after every replica failed
-_JOIN_BYTES = 256 << 10  # objects up to this size are written with their header in one request
 
 
 class Master(Protocol):
     """What the client needs of a master: `MasterService` in-process or `RemoteMaster`."""
 
-    def put_start(self, key: str, size_bytes: int, crc: int, num_replicas: int | None = None,
+    def put_start(self, key: str, size_bytes: int, crc: int | None, num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]: ...
-    def put_commit(self, key: str) -> None: ...
+    def put_commit(self, key: str, crc: int | None = None) -> None: ...
     def put_revoke(self, key: str) -> None: ...
     def get(self, key: str) -> dict[str, Any]: ...
     def exists(self, key: str) -> bool: ...
@@ -101,8 +108,6 @@ class StoreClient:
                  local_node: str | None = None,
                  wrap_transport: TransportWrapper | None = None) -> None:
         if isinstance(master, str):
-            from kvcake.store.remote import RemoteMaster
-
             master = RemoteMaster(master)
         self.master: Master = master
         self._own_engine = engine is None
@@ -176,9 +181,8 @@ class StoreClient:
         if len(keys) != len(values):
             raise InvalidRequest(f"put_batch: {len(keys)} keys but {len(values)} values")
         views = [buffer_view(v, field=f"value of {k!r}") for k, v in zip(keys, values, strict=True)]
-        crcs = [checksum(v) for v in views]
-        items = [[k, len(v), c] for k, v, c in zip(keys, views, crcs, strict=True)]
-        starts = self.master.put_start_batch(items, self.num_replicas, self.local_node)
+        starts, (crcs, stage) = self._put_start([[k, len(v)] for k, v in zip(keys, views,
+                                                                             strict=True)], views)
         written: list[bool] = []
         allocated: list[tuple[str, memoryview, int, list[dict[str, Any]]]] = []
         failure: StoreError | None = None
@@ -195,7 +199,7 @@ class StoreClient:
             for key in todo:
                 self._revoke(key)
             raise failure
-        requests = self._put_requests(allocated)
+        requests = self._put_requests(allocated, stage)
         if requests:
             try:
                 self._transfer(requests)
@@ -203,23 +207,39 @@ class StoreClient:
                 for key in todo:
                     self._revoke(key)
                 raise TransferFailed(f"put of {len(todo)} objects failed: {exc}") from exc
-        for result in self.master.put_commit_batch(todo):
+        for result in self.master.put_commit_batch([[k, c] for k, _, c, _ in allocated]):
             _unwrap(result)
         return written
 
-    def _put_requests(self, allocated: list[tuple[str, memoryview, int, list[dict[str, Any]]]]
-                      ) -> list[TransferRequest]:
-        if len(allocated) == 1 and len(allocated[0][3]) == 1 and self._direct is not None:
+    def _put_start(self, items: list[list[Any]], views: list[memoryview]
+                   ) -> tuple[list[Any], tuple[list[int], memoryview | None]]:
+        """Allocate (put_start without crcs) while this thread computes the crcs, which go with
+        the commit, and stages a lone object behind room for its header (see _put_requests)."""
+        def prepare() -> tuple[list[int], memoryview | None]:
+            stage = None
+            if len(views) == 1 and self._direct is not None \
+                    and HEADER_BYTES + len(views[0]) <= self._transfer_config.slice_bytes:
+                stage = self._buffer("stage", HEADER_BYTES + len(views[0]))
+                stage[HEADER_BYTES:] = views[0]
+                return [checksum(stage[HEADER_BYTES:])], stage  # the copy is cache-hot
+            return [checksum(v) for v in views], stage
+
+        if isinstance(self.master, RemoteMaster):
+            return self.master.put_start_batch_overlapped(items, self.num_replicas,
+                                                          self.local_node, prepare)
+        prepared = prepare()
+        return self.master.put_start_batch(items, self.num_replicas, self.local_node), prepared
+
+    def _put_requests(self, allocated: list[tuple[str, memoryview, int, list[dict[str, Any]]]],
+                      stage: memoryview | None) -> list[TransferRequest]:
+        if stage is not None and len(allocated) == 1 and len(allocated[0][3]) == 1:
+            # On the caller's thread a second request is a second round trip; the payload was
+            # copied behind room for its header while the master allocated.
             _, view, crc, (desc,) = allocated[0]
-            if HEADER_BYTES + len(view) <= self._transfer_config.slice_bytes:
-                # On the caller's thread a second request is a second round trip; copying the
-                # payload behind its header in a reused (already mapped) buffer is cheaper.
-                stage = self._buffer("stage", HEADER_BYTES + len(view))
-                stage[:HEADER_BYTES] = pack_header(crc, desc["version"], len(view))
-                stage[HEADER_BYTES:] = view
-                return [TransferRequest(TransferOp.WRITE, stage,
-                                        SegmentDesc.from_dict(desc["segment"]), desc["offset"])]
-        return [r for _, view, crc, descs in allocated for r in _write_requests(view, crc, descs)]
+            stage[:HEADER_BYTES] = pack_header(crc, desc["version"], len(view))
+            return [TransferRequest(TransferOp.WRITE, stage,
+                                    SegmentDesc.from_dict(desc["segment"]), desc["offset"])]
+        return [r for _, view, crc, descs in allocated for r in write_requests(view, crc, descs)]
 
     def _transfer(self, requests: list[TransferRequest]) -> None:
         """Move a batch: on this thread when it is small (`DirectPath`), else (or if that fails)
@@ -285,11 +305,11 @@ class StoreClient:
 
     def _read_batch(self, jobs: list[tuple[str, dict[str, Any], memoryview]]) -> None:
         for key, meta, dest in jobs:
-            _check_room(key, meta, dest)
+            check_room(key, meta, dest)
         headers = [bytearray(HEADER_BYTES) for _ in jobs]
         requests = []
         for (_, meta, dest), header in zip(jobs, headers, strict=True):
-            requests.extend(_read_requests(meta["replicas"][0], meta, header, dest))
+            requests.extend(read_requests(meta["replicas"][0], meta, header, dest))
         batch_ok = True
         try:
             if requests:
@@ -297,7 +317,7 @@ class StoreClient:
         except TransferError:
             batch_ok = False
         for (key, meta, dest), header in zip(jobs, headers, strict=True):
-            if not batch_ok or not _valid(meta["replicas"][0], meta, header, dest):
+            if not batch_ok or not valid(meta["replicas"][0], meta, header, dest):
                 self._read(key, meta, dest)  # replica by replica, asking the master again
 
     def _release(self, leased: list[tuple[str, dict[str, Any]]]) -> None:
@@ -324,7 +344,7 @@ class StoreClient:
 
     def _read_replicas(self, key: str, meta: dict[str, Any], dest: memoryview,
                        whole: memoryview | None, leased: list[tuple[str, dict[str, Any]]]) -> int:
-        _check_room(key, meta, dest)
+        check_room(key, meta, dest)
         header: bytearray | memoryview = bytearray(HEADER_BYTES)
         errors: list[str] = []
         num_corrupt = 0
@@ -335,17 +355,17 @@ class StoreClient:
                     requests = [TransferRequest(TransferOp.READ, whole, SegmentDesc.from_dict(
                         replica["segment"]), replica["offset"])]
                 else:
-                    requests = _read_requests(replica, meta, header, dest)
+                    requests = read_requests(replica, meta, header, dest)
                 try:
                     self._transfer(requests)
-                    if _valid(replica, meta, header, dest):
+                    if valid(replica, meta, header, dest):
                         return int(meta["size_bytes"])
                     if self._direct is not None:
                         # The direct path reads without a transport checksum (the check above
                         # is end to end): once more through the engine's checked path before
                         # this replica is called corrupt.
                         self.engine.transfer(requests)
-                        if _valid(replica, meta, header, dest):
+                        if valid(replica, meta, header, dest):
                             return int(meta["size_bytes"])
                 except (TransferError, ValueError) as exc:
                     errors.append(f"{replica['node_id']}: {exc}")
@@ -354,7 +374,7 @@ class StoreClient:
                 errors.append(f"{replica['node_id']}: bad bytes")
             meta = self.master.get(key)  # ObjectNotFound if the object went with its nodes
             leased.append((key, meta))
-            _check_room(key, meta, dest)
+            check_room(key, meta, dest)
         if num_corrupt == 0:
             raise ObjectUnavailable(f"no replica of {key!r} is reachable (nodes down?): "
                                     f"{errors[-2:]}")
@@ -391,7 +411,9 @@ class StoreClient:
         it has now. New replicas are copied by this client from an existing one."""
         if num_replicas < 1:
             raise InvalidRequest(f"num_replicas: must be >= 1, got {num_replicas}")
-        current = len(self.master.get(key)["replicas"])
+        meta = self.master.get(key)
+        self._release([(key, meta)])  # only counted, not read
+        current = len(meta["replicas"])
         if num_replicas < current:
             self.master.drop_replicas(key, num_replicas)
             return num_replicas
@@ -404,7 +426,7 @@ class StoreClient:
         versions = [t["version"] for t in targets]
         try:
             self._read(key, source, memoryview(data))
-            requests = _write_requests(memoryview(data), source["crc"], targets)
+            requests = write_requests(memoryview(data), source["crc"], targets)
             self._transfer(requests)
         except (StoreError, TransferError) as exc:
             self.master.replicas_done(key, versions, False)
@@ -437,49 +459,3 @@ class StoreClient:
             raise InvalidRequest(f"key {key!r} was not stored with put_tensor") from None
         flat = torch.frombuffer(bytearray(data[4 + meta_len:]), dtype=torch.uint8)
         return flat.view(dtype).reshape(shape)
-
-
-def _write_requests(view: memoryview, crc: int,
-                    descs: list[dict[str, Any]]) -> list[TransferRequest]:
-    """Header + payload into every replica; small objects as one request (copying is cheaper
-    than a second slice)."""
-    requests = []
-    for desc in descs:
-        segment = SegmentDesc.from_dict(desc["segment"])
-        header = pack_header(crc, desc["version"], len(view))
-        if len(view) <= _JOIN_BYTES:
-            requests.append(TransferRequest(TransferOp.WRITE, header + view, segment,
-                                            desc["offset"]))
-            continue
-        requests.append(TransferRequest(TransferOp.WRITE, header, segment, desc["offset"]))
-        requests.append(TransferRequest(TransferOp.WRITE, view, segment,
-                                        desc["offset"] + HEADER_BYTES))
-    return requests
-
-
-def _check_room(key: str, meta: dict[str, Any], dest: memoryview) -> None:
-    if len(dest) < meta["size_bytes"]:
-        raise InvalidRequest(f"buffer: {len(dest)} bytes cannot hold {key!r} of "
-                             f"{meta['size_bytes']} bytes")
-
-
-def _read_requests(replica: dict[str, Any], meta: dict[str, Any], header: bytearray | memoryview,
-                   dest: memoryview) -> list[TransferRequest]:
-    segment = SegmentDesc.from_dict(replica["segment"])
-    requests = [TransferRequest(TransferOp.READ, header, segment, replica["offset"])]
-    size = int(meta["size_bytes"])
-    if size:
-        requests.append(TransferRequest(TransferOp.READ, dest, segment,
-                                        replica["offset"] + HEADER_BYTES, size))
-    return requests
-
-
-def _valid(replica: dict[str, Any], meta: dict[str, Any], header: bytearray | memoryview,
-           dest: memoryview) -> bool:
-    try:
-        verify(header, dest[:meta["size_bytes"]], replica["version"], meta["crc"])
-        return True
-    except CorruptObject as exc:
-        log.warning("replica of version %d on %s rejected: %s", replica["version"],
-                    replica["node_id"], exc)
-        return False

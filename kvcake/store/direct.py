@@ -36,8 +36,6 @@ from kvcake.transfer import (
 from kvcake.transfer import checksum as checksums
 from kvcake.transfer.shm import ShmTransport
 from kvcake.transfer.tcp import TcpTransport
-import os as _os
-_NOCK = _os.environ.get("NOCK") == "1"
 
 
 class DirectPath:
@@ -93,7 +91,7 @@ class DirectPath:
                 return
             on = self.config.checksum_shm if key.kind is TransportKind.SHM \
                 else self.config.checksum_tcp
-            kind = self._kind if on and not _NOCK else None
+            kind = self._kind if on else None
             transport.write(segment, request.remote_offset, view, checksum=kind,
                             digest=kind.compute(view) if kind is not None else None)
         except TransportError:

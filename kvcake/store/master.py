@@ -122,7 +122,7 @@ class MasterService:
         return dead
 
     # ---- objects -------------------------------------------------------------------------------
-    def put_start(self, key: str, size_bytes: int, crc: int, num_replicas: int | None = None,
+    def put_start(self, key: str, size_bytes: int, crc: int | None, num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             replicas = self.index.put_start(key, size_bytes, crc,
@@ -131,9 +131,10 @@ class MasterService:
             self._run_actions()
             return [replica_desc(self.index, r) for r in replicas]
 
-    def put_commit(self, key: str) -> None:
+    def put_commit(self, key: str, crc: int | None = None) -> None:
+        """Make the object readable; `crc` (of the payload) if put_start did not have it."""
         with self._lock:
-            self.index.put_commit(key, self.clock.now_s())
+            self.index.put_commit(key, self.clock.now_s(), crc)
             self._run_actions()
 
     def put_revoke(self, key: str) -> None:
@@ -213,7 +214,8 @@ class MasterService:
                                                    local_node)) for it in items]
 
     def put_commit_batch(self, keys: list[Any]) -> list[Any]:
-        return [_item(lambda k=k: self.put_commit(_key(k))) for k in keys]
+        """Each entry is a key, or [key, crc] when put_start had no crc."""
+        return [_item(lambda k=k: self.put_commit(*_key_crc(k))) for k in keys]
 
     def get_batch(self, keys: list[Any]) -> list[Any]:
         return [_item(lambda k=k: self.get(_key(k))) for k in keys]
@@ -261,11 +263,18 @@ def _key(value: Any) -> str:
     return value
 
 
-def _key_size_crc(item: Any) -> tuple[str, int, int]:
-    if not (isinstance(item, list | tuple) and len(item) == 3 and isinstance(item[0], str)
+def _key_size_crc(item: Any) -> tuple[str, int, int | None]:
+    if not (isinstance(item, list | tuple) and len(item) in (2, 3) and isinstance(item[0], str)
             and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])):
-        raise InvalidRequest("items: each must be [key, size_bytes, crc]")
-    return item[0], item[1], item[2]
+        raise InvalidRequest("items: each must be [key, size_bytes] or [key, size_bytes, crc]")
+    return item[0], item[1], item[2] if len(item) == 3 else None
+
+
+def _key_crc(item: Any) -> tuple[str, int | None]:
+    if isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[1], int) \
+            and not isinstance(item[1], bool):
+        return _key(item[0]), item[1]
+    return _key(item), None
 
 
 def _item(call: Any) -> dict[str, Any]:

@@ -14,12 +14,14 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgpack
 
 from kvcake.store.errors import WIRE_ERRORS, InvalidRequest, MasterUnavailable, StoreError
 
+T = TypeVar("T")
 MAX_FRAME_BYTES = 16 << 20
 _LEN = struct.Struct(">I")
 
@@ -31,9 +33,9 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
                       "control_address": (_STR, False)},
     "heartbeat": {"node_id": (_STR, True), "stats": (_DICT, False)},
     "unregister_node": {"node_id": (_STR, True)},
-    "put_start": {"key": (_STR, True), "size_bytes": (_INT, True), "crc": (_INT, True),
+    "put_start": {"key": (_STR, True), "size_bytes": (_INT, True), "crc": (_INT, False),
                   "num_replicas": (_INT, False), "local_node": (_STR, False)},
-    "put_commit": {"key": (_STR, True)},
+    "put_commit": {"key": (_STR, True), "crc": (_INT, False)},
     "put_revoke": {"key": (_STR, True)},
     "put_start_batch": {"items": (_LIST, True), "num_replicas": (_INT, False),
                         "local_node": (_STR, False)},
@@ -198,6 +200,27 @@ class RpcConnection:
             except OSError as exc:
                 raise MasterUnavailable(f"{self.address}: {exc}") from None
 
+    def call_overlapped(self, op: str, args: dict[str, Any], work: Callable[[], T]
+                        ) -> tuple[Any, T]:
+        """`call(op, **args)`, running `work()` on this thread while the other side handles
+        the request; returns (result, work's result). The reply is read even if `work` raises
+        (then its exception propagates), so the connection stays in step."""
+        with self._lock:
+            self._next_id += 1
+            try:
+                self._sock.sendall(encode({"id": self._next_id, "op": op, "args": args}))
+            except OSError as exc:
+                raise MasterUnavailable(f"{self.address}: {exc}") from None
+            try:
+                value = work()
+            finally:
+                try:
+                    reply = self._reader.read()
+                except OSError as exc:
+                    raise MasterUnavailable(f"{self.address}: {exc}") from None
+            req_id = self._next_id
+        return self._result(reply, req_id), value
+
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
             self._next_id += 1
@@ -206,7 +229,11 @@ class RpcConnection:
                 reply = self._reader.read()
             except OSError as exc:
                 raise MasterUnavailable(f"{self.address}: {exc}") from None
-        if not isinstance(reply, dict) or reply.get("id") != self._next_id:
+            req_id = self._next_id
+        return self._result(reply, req_id)
+
+    def _result(self, reply: object, req_id: int) -> Any:
+        if not isinstance(reply, dict) or reply.get("id") != req_id:
             raise MasterUnavailable(f"{self.address}: connection closed or out of sync")
         if reply.get("ok"):
             return reply.get("result")

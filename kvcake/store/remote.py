@@ -3,9 +3,12 @@ so the client and the node work the same against an in-process master or a remot
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kvcake.store.protocol import RpcConnection
+
+T = TypeVar("T")
 
 
 class RemoteMaster:
@@ -28,13 +31,13 @@ class RemoteMaster:
     def unregister_node(self, node_id: str) -> list[str]:
         return list(self._conn.call("unregister_node", node_id=node_id))
 
-    def put_start(self, key: str, size_bytes: int, crc: int, num_replicas: int | None = None,
+    def put_start(self, key: str, size_bytes: int, crc: int | None, num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]:
         return list(self._conn.call("put_start", key=key, size_bytes=size_bytes, crc=crc,
                                     num_replicas=num_replicas, local_node=local_node))
 
-    def put_commit(self, key: str) -> None:
-        self._conn.call("put_commit", key=key)
+    def put_commit(self, key: str, crc: int | None = None) -> None:
+        self._conn.call("put_commit", key=key, crc=crc)
 
     def put_revoke(self, key: str) -> None:
         self._conn.call("put_revoke", key=key)
@@ -70,6 +73,15 @@ class RemoteMaster:
                         local_node: str | None = None) -> list[Any]:
         return list(self._conn.call("put_start_batch", items=items, num_replicas=num_replicas,
                                     local_node=local_node))
+
+    def put_start_batch_overlapped(self, items: list[Any], num_replicas: int | None,
+                                   local_node: str | None, work: Callable[[], T]
+                                   ) -> tuple[list[Any], T]:
+        """`put_start_batch`, running `work()` here while the master allocates."""
+        result, value = self._conn.call_overlapped(
+            "put_start_batch", {"items": items, "num_replicas": num_replicas,
+                                "local_node": local_node}, work)
+        return list(result), value
 
     def put_commit_batch(self, keys: list[Any]) -> list[Any]:
         return list(self._conn.call("put_commit_batch", keys=keys))

@@ -28,6 +28,28 @@ class ChecksumKind(enum.IntEnum):
         return digest
 
 
+class Digest:
+    """A digest computed piece by piece: equal to `kind.compute` of the pieces joined."""
+
+    def __init__(self, kind: ChecksumKind) -> None:
+        self.kind = kind
+        self._crc = 0
+        self._xxh: Any = None
+        if kind is ChecksumKind.XXH3_64:
+            if _xxhash is None:
+                raise ValueError("checksum xxh3 needs the xxhash package (pip install xxhash)")
+            self._xxh = _xxhash.xxh3_64()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def value(self) -> int:
+        return int(self._xxh.intdigest()) if self._xxh is not None else self._crc
+
+
 def available() -> tuple[ChecksumKind, ...]:
     return (ChecksumKind.CRC32,) if _xxhash is None else (ChecksumKind.CRC32, ChecksumKind.XXH3_64)
 

@@ -25,6 +25,10 @@ class TransferConfig:
       loopback, N TCP connections), each driven by its own thread (socket calls release the GIL).
     rail_bind_hosts: optional local address per rail, to pin a rail's connections to one NIC.
     max_endpoints_per_rail: bound of each rail's endpoint pool (SIEVE eviction beyond it).
+    pipeline_depth: slices one rail keeps in flight on one TCP connection (requests sent before
+      the earlier replies are in; replies matched by id). 1 = one round trip per slice: the link
+      then idles while the client checks a slice and sends the next request. Reads and writes
+      were fastest here from depth 2 up (see docs/benchmarks.md); deeper only buffers more.
     inline_max_slices: the synchronous calls (`transfer`, `read`, `write`) move a batch of at most
       this many slices on the caller's thread, with its own endpoints, instead of handing it to
       the rail threads: two thread hand-offs cost more than a small transfer on a busy host
@@ -47,6 +51,7 @@ class TransferConfig:
     num_rails: int = 4
     rail_bind_hosts: tuple[str, ...] = ()
     max_endpoints_per_rail: int = 64
+    pipeline_depth: int = 4
     inline_max_slices: int = 2
     max_retries: int = 3
     checksum: str = "auto"
@@ -61,8 +66,8 @@ class TransferConfig:
     socket_buffer_bytes: int = 8 * MIB
 
     def __post_init__(self) -> None:
-        positive = ("slice_bytes", "num_rails", "max_endpoints_per_rail", "port_search",
-                    "socket_buffer_bytes")
+        positive = ("slice_bytes", "num_rails", "max_endpoints_per_rail", "pipeline_depth",
+                    "port_search", "socket_buffer_bytes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

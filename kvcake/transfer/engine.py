@@ -58,11 +58,13 @@ class TransferEngine:
         self._default_pref = RailPreference(tuple(range(self.config.num_rails)))
         self._cursor = 0
         self._lock = threading.Lock()
+        depth = self.config.pipeline_depth
         self._rails = [RailWorker(r, self._connect, self.config.max_endpoints_per_rail,
-                                  self._on_slice_failure) for r in range(self.config.num_rails)]
+                                  self._on_slice_failure, depth)
+                       for r in range(self.config.num_rails)]
         # Endpoints of the caller-thread fast path: one caller at a time, under the lock.
         self._inline = RailWorker(0, self._connect, self.config.max_endpoints_per_rail,
-                                  self._on_slice_failure)
+                                  self._on_slice_failure, depth)
         self._inline_lock = threading.Lock()
         self._server: SegmentServer | None = None
         self._started = False
@@ -252,8 +254,7 @@ class TransferEngine:
         batch_id, tasks = self._prepare(requests)
         if len(tasks) <= self.config.inline_max_slices and self._inline_lock.acquire(False):
             try:
-                for task in tasks:
-                    self._inline.run_one(task)
+                self._inline.run_all(tasks)
             finally:
                 self._inline_lock.release()
         else:

@@ -11,8 +11,12 @@ and is followed by `length` payload bytes where the op has a payload:
     LOOKUP  -> segment name (utf-8)   reply LOOKUP|REPLY + msgpack descriptor
     PING    -> (no payload)           reply PING|REPLY
 An error reply has status != OK and a utf-8 message as its payload. `flags` names at most one
-checksum algorithm (a ChecksumKind bit): a READ asks for it, and the data's sender puts its digest
-in `checksum`; the receiver checks it before trusting the bytes.
+checksum algorithm (a ChecksumKind bit): a READ asks for it, a WRITE announces it. The data's
+sender then follows the data with an 8-byte digest TRAILER (READ|REPLY and WRITE carry `length`
+data bytes + 8); the receiver checks it before trusting the bytes. A trailer rather than the
+header's `checksum` field (0 in version 2) lets the sender digest each chunk just before sending
+it, and the receiver just after receiving it, while the chunk is in cache: the data crosses each
+side's memory once, not twice.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from dataclasses import dataclass
 from kvcake.transfer.checksum import ChecksumKind
 
 MAGIC = 0x4B54  # "KT"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("!HBBBBHIQQQQ")
 HEADER_BYTES = HEADER.size
+TRAILER = struct.Struct("!Q")
+TRAILER_BYTES = TRAILER.size
+CHUNK_BYTES = 256 << 10  # digested and sent (or received and digested) at a time: fits in L2
 REPLY = 0x80
 MAX_NAME_BYTES = 1024
 MAX_ERROR_BYTES = 4096

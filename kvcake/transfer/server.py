@@ -1,6 +1,7 @@
 """Segment server: serves reads and writes of this engine's registered segments over TCP.
 
-One thread accepts; one thread per connection runs request -> reply in order. Every header field
+One thread accepts; one thread per connection runs request -> reply in order (a client may
+send several requests before reading the replies: they wait in the socket buffer). Every header field
 is checked against the segment table before any byte moves: a bad request gets an error reply and
 the connection keeps serving; a frame that cannot be parsed gets an error reply and that one
 connection is closed (its byte stream can no longer be trusted). Other connections never notice.
@@ -18,7 +19,14 @@ import msgpack
 from kvcake.transfer import checksum, frame
 from kvcake.transfer.frame import FrameError, Header, Op, Status
 from kvcake.transfer.segment import Segment
-from kvcake.transfer.tcp import recv_exactly, send_message, tune_socket
+from kvcake.transfer.checksum import ChecksumKind
+from kvcake.transfer.tcp import (
+    recv_digested,
+    recv_exactly,
+    send_digested,
+    send_message,
+    tune_socket,
+)
 
 log = logging.getLogger(__name__)
 _DRAIN_CHUNK = 1 << 20
@@ -126,7 +134,7 @@ class SegmentServer:
                 if request.length > _MAX_DRAIN_BYTES:
                     _reply(conn, *frame.error_reply(request, e.status, str(e)))
                     return False
-                _drain(conn, request.length)
+                _drain(conn, request.length + (frame.TRAILER_BYTES if request.flags else 0))
             _reply(conn, *frame.error_reply(request, e.status, str(e)))
             return e.status is not Status.BAD_FRAME
 
@@ -147,18 +155,32 @@ class SegmentServer:
                 raise FrameError(f"checksum {kind.name} is not available on this server",
                                  Status.BAD_CHECKSUM_KIND)
             if request.op == Op.READ:
-                digest = kind.compute(view) if kind is not None else 0
-                _reply(conn, Header(op=Op.READ | frame.REPLY, request_id=request.request_id,
-                                    length=len(view), checksum=digest, flags=request.flags), view)
+                reply = Header(op=Op.READ | frame.REPLY, request_id=request.request_id,
+                               length=len(view), flags=request.flags)
+                if kind is None:
+                    _reply(conn, reply, view)
+                else:
+                    send_digested(conn, reply.pack(), view, kind)
             else:
-                recv_exactly(conn, view)
-                if kind is not None and kind.compute(view) != request.checksum:
-                    raise FrameError("checksum mismatch on written data", Status.CHECKSUM_MISMATCH)
+                self._receive_write(conn, view, kind)
                 _reply(conn, Header(op=Op.WRITE | frame.REPLY, request_id=request.request_id), b"")
         else:  # a reply op sent as a request
             _reply(conn, *frame.error_reply(request, Status.BAD_FRAME, f"op {request.op} is a reply"))
             return False
         return True
+
+    @staticmethod
+    def _receive_write(conn: socket.socket, view: memoryview, kind: ChecksumKind | None) -> None:
+        """Store a write's bytes; with a checksum, check them against the trailer.
+
+        A mismatch leaves the range undefined (the bytes already landed) and is reported so the
+        writer retries; the stream is still in step, so the connection keeps serving."""
+        if kind is None:
+            recv_exactly(conn, view)
+            return
+        local, remote = recv_digested(conn, view, kind)
+        if local != remote:
+            raise FrameError("checksum mismatch on written data", Status.CHECKSUM_MISMATCH)
 
     def _lookup(self, conn: socket.socket, request: Header) -> None:
         if not 0 < request.length <= frame.MAX_NAME_BYTES:

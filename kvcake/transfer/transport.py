@@ -3,7 +3,7 @@
 An endpoint is one connection (TCP) or one mapping (shared memory) to one peer, owned by one
 rail's thread: a Transport is never used by two threads at once, so it needs no locks. A transport
 that can keep several slices in flight on one connection also implements `PipelinedTransport`;
-the rails use that when it is there, and the plain one-slice calls otherwise.
+the rails use that when its `pipelined` is true, and the plain one-slice calls otherwise.
 """
 
 from __future__ import annotations
@@ -62,13 +62,18 @@ class Completion:
 
     digest: for a read with a checksum, the digest the source computed (the caller checks the
       destination against it); else None.
-    error: set when the peer rejected this one operation (the connection is still good and the
-      other outstanding operations go on); None on success.
+    error: set when the peer rejected this one operation, or a read's bytes did not match their
+      digest (the connection is still good and the other outstanding operations go on); None on
+      success.
+    verified: True when the transport itself already checked a read's bytes against `digest` as
+      they arrived; the caller then need not digest them again. A wrapper that alters the bytes
+      after that check must report False.
     """
 
     token: int
     digest: int | None = None
     error: TransportError | None = None
+    verified: bool = False
 
 
 @runtime_checkable
@@ -85,6 +90,11 @@ class PipelinedTransport(Transport, Protocol):
     """
 
     @property
+    def pipelined(self) -> bool:
+        """True when the pipelined calls below may be used (a wrapper says what it wraps)."""
+        ...
+
+    @property
     def num_outstanding(self) -> int:
         """Operations started and not yet returned by `next_completion`."""
         ...
@@ -95,6 +105,8 @@ class PipelinedTransport(Transport, Protocol):
 
     def start_write(self, segment: SegmentDesc, offset: int, src: memoryview, *,
                     checksum: ChecksumKind | None, digest: int | None) -> int:
+        """As `write`, except that with `checksum` and no `digest` the transport digests `src`
+        itself as it sends it (the bytes are the caller's, read once)."""
         ...
 
     def next_completion(self) -> Completion:

@@ -26,7 +26,7 @@ import hashlib
 import heapq
 import random
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvcake.conductor import (
@@ -149,8 +149,8 @@ class _Driver:
         self.events: list[tuple[float, int, str, str, Placement]] = []
         self.seq = 0
         self.dead: set[str] = set()  # requests aborted: the caller reports nothing more
-        self._keys: dict[str, tuple[int, ...]] = {}
-        self.lru: dict[str, OrderedDict[int, None]] = {}
+        self._keys: dict[str, tuple[Hashable, ...]] = {}
+        self.lru: dict[str, OrderedDict[Hashable, None]] = {}
         self.next_key = 10_000
         self.sessions = [self._fresh(self.rng.randint(2, s.max_blocks // 2)) for _ in range(30)]
         for session in self.sessions[:20]:
@@ -162,7 +162,7 @@ class _Driver:
         self.next_key += n
         return list(range(self.next_key - n, self.next_key))
 
-    def _store(self, holder: str, keys: list[int]) -> None:
+    def _store(self, holder: str, keys: Sequence[Hashable]) -> None:
         capacity = 2000 if holder == STORE else 40 + 10 * self.s.max_blocks
         lru = self.lru.setdefault(holder, OrderedDict())
         for key in keys:

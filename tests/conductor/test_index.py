@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -111,3 +113,30 @@ def test_match_agrees_with_a_naive_model(ops: list[tuple[str, str, list[int]]],
         assert m.best_holder is None
     for holder in model:
         assert index.num_keys(holder) == len(model[holder])
+
+
+def test_match_with_more_holders_than_a_machine_word_keeps_order_and_ties() -> None:
+    """70 holders (multi-word bitmasks): every holder's prefix, in (blocks, registration) order."""
+    rng = random.Random(5)
+    index = GlobalIndex()
+    holders = [f"h{i}" for i in range(70)]
+    for holder in holders:
+        index.add_holder(holder)
+    query = list(range(40))
+    model: dict[str, set[int]] = {}
+    for holder in holders:
+        held = set(query[: rng.choice([0, 3, 3, 17, 17, 40])]) | set(rng.sample(query, 5))
+        index.add(holder, sorted(held))
+        model[holder] = held
+    expected = []
+    for slot, holder in enumerate(holders):
+        n = 0
+        while n < len(query) and query[n] in model[holder]:
+            n += 1
+        if n:
+            expected.append((n, slot, holder))
+    m = index.match(query)
+    assert list(m.blocks_by_holder.items()) == [(h, n) for n, _, h in sorted(expected)]
+    best = max(expected)[0]
+    assert (m.best_blocks, m.best_holder) == (best, min((s, h) for n, s, h in expected
+                                                         if n == best)[1])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from kvcake.conductor.load import DecodeLoad, PrefillQueue
@@ -45,3 +48,42 @@ def test_decode_forecast_drops_finished_and_adds_joined() -> None:
     d.remove("a")
     d.remove("b")
     assert d.batch_at(100.0) == (0, 0) and "a" not in d and d.num_booked == 0
+
+
+def test_decode_forecast_is_exact_after_every_change_and_at_every_boundary() -> None:
+    """The forecast is reused between changes; it must answer as a fresh count would: at the
+    finish and join times themselves, just before and after them, and after every report."""
+    rng = random.Random(3)
+    d = DecodeLoad()
+    joined: dict[str, tuple[float, int]] = {}  # request -> (finish_s, context)
+    pending: dict[str, tuple[float, int]] = {}  # request -> (join_s, context)
+    output_lens: dict[str, int] = {}
+
+    def expected(t: float) -> tuple[int, int]:
+        live = [c for f, c in joined.values() if f > t] + [c for j, c in pending.values() if j <= t]
+        return len(live), sum(live)
+
+    for step in range(300):
+        op = rng.random()
+        if op < 0.4:
+            rid, ctx = f"r{step}", rng.randrange(1, 50)
+            join_s = rng.choice([1.0, 2.0, 2.5, rng.uniform(0.0, 10.0)])
+            output_lens[rid] = rng.randrange(1, 5)
+            d.expect(rid, join_s, ctx, output_lens[rid])
+            pending[rid] = (join_s, ctx)
+        elif op < 0.7 and pending:
+            rid = rng.choice(sorted(pending))
+            now_s = rng.uniform(0.0, 10.0)
+            d.join(rid, now_s, lambda batch, context: 0.5)  # finishes output_len steps later
+            joined[rid] = (now_s + output_lens[rid] * 0.5, pending.pop(rid)[1])
+        elif joined or pending:
+            rid = rng.choice(sorted(joined) + sorted(pending))
+            d.remove(rid)
+            joined.pop(rid, None)
+            pending.pop(rid, None)
+        times = [t for t, _ in joined.values()] + [t for t, _ in pending.values()]
+        probes = [rng.uniform(-1.0, 12.0) for _ in range(3)]
+        for t in times[:4]:
+            probes += [t, math.nextafter(t, -math.inf), math.nextafter(t, math.inf)]
+        for t in probes + probes[::-1]:  # twice: the second pass is served from the cache
+            assert d.batch_at(t) == expected(t), (step, t)

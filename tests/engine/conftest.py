@@ -13,7 +13,7 @@ from kvcake.engine.config import PRESETS, EngineConfig, ModelConfig, RopeScaling
 from kvcake.engine.engine import Engine
 from kvcake.engine.loader import dummy_weights, save_hf_dir
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # a shared 2-core machine: no OMP barrier waits
 
 SMALL_POOL = EngineConfig(kv_cache_bytes=4 * 2**20, device="cpu")
 

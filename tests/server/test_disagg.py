@@ -173,3 +173,46 @@ def test_closing_a_stream_early_frees_the_staging_slots(backend: DisaggBackend,
 def test_placement_for_an_unknown_worker_is_refused(backend: DisaggBackend) -> None:
     with pytest.raises(ValueError, match="no live worker 'nope'"):
         backend.set_draining("nope", True)
+
+
+def test_colocated_workers_behind_the_launcher(tmp_path_factory: pytest.TempPathFactory,
+                                               llm: LLM) -> None:
+    config = ClusterConfig.simple(2, 0, mode="colocated", engine=ENGINE, worker=dict(WORKER),
+                                  conductor=ConductorConfig.from_dict({"admission": "none"}),
+                                  profile_dir=profile_dir(tmp_path_factory))
+    prompts = [ids(60 + i, 30 + 40 * i) for i in range(4)]
+    with Cluster(config, in_process=True) as running:
+        assert running.backend is not None and running.master is None  # no store
+        backend = running.backend
+
+        async def all_at_once() -> list[list[int]]:
+            async def one(i: int, prompt: list[int]) -> list[int]:
+                stream = await backend.generate(GenerateRequest(
+                    RequestId(f"co-{i}"), tuple(prompt), 7, temperature=0.0, ignore_eos=True))
+                return [t async for e in stream for t in e.token_ids]
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+        assert asyncio.run(all_at_once()) == offline(llm, prompts, 7)
+        assert backend.totals.transfer_bytes == 0
+
+
+def test_a_worker_started_elsewhere_joins_by_address(tmp_path_factory: pytest.TempPathFactory,
+                                                     llm: LLM) -> None:
+    from kvcake.server.cluster_config import WorkerSpec
+    from kvcake.server.worker import Role, Worker, WorkerConfig
+
+    # As if started on another host with `kvcake worker --role decode --port P` (no store node).
+    with Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="remote-d",
+                             staging_bytes=4 * 2**20)) as remote:
+        port = int(remote.address.rsplit(":", 1)[1])
+        config = ClusterConfig(
+            engine=ENGINE, profile_dir=profile_dir(tmp_path_factory),
+            conductor=ConductorConfig.from_dict({"admission": "none"}),
+            workers=(WorkerSpec(Role.PREFILL, store_dram_bytes=16 * 2**20,
+                                staging_bytes=4 * 2**20),
+                     WorkerSpec(Role.DECODE, port=port, launch=False)))
+        with Cluster(config, in_process=True) as running:
+            assert running.backend is not None
+            assert running.backend.live_worker_ids() == ["prefill-0", "remote-d"]
+            prompt = ids(70, 45)
+            assert tokens(run(running.backend, prompt, 6)) == offline(llm, [prompt], 6)[0]

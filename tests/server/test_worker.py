@@ -149,3 +149,15 @@ def test_worker_config_is_validated() -> None:
         WorkerConfig(staging_bytes=0)
     with pytest.raises(ValueError, match="staging_bytes: .* holds no KV block"):
         Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, staging_bytes=100)).start()
+
+
+def test_an_unreachable_master_fails_start_cleanly() -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    worker = Worker(WorkerConfig(role=Role.PREFILL, engine=ENGINE, master=dead))
+    with pytest.raises(Exception, match="cannot connect"):
+        worker.start()
+    assert worker.transfer is not None and not worker._threads

@@ -58,6 +58,27 @@ def test_demote_and_promote_round_trip_embedded(tmp_path: Path) -> None:
             (disk_dir / name).stat().st_size for name in files)
 
 
+def test_a_full_disk_makes_room_by_dropping_its_least_recent_objects(tmp_path: Path) -> None:
+    values = {k: os.urandom(SLOT) for k in "abcde"}
+    disk_dir = tmp_path / "node-0"
+    config = EmbeddedConfig(250_000, str(tmp_path), 2 * (SLOT + HEADER_BYTES),  # 2 on disk
+                            master=MasterConfig(heartbeat_timeout_s=1e9))
+    with EmbeddedStore(config) as store:
+        client = store.client()
+        for key in "abcd":
+            client.put(key, values[key])  # c demotes a, d demotes b: the disk is full
+        client.put("e", values["e"])  # evicts c; the disk drops a (its LRU) to take it
+        assert not client.exists("a") and client.stats()["num_disk_evicted"] == 1
+        files, expected = _disk_files(store, disk_dir)
+        assert files == expected and len(files) == 2
+        assert client.get("c") == values["c"]  # promoted; d is demoted and b dropped for it
+        assert not client.exists("b") and client.stats()["num_disk_evicted"] == 2
+        assert [client.get(k) == values[k] for k in "cde"] == [True, True, True]
+        files, expected = _disk_files(store, disk_dir)
+        assert files == expected and client.stats()["disk_used_bytes"] == sum(
+            (disk_dir / name).stat().st_size for name in files)
+
+
 def test_demote_and_promote_through_a_remote_node(master: MasterServer, clock: ManualClock,
                                                   tmp_path: Path) -> None:
     node = StoreNode(NodeConfig(250_000, str(tmp_path), 1 << 20, heartbeat_interval_s=3600),

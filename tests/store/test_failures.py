@@ -31,6 +31,7 @@ class KillOnFirstRead:
     while the client's get is in flight)."""
 
     fired = threading.Event()
+    pipelined = False  # the engine must call read() (not the inner transport's pipelined calls)
 
     def __init__(self, inner: TransportT, kill: Callable[[], None]) -> None:
         self.inner = inner

@@ -10,7 +10,14 @@ import pytest
 
 from kvcake.store.errors import InvalidRequest, MasterUnavailable, NoNodes, ObjectNotFound
 from kvcake.store.master import MasterServer
-from kvcake.store.protocol import RpcConnection, encode, parse_address, read_frame, validate
+from kvcake.store.protocol import (
+    FrameReader,
+    RpcConnection,
+    encode,
+    parse_address,
+    read_frame,
+    validate,
+)
 from kvcake.store.remote import RemoteMaster
 
 
@@ -83,3 +90,30 @@ def test_master_stopping_mid_session_is_a_clear_error(master: MasterServer) -> N
 def test_validate_accepts_a_good_request() -> None:
     assert validate({"id": 3, "op": "get", "args": {"key": "k"}}) == (3, "get", {"key": "k"})
     assert encode({"a": 1})[:4] == struct.pack(">I", len(msgpack.packb({"a": 1})))
+
+
+def test_frames_sent_together_are_read_one_by_one(master: MasterServer) -> None:
+    host, port = parse_address(master.address)
+    with socket.create_connection((host, port), timeout=5) as sock:
+        # A one-way release (never answered) and two requests arrive in one segment.
+        sock.sendall(encode({"id": 1, "op": "release_leases", "args": {"leases": [["k", 9]]}})
+                     + encode({"id": 2, "op": "exists", "args": {"key": "k"}})
+                     + encode({"id": 3, "op": "release_leases", "args": {"leases": [7]}})
+                     + encode({"id": 4, "op": "stats", "args": {}}))
+        reader = FrameReader(sock)
+        first, second = reader.read(), reader.read()
+    assert isinstance(first, dict) and (first["id"], first["result"]) == (2, False)
+    assert isinstance(second, dict) and second["id"] == 4 and second["ok"] is True
+
+
+def test_a_put_without_a_crc_needs_one_at_commit(master: MasterServer) -> None:
+    remote = RemoteMaster(master.address)
+    with pytest.raises(ValueError, match="use call"):
+        RpcConnection(master.address).send("exists", key="k")
+    master.service.register_node("n", 1 << 20, 0, {"segment": {}})
+    assert remote.put_start("a", 10, None)[0]["node_id"] == "n"
+    with pytest.raises(InvalidRequest, match="crc"):
+        remote.put_commit("a")
+    remote.put_commit("a", 1234)
+    assert remote.get("a")["crc"] == 1234
+    remote.close()

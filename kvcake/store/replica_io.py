@@ -1,0 +1,68 @@
+"""The transfer requests that write and read one object's replicas, and the check of a read.
+
+A replica is a header and the payload behind it (see layout.py); these helpers turn a replica
+descriptor from the master into requests for the transfer engine, and say whether what a read
+brought back is exactly the object the master described.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvcake.store.errors import InvalidRequest
+from kvcake.store.layout import HEADER_BYTES, CorruptObject, pack_header, verify
+from kvcake.transfer import SegmentDesc, TransferOp, TransferRequest
+
+log = logging.getLogger(__name__)
+
+JOIN_BYTES = 256 << 10  # objects up to this size are written with their header in one request
+
+
+def write_requests(view: memoryview, crc: int,
+                   descs: list[dict[str, Any]]) -> list[TransferRequest]:
+    """Header + payload into every replica; small objects as one request (copying is cheaper
+    than a second slice)."""
+    requests = []
+    for desc in descs:
+        segment = SegmentDesc.from_dict(desc["segment"])
+        header = pack_header(crc, desc["version"], len(view))
+        if len(view) <= JOIN_BYTES:
+            requests.append(TransferRequest(TransferOp.WRITE, header + view, segment,
+                                            desc["offset"]))
+            continue
+        requests.append(TransferRequest(TransferOp.WRITE, header, segment, desc["offset"]))
+        requests.append(TransferRequest(TransferOp.WRITE, view, segment,
+                                        desc["offset"] + HEADER_BYTES))
+    return requests
+
+
+def check_room(key: str, meta: dict[str, Any], dest: memoryview) -> None:
+    """InvalidRequest unless `dest` can hold the object."""
+    if len(dest) < meta["size_bytes"]:
+        raise InvalidRequest(f"buffer: {len(dest)} bytes cannot hold {key!r} of "
+                             f"{meta['size_bytes']} bytes")
+
+
+def read_requests(replica: dict[str, Any], meta: dict[str, Any], header: bytearray | memoryview,
+                  dest: memoryview) -> list[TransferRequest]:
+    """The header into `header`, the payload into `dest` (two requests: `dest` is the caller's)."""
+    segment = SegmentDesc.from_dict(replica["segment"])
+    requests = [TransferRequest(TransferOp.READ, header, segment, replica["offset"])]
+    size = int(meta["size_bytes"])
+    if size:
+        requests.append(TransferRequest(TransferOp.READ, dest, segment,
+                                        replica["offset"] + HEADER_BYTES, size))
+    return requests
+
+
+def valid(replica: dict[str, Any], meta: dict[str, Any], header: bytearray | memoryview,
+          dest: memoryview) -> bool:
+    """True if `header` + `dest` hold exactly object `meta` as this replica's version."""
+    try:
+        verify(header, dest[:meta["size_bytes"]], replica["version"], meta["crc"])
+        return True
+    except CorruptObject as exc:
+        log.warning("replica of version %d on %s rejected: %s", replica["version"],
+                    replica["node_id"], exc)
+        return False

@@ -1,0 +1,136 @@
+"""The direct path: small gets and puts move on the caller's thread, and a fault there falls back
+to the engine without ever serving wrong bytes."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvcake.store import StoreClient
+from kvcake.store.config import NodeConfig
+from kvcake.store.direct import DirectPath
+from kvcake.store.errors import StoreError
+from kvcake.store.master import MasterServer
+from kvcake.store.node import StoreNode
+from kvcake.transfer import (
+    EndpointKey,
+    FaultSpec,
+    FaultyTransport,
+    SegmentDesc,
+    TransferConfig,
+    TransferOp,
+    TransferRequest,
+    TransportError,
+)
+from kvcake.transfer import Transport as TransportT
+
+TCP = TransferConfig(serve=False, use_shared_memory=False, num_rails=2, slice_bytes=1 << 20)
+
+
+class Recording:
+    """Wraps a transport; records which thread ran each call, and can fail the first N writes."""
+
+    def __init__(self, inner: TransportT, threads: list[str], failing_writes: list[int]) -> None:
+        self.inner = inner
+        self._threads = threads
+        self._failing = failing_writes
+
+    def read(self, *args: Any, **kwargs: Any) -> Any:
+        self._threads.append(threading.current_thread().name)
+        return self.inner.read(*args, **kwargs)
+
+    def write(self, *args: Any, **kwargs: Any) -> Any:
+        self._threads.append(threading.current_thread().name)
+        if self._failing and self._failing[0] > 0:
+            self._failing[0] -= 1
+            raise TransportError("injected: connection reset")
+        return self.inner.write(*args, **kwargs)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.fixture
+def node(master: MasterServer) -> Iterator[StoreNode]:
+    node = StoreNode(NodeConfig(4 << 20, heartbeat_interval_s=3600), master.address,
+                     node_id="n0").start()
+    yield node
+    node.close()
+
+
+def test_small_objects_move_on_the_callers_thread(master: MasterServer, node: StoreNode) -> None:
+    threads: list[str] = []
+
+    def wrap(inner: TransportT, key: EndpointKey, rail: int) -> TransportT:
+        return Recording(inner, threads, [])  # type: ignore[return-value]
+
+    value = os.urandom(300_000)
+    with StoreClient(master.address, transfer_config=TCP, wrap_transport=wrap) as client:
+        assert client.put("k", value)
+        assert client.get("k") == value
+        buffer = bytearray(300_000)
+        assert client.get_into("k", buffer) == 300_000 and buffer == value
+        assert client.get_batch_into(["k"], [bytearray(300_000)]) == [300_000]
+    me = threading.current_thread().name
+    # put: header + payload in one request; get: one; get_into and the batch: header, payload
+    assert threads == [me] * 6
+
+
+def test_a_failed_direct_write_is_retried_by_the_engine(master: MasterServer,
+                                                         node: StoreNode) -> None:
+    threads: list[str] = []
+    failing = [1]  # the first write, on the caller's thread, fails
+
+    def wrap(inner: TransportT, key: EndpointKey, rail: int) -> TransportT:
+        return Recording(inner, threads, failing)  # type: ignore[return-value]
+
+    value = os.urandom(200_000)
+    with StoreClient(master.address, transfer_config=TCP, wrap_transport=wrap) as client:
+        assert client.put("k", value)
+        assert client.get("k") == value
+    assert failing == [0] and len(threads) == 3  # failed write, the engine's write, the read
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_faults_on_the_direct_path_never_yield_wrong_bytes(master: MasterServer,
+                                                           node: StoreNode, seed: int) -> None:
+    faulty: list[FaultyTransport] = []
+
+    def wrap(inner: TransportT, key: EndpointKey, rail: int) -> TransportT:
+        faulty.append(FaultyTransport(inner, FaultSpec(drop_rate=0.15, corrupt_rate=0.25),
+                                      seed=seed * 10 + len(faulty)))
+        return faulty[-1]
+
+    values = {f"k{i}": os.urandom(3_000 + 1_009 * i) for i in range(30)}
+    served = failed = 0
+    with StoreClient(master.address, transfer_config=TCP, wrap_transport=wrap) as client:
+        for key, value in values.items():
+            try:
+                client.put(key, value)
+            except StoreError:
+                pass
+        for key, value in values.items():
+            try:
+                got = client.get(key)
+            except StoreError:
+                failed += 1
+                continue
+            assert got == value
+            served += 1
+    assert sum(f.num_corrupted for f in faulty) > 0 and sum(f.num_dropped for f in faulty) > 0
+    assert served > 0 and served + failed == len(values)
+
+
+def test_direct_path_refuses_large_batches_and_reports_faults_without_raising() -> None:
+    direct = DirectPath(TransferConfig(serve=False, slice_bytes=64 << 10))
+    segment = SegmentDesc("s", 1, 1 << 20, "127.0.0.1:1", "elsewhere")  # nobody listens there
+    small = [TransferRequest(TransferOp.WRITE, bytes(1000), segment, 0)]
+    large = [TransferRequest(TransferOp.WRITE, bytes(40 << 10), segment, 0)] * 2
+    assert direct.accepts(small) and not direct.accepts(large)
+    assert direct.transfer(small) is False  # cannot connect: the caller falls back to the engine
+    direct.close()
+    assert not direct.accepts(small)
