@@ -6,16 +6,17 @@
         store.get_into("ns:00ab..", buffer)     #    the master, bytes read straight from a node
 
 Every read is checked: the replica's header must carry the version the master handed out (so a
-range reused by another object is never served) and the payload's crc32 must match the object's.
-A replica that fails the check, or whose node is gone, is skipped for the next; after every
-replica failed the client asks the master again, which may say the object is gone (KeyError).
+range reused by another object is never served) and the payload's checksum (xxh3-64) must match
+the object's. A replica that fails the check, or whose node is gone, is skipped for the next;
+after every replica failed the client asks the master again, which may say the object is gone
+(KeyError).
 On any error the contents of a caller's destination buffer are undefined.
 
 Each descriptor the master hands out comes with a read lease (the object is neither evicted nor
 its range reused while it is held); the client releases it, in a one-way message, as soon as the
-read is over. A put sends put_start without the crc and computes the crc (and stages a lone
-object) while the master allocates; the crc goes with the commit, which is acknowledged before
-`put` returns.
+read is over. A put sends put_start without the checksum and computes it (and stages a lone
+object) while the master allocates; the checksum goes with the commit, which is acknowledged
+before `put` returns.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kvcake.store.errors import (
     StoreError,
     TransferFailed,
 )
-from kvcake.store.layout import HEADER_BYTES, checksum, pack_header
+from kvcake.store.layout import HEADER_BYTES, pack_header, payload_checksum
 from kvcake.store.remote import RemoteMaster
 from kvcake.store.replica_io import check_room, read_requests, valid, write_requests
 from kvcake.transfer import (
@@ -65,9 +66,9 @@ _READ_ROUNDS = 3  # how many times the client asks the master again after every 
 class Master(Protocol):
     """What the client needs of a master: `MasterService` in-process or `RemoteMaster`."""
 
-    def put_start(self, key: str, size_bytes: int, crc: int | None, num_replicas: int | None = None,
+    def put_start(self, key: str, size_bytes: int, checksum: int | None, num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]: ...
-    def put_commit(self, key: str, crc: int | None = None) -> None: ...
+    def put_commit(self, key: str, checksum: int | None = None) -> None: ...
     def put_revoke(self, key: str) -> None: ...
     def get(self, key: str) -> dict[str, Any]: ...
     def exists(self, key: str) -> bool: ...
@@ -181,14 +182,14 @@ class StoreClient:
         if len(keys) != len(values):
             raise InvalidRequest(f"put_batch: {len(keys)} keys but {len(values)} values")
         views = [buffer_view(v, field=f"value of {k!r}") for k, v in zip(keys, values, strict=True)]
-        starts, (crcs, stage) = self._put_start([[k, len(v)] for k, v in zip(keys, views,
+        starts, (checksums, stage) = self._put_start([[k, len(v)] for k, v in zip(keys, views,
                                                                              strict=True)], views)
         written: list[bool] = []
         allocated: list[tuple[str, memoryview, int, list[dict[str, Any]]]] = []
         failure: StoreError | None = None
-        for key, view, crc, item in zip(keys, views, crcs, starts, strict=True):
+        for key, view, checksum, item in zip(keys, views, checksums, starts, strict=True):
             try:
-                allocated.append((key, view, crc, _unwrap(item)))
+                allocated.append((key, view, checksum, _unwrap(item)))
                 written.append(True)
             except ObjectExists:
                 written.append(False)
@@ -213,7 +214,7 @@ class StoreClient:
 
     def _put_start(self, items: list[list[Any]], views: list[memoryview]
                    ) -> tuple[list[Any], tuple[list[int], memoryview | None]]:
-        """Allocate (put_start without crcs) while this thread computes the crcs, which go with
+        """Allocate (put_start without checksums) while this thread computes the checksums, which go with
         the commit, and stages a lone object behind room for its header (see _put_requests)."""
         def prepare() -> tuple[list[int], memoryview | None]:
             stage = None
@@ -221,8 +222,8 @@ class StoreClient:
                     and HEADER_BYTES + len(views[0]) <= self._transfer_config.slice_bytes:
                 stage = self._buffer("stage", HEADER_BYTES + len(views[0]))
                 stage[HEADER_BYTES:] = views[0]
-                return [checksum(stage[HEADER_BYTES:])], stage  # the copy is cache-hot
-            return [checksum(v) for v in views], stage
+                return [payload_checksum(stage[HEADER_BYTES:])], stage  # the copy is cache-hot
+            return [payload_checksum(v) for v in views], stage
 
         if isinstance(self.master, RemoteMaster):
             return self.master.put_start_batch_overlapped(items, self.num_replicas,
@@ -235,11 +236,11 @@ class StoreClient:
         if stage is not None and len(allocated) == 1 and len(allocated[0][3]) == 1:
             # On the caller's thread a second request is a second round trip; the payload was
             # copied behind room for its header while the master allocated.
-            _, view, crc, (desc,) = allocated[0]
-            stage[:HEADER_BYTES] = pack_header(crc, desc["version"], len(view))
+            _, view, checksum, (desc,) = allocated[0]
+            stage[:HEADER_BYTES] = pack_header(checksum, desc["version"], len(view))
             return [TransferRequest(TransferOp.WRITE, stage,
                                     SegmentDesc.from_dict(desc["segment"]), desc["offset"])]
-        return [r for _, view, crc, descs in allocated for r in write_requests(view, crc, descs)]
+        return [r for _, view, checksum, descs in allocated for r in write_requests(view, checksum, descs)]
 
     def _transfer(self, requests: list[TransferRequest]) -> None:
         """Move a batch: on this thread when it is small (`DirectPath`), else (or if that fails)
@@ -426,7 +427,7 @@ class StoreClient:
         versions = [t["version"] for t in targets]
         try:
             self._read(key, source, memoryview(data))
-            requests = write_requests(memoryview(data), source["crc"], targets)
+            requests = write_requests(memoryview(data), source["checksum"], targets)
             self._transfer(requests)
         except (StoreError, TransferError) as exc:
             self.master.replicas_done(key, versions, False)

@@ -11,7 +11,7 @@ Nothing is weakened: a request that fails here (path fault, peer gone, rejected 
 `transfer` return False and the caller hands the whole batch to the engine, which validates it,
 retries slices on other rails and reports the error. Writes carry the engine's per-request
 checksum exactly as the engine would (`checksum_tcp` / `checksum_shm`). Reads carry none: every
-store read is verified end to end (version and crc32 of the payload, `layout.verify`), and a read
+store read is verified end to end (version and checksum of the payload, `layout.verify`), and a read
 that fails that check is retried through the engine, with its checksums, before the replica is
 given up (see `StoreClient._read`).
 """
@@ -47,6 +47,7 @@ class DirectPath:
         self.config = config
         self._wrap = wrap
         self._kind = checksums.parse(config.checksum, "TransferConfig.checksum")
+        self._host_id = local_host_id()  # reads /proc each call: once is enough
         self._local = threading.local()
         self._all: list[Transport] = []
         self._lock = threading.Lock()
@@ -99,7 +100,7 @@ class DirectPath:
             raise
 
     def _endpoint_key(self, shm_name: str | None, host_id: str, address: str) -> EndpointKey:
-        if self.config.use_shared_memory and shm_name and host_id == local_host_id():
+        if self.config.use_shared_memory and shm_name and host_id == self._host_id:
             return EndpointKey(TransportKind.SHM, shm_name)
         if not address:
             raise ValueError("segment has no server address")

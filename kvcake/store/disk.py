@@ -30,13 +30,13 @@ class DiskTier:
         """Copy the object `version` at `offset` to a file. Raises CorruptObject if the range
         holds anything else (so a wrong copy is never made)."""
         data = segment[offset:offset + alloc_bytes]
-        crc, head_version, size = read_header(data)
+        checksum, head_version, size = read_header(data)
         if head_version != version or size != alloc_bytes - HEADER_BYTES:
             raise CorruptObject(f"demote: range at {offset} holds version {head_version}, "
                                 f"not {version}")
         tmp = self._path(disk_version).with_suffix(".tmp")
         with open(tmp, "wb") as f:
-            f.write(pack_header(crc, disk_version, size))
+            f.write(pack_header(checksum, disk_version, size))
             f.write(data[HEADER_BYTES:])
         os.replace(tmp, self._path(disk_version))
 
@@ -50,10 +50,10 @@ class DiskTier:
         target = segment[offset:offset + alloc_bytes]
         with open(path, "rb") as f:
             f.readinto(target)
-        crc, head_version, size = read_header(target)
+        checksum, head_version, size = read_header(target)
         if head_version != disk_version:
             raise CorruptObject(f"promote: {path.name} holds version {head_version}")
-        target[:HEADER_BYTES] = pack_header(crc, version, size)
+        target[:HEADER_BYTES] = pack_header(checksum, version, size)
 
     def drop(self, disk_version: int) -> None:
         self._path(disk_version).unlink(missing_ok=True)

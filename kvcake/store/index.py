@@ -98,10 +98,10 @@ class StoreIndex:
         return lost
 
     # ---- put ---------------------------------------------------------------------------------
-    def put_start(self, key: str, size_bytes: int, crc: int | None, num_replicas: int,
+    def put_start(self, key: str, size_bytes: int, checksum: int | None, num_replicas: int,
                   local_node: str | None, now_s: float) -> list[Replica]:
         """Allocate up to `num_replicas` DRAM replicas on distinct nodes (at least one). The
-        payload's crc may come now or with the commit (a writer computes it meanwhile)."""
+        payload's checksum may come now or with the commit (a writer computes it meanwhile)."""
         self._now_s = now_s
         self._check_key(key)
         if size_bytes < 0 or num_replicas < 1:
@@ -113,18 +113,18 @@ class StoreIndex:
         self._check_fits(alloc)
         order = order_nodes(list(self.nodes.values()), self.config.strategy, self._rng, local_node)
         replicas = self._allocate_on(order, alloc, num_replicas)
-        meta = ObjectMeta(key, size_bytes, crc, replicas, deadline_s=now_s + self.config.put_timeout_s)
+        meta = ObjectMeta(key, size_bytes, checksum, replicas, deadline_s=now_s + self.config.put_timeout_s)
         self.objects[key] = meta
         self._evict_to_watermark(now_s)
         return replicas
 
-    def put_commit(self, key: str, now_s: float, crc: int | None = None) -> None:
+    def put_commit(self, key: str, now_s: float, checksum: int | None = None) -> None:
         self._now_s = now_s
         meta = self._pending(key)
-        if crc is not None:
-            meta.crc = crc
-        if meta.crc is None:
-            raise InvalidRequest(f"crc: the put of {key!r} gave no payload crc32 at start or "
+        if checksum is not None:
+            meta.checksum = checksum
+        if meta.checksum is None:
+            raise InvalidRequest(f"checksum: the put of {key!r} gave no payload checksum at start or "
                                  "commit")
         for replica in meta.replicas:
             replica.complete = True

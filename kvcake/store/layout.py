@@ -1,24 +1,25 @@
 """Layout of one stored object in a segment: a fixed header, then the payload.
 
-    offset                       offset + HEADER_BYTES          offset + HEADER_BYTES + size
-    | magic u32 | crc32 u32 | version u64 | size u64 | pad u64 | payload ................... |
+    offset                            offset + HEADER_BYTES        offset + HEADER_BYTES + size
+    | magic u32 | 0 u32 | version u64 | size u64 | checksum u64 | payload .................. |
 
 The version is unique per allocation (the master never reuses one), so a reader holding an old
 descriptor detects that the range was reused by another object: a header with another version is
-stale, whatever the payload. The crc32 of the payload is checked on every read.
+stale, whatever the payload. The payload's checksum (xxh3-64) is checked on every read.
+
+Why xxh3-64 and not crc32: it is ~3x faster (30 us per MiB here against ISA-L crc32's 85 us;
+zlib's takes 300 us), and every get and put computes one over the whole object on the critical
+path; 64 bits also make an undetected corruption far less likely than 32. `xxhash` is a declared
+dependency: every writer and reader must use the same function, so there is no fallback.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
 
-try:  # ISA-L's crc32 is the same function as zlib's, 4-10x faster (vectorised carry-less multiply)
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - isal is a dependency; zlib is the portable fallback
-    _crc32 = zlib.crc32
+from xxhash import xxh3_64_intdigest
 
-MAGIC = 0x4B564341  # "KVCA"
+MAGIC = 0x4B564333  # "KVC3": the xxh3-64 layout
 _HEADER = struct.Struct("<IIQQQ")
 HEADER_BYTES = _HEADER.size  # 32
 
@@ -27,32 +28,34 @@ class CorruptObject(Exception):
     """The bytes read do not match the object's header, version or checksum."""
 
 
-def checksum(data: bytes | bytearray | memoryview) -> int:
-    return _crc32(data) & 0xFFFFFFFF
+def payload_checksum(data: bytes | bytearray | memoryview) -> int:
+    """The xxh3-64 digest the store keeps for a payload (an unsigned 64-bit int)."""
+    digest: int = xxh3_64_intdigest(data)
+    return digest
 
 
-def pack_header(crc: int, version: int, size_bytes: int) -> bytes:
-    return _HEADER.pack(MAGIC, crc, version, size_bytes, 0)
+def pack_header(checksum: int, version: int, size_bytes: int) -> bytes:
+    return _HEADER.pack(MAGIC, 0, version, size_bytes, checksum)
 
 
 def read_header(data: bytes | bytearray | memoryview) -> tuple[int, int, int]:
-    """(crc, version, size_bytes) of a header; CorruptObject if it is not one."""
+    """(checksum, version, size_bytes) of a header; CorruptObject if it is not one."""
     if len(data) < HEADER_BYTES:
         raise CorruptObject("range shorter than an object header")
-    magic, crc, version, size_bytes, _ = _HEADER.unpack(bytes(data[:HEADER_BYTES]))
+    magic, _, version, size_bytes, checksum = _HEADER.unpack(bytes(data[:HEADER_BYTES]))
     if magic != MAGIC:
         raise CorruptObject("bad magic: the range does not hold a store object")
-    return crc, version, size_bytes
+    return checksum, version, size_bytes
 
 
 def verify(header: bytes | bytearray | memoryview, payload: memoryview, version: int,
-           crc: int) -> None:
+           checksum: int) -> None:
     """Raise CorruptObject unless `header` + `payload` are exactly the object `version` with
-    checksum `crc`."""
-    head_crc, head_version, head_size = read_header(header)
+    payload checksum `checksum`."""
+    head_checksum, head_version, head_size = read_header(header)
     if head_version != version:
         raise CorruptObject(f"stale replica: version {head_version}, expected {version}")
-    if head_size != len(payload) or head_crc != crc:
+    if head_size != len(payload) or head_checksum != checksum:
         raise CorruptObject("header does not match the object's size or checksum")
-    if checksum(payload) != crc:
+    if payload_checksum(payload) != checksum:
         raise CorruptObject("checksum mismatch: the payload is corrupted")

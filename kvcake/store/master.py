@@ -122,19 +122,19 @@ class MasterService:
         return dead
 
     # ---- objects -------------------------------------------------------------------------------
-    def put_start(self, key: str, size_bytes: int, crc: int | None, num_replicas: int | None = None,
+    def put_start(self, key: str, size_bytes: int, checksum: int | None, num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
-            replicas = self.index.put_start(key, size_bytes, crc,
+            replicas = self.index.put_start(key, size_bytes, checksum,
                                             num_replicas or self.config.default_replicas,
                                             local_node, self.clock.now_s())
             self._run_actions()
             return [replica_desc(self.index, r) for r in replicas]
 
-    def put_commit(self, key: str, crc: int | None = None) -> None:
-        """Make the object readable; `crc` (of the payload) if put_start did not have it."""
+    def put_commit(self, key: str, checksum: int | None = None) -> None:
+        """Make the object readable; `checksum` (of the payload) if put_start did not have it."""
         with self._lock:
-            self.index.put_commit(key, self.clock.now_s(), crc)
+            self.index.put_commit(key, self.clock.now_s(), checksum)
             self._run_actions()
 
     def put_revoke(self, key: str) -> None:
@@ -142,7 +142,7 @@ class MasterService:
             self.index.put_revoke(key)
 
     def get(self, key: str) -> dict[str, Any]:
-        """{"size_bytes", "crc", "replicas": [descriptor], "lease_id"}: the replicas are
+        """{"size_bytes", "checksum", "replicas": [descriptor], "lease_id"}: the replicas are
         protected by a read lease until `release_leases` names it or `lease_s` passes."""
         with self._lock:
             meta, lease_id = self.index.get_leased(key, self.clock.now_s())
@@ -210,12 +210,12 @@ class MasterService:
     # ---- batches: one item's failure does not stop the others -------------------------------
     def put_start_batch(self, items: list[Any], num_replicas: int | None = None,
                         local_node: str | None = None) -> list[Any]:
-        return [_item(lambda it=it: self.put_start(*_key_size_crc(it), num_replicas,
+        return [_item(lambda it=it: self.put_start(*_key_size_checksum(it), num_replicas,
                                                    local_node)) for it in items]
 
     def put_commit_batch(self, keys: list[Any]) -> list[Any]:
-        """Each entry is a key, or [key, crc] when put_start had no crc."""
-        return [_item(lambda k=k: self.put_commit(*_key_crc(k))) for k in keys]
+        """Each entry is a key, or [key, checksum] when put_start had no checksum."""
+        return [_item(lambda k=k: self.put_commit(*_key_checksum(k))) for k in keys]
 
     def get_batch(self, keys: list[Any]) -> list[Any]:
         return [_item(lambda k=k: self.get(_key(k))) for k in keys]
@@ -228,7 +228,7 @@ class MasterService:
 
     # ---- internals -----------------------------------------------------------------------------
     def _describe(self, meta: ObjectMeta) -> dict[str, Any]:
-        return {"size_bytes": meta.size_bytes, "crc": meta.crc,
+        return {"size_bytes": meta.size_bytes, "checksum": meta.checksum,
                 "replicas": [replica_desc(self.index, r) for r in meta.dram()]}
 
     def _run_actions(self) -> None:
@@ -263,14 +263,14 @@ def _key(value: Any) -> str:
     return value
 
 
-def _key_size_crc(item: Any) -> tuple[str, int, int | None]:
+def _key_size_checksum(item: Any) -> tuple[str, int, int | None]:
     if not (isinstance(item, list | tuple) and len(item) in (2, 3) and isinstance(item[0], str)
             and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])):
-        raise InvalidRequest("items: each must be [key, size_bytes] or [key, size_bytes, crc]")
+        raise InvalidRequest("items: each must be [key, size_bytes] or [key, size_bytes, checksum]")
     return item[0], item[1], item[2] if len(item) == 3 else None
 
 
-def _key_crc(item: Any) -> tuple[str, int | None]:
+def _key_checksum(item: Any) -> tuple[str, int | None]:
     if isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[1], int) \
             and not isinstance(item[1], bool):
         return _key(item[0]), item[1]

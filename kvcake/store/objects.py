@@ -26,7 +26,7 @@ class Replica:
 class ObjectMeta:
     key: str
     size_bytes: int
-    crc: int | None  # of the payload; None until the commit brings it
+    checksum: int | None  # of the payload; None until the commit brings it
     replicas: list[Replica]
     committed: bool = False
     deadline_s: float = 0.0  # uncommitted puts are reclaimed after this

@@ -31,13 +31,13 @@ class RemoteMaster:
     def unregister_node(self, node_id: str) -> list[str]:
         return list(self._conn.call("unregister_node", node_id=node_id))
 
-    def put_start(self, key: str, size_bytes: int, crc: int | None, num_replicas: int | None = None,
+    def put_start(self, key: str, size_bytes: int, checksum: int | None, num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]:
-        return list(self._conn.call("put_start", key=key, size_bytes=size_bytes, crc=crc,
+        return list(self._conn.call("put_start", key=key, size_bytes=size_bytes, checksum=checksum,
                                     num_replicas=num_replicas, local_node=local_node))
 
-    def put_commit(self, key: str, crc: int | None = None) -> None:
-        self._conn.call("put_commit", key=key, crc=crc)
+    def put_commit(self, key: str, checksum: int | None = None) -> None:
+        self._conn.call("put_commit", key=key, checksum=checksum)
 
     def put_revoke(self, key: str) -> None:
         self._conn.call("put_revoke", key=key)

@@ -19,14 +19,14 @@ log = logging.getLogger(__name__)
 JOIN_BYTES = 256 << 10  # objects up to this size are written with their header in one request
 
 
-def write_requests(view: memoryview, crc: int,
+def write_requests(view: memoryview, checksum: int,
                    descs: list[dict[str, Any]]) -> list[TransferRequest]:
     """Header + payload into every replica; small objects as one request (copying is cheaper
     than a second slice)."""
     requests = []
     for desc in descs:
         segment = SegmentDesc.from_dict(desc["segment"])
-        header = pack_header(crc, desc["version"], len(view))
+        header = pack_header(checksum, desc["version"], len(view))
         if len(view) <= JOIN_BYTES:
             requests.append(TransferRequest(TransferOp.WRITE, header + view, segment,
                                             desc["offset"]))
@@ -60,7 +60,7 @@ def valid(replica: dict[str, Any], meta: dict[str, Any], header: bytearray | mem
           dest: memoryview) -> bool:
     """True if `header` + `dest` hold exactly object `meta` as this replica's version."""
     try:
-        verify(header, dest[:meta["size_bytes"]], replica["version"], meta["crc"])
+        verify(header, dest[:meta["size_bytes"]], replica["version"], meta["checksum"])
         return True
     except CorruptObject as exc:
         log.warning("replica of version %d on %s rejected: %s", replica["version"],

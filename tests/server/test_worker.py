@@ -154,10 +154,12 @@ def test_worker_config_is_validated() -> None:
 def test_an_unreachable_master_fails_start_cleanly() -> None:
     import socket
 
+    from kvcake.store import MasterUnavailable
+
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{sock.getsockname()[1]}"
     worker = Worker(WorkerConfig(role=Role.PREFILL, engine=ENGINE, master=dead))
-    with pytest.raises(Exception, match="cannot connect"):
+    with pytest.raises(MasterUnavailable, match="cannot connect"):
         worker.start()
     assert worker.transfer is not None and not worker._threads

@@ -31,7 +31,7 @@ def test_put_get_remove_round_trip() -> None:
     index = make()
     put(index, "a")
     meta = index.get("a", 1.0)
-    assert (meta.size_bytes, meta.crc, [r.offset for r in meta.dram()]) == (OBJ, 7, [0])
+    assert (meta.size_bytes, meta.checksum, [r.offset for r in meta.dram()]) == (OBJ, 7, [0])
     assert index.exists("a")
     index.remove("a", 100.0)
     assert not index.exists("a")

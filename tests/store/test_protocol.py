@@ -106,14 +106,14 @@ def test_frames_sent_together_are_read_one_by_one(master: MasterServer) -> None:
     assert isinstance(second, dict) and second["id"] == 4 and second["ok"] is True
 
 
-def test_a_put_without_a_crc_needs_one_at_commit(master: MasterServer) -> None:
+def test_a_put_without_a_checksum_needs_one_at_commit(master: MasterServer) -> None:
     remote = RemoteMaster(master.address)
     with pytest.raises(ValueError, match="use call"):
         RpcConnection(master.address).send("exists", key="k")
     master.service.register_node("n", 1 << 20, 0, {"segment": {}})
     assert remote.put_start("a", 10, None)[0]["node_id"] == "n"
-    with pytest.raises(InvalidRequest, match="crc"):
+    with pytest.raises(InvalidRequest, match="checksum"):
         remote.put_commit("a")
     remote.put_commit("a", 1234)
-    assert remote.get("a")["crc"] == 1234
+    assert remote.get("a")["checksum"] == 1234
     remote.close()
