@@ -1,7 +1,7 @@
 """What the HTTP frontend costs: the same prompts through `kvcake serve` vs offline `kvcake.LLM`.
 
 Peer: the engine driven directly (offline batch generation, no HTTP, no threads). Ours: a real
-`kvcake serve --mode colocated` subprocess, driven by concurrent httpx clients. Same model (tiny
+`kvcake serve --mode single` subprocess, driven by concurrent httpx clients. Same model (tiny
 preset, same seed: same weights), same prompts, greedy, exact output lengths; the generated
 tokens must be identical. Both sides run torch with one intra-op thread
 (`torch.set_num_threads(1)` here, `--num-threads 1` for the server): on a contended 2-core
@@ -61,7 +61,7 @@ async def timed_served(url: str, prompts: list[list[int]], output_len: int,
 
 def start_server() -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, "-m", "kvcake", "serve", "--port", "0",
-                             "--kv-cache-bytes", "64MiB", "--no-prefix-caching",
+                             "--mode", "single", "--kv-cache-bytes", "64MiB", "--no-prefix-caching",
                              "--num-threads", "1"], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     line = proc.stderr.readline()

@@ -13,14 +13,19 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-_COMMAND_MODULES = (
-    "kvcake.engine.cli",  # generate
-    "kvcake.sim.cli",  # simulate, reproduce, trace
-    "kvcake.store.cli",  # store master | node
-    "kvcake.server.cli",  # serve, worker, profile
-    "kvcake.server.cluster_cli",
-    "kvcake.bench.cli",  # bench
-)
+# command -> the module that registers it. Only the module of the command being run is
+# imported (the engine's pulls in torch, the server's uvicorn), so `kvcake store` starts fast.
+_COMMANDS = {
+    "generate": "kvcake.engine.cli",
+    "simulate": "kvcake.sim.cli",
+    "reproduce": "kvcake.sim.cli",
+    "trace": "kvcake.sim.cli",
+    "store": "kvcake.store.cli",
+    "serve": "kvcake.server.cli",
+    "worker": "kvcake.server.cluster_cli",
+    "profile": "kvcake.server.cluster_cli",
+    "bench": "kvcake.bench.cli",
+}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -30,7 +35,8 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (given a known `command`) one that holds only that command's module."""
     parser = _OneLineParser(
         prog="kvcake",
         description="KVCache-centric disaggregated LLM serving (MOONCAKE in Python)",
@@ -38,15 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND",
                                        parser_class=_OneLineParser)
     subparsers.required = True
-    for name in _COMMAND_MODULES:
-        if importlib.util.find_spec(name) is None:  # subpackage not built yet
-            continue
+    modules = [_COMMANDS[command]] if command in _COMMANDS else list(dict.fromkeys(_COMMANDS.values()))
+    for name in modules:
         importlib.import_module(name).register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

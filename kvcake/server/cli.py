@@ -1,8 +1,12 @@
 """`kvcake serve`: the OpenAI-compatible server.
 
-Modes: `colocated` (one engine instance prefills and decodes, local prefix cache only: the
-vLLM-like baseline) is implemented; `disaggregated` (prefill and decode workers driven by the
-Conductor) is named but not built yet and is refused with a clear error.
+Modes (all behind the same HTTP API):
+- `disaggregated` (default): the Conductor in the frontend, `--prefill N` prefill and
+  `--decode M` decode worker processes, the store master in-process, KV streamed layer by layer
+  from prefill to decode (`kvcake.server.launcher`). `--config FILE` describes a cluster of hosts.
+- `colocated`: the vLLM-like baseline on the same engine and the same number of workers
+  (N + M), each worker prefilling and decoding with its local prefix cache only.
+- `single`: one engine instance inside the frontend process, no worker processes.
 """
 
 from __future__ import annotations
@@ -23,11 +27,9 @@ from kvcake.units import parse_size
 
 
 class ServeMode(StrEnum):
-    COLOCATED = "colocated"
     DISAGGREGATED = "disaggregated"
-
-
-_IMPLEMENTED_MODES = (ServeMode.COLOCATED,)
+    COLOCATED = "colocated"
+    SINGLE = "single"
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,9 @@ class ServeConfig:
     model: str = "tiny"
     host: str = "127.0.0.1"
     port: int = 8000
-    mode: str = ServeMode.COLOCATED.value
+    mode: str = ServeMode.DISAGGREGATED.value
+    num_prefill: int = 1
+    num_decode: int = 1
     max_waiting_requests: int | None = None
     retry_after_s: float = 1.0
 
@@ -45,9 +49,9 @@ class ServeConfig:
         if self.mode not in {m.value for m in ServeMode}:
             raise ValueError(f"--mode: unknown mode {self.mode!r}; choose one of "
                              f"{', '.join(m.value for m in ServeMode)}")
-        if ServeMode(self.mode) not in _IMPLEMENTED_MODES:
-            raise ValueError(f"--mode {self.mode} is not implemented yet; use --mode "
-                             f"{ServeMode.COLOCATED.value}")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(f"--prefill / --decode: need at least 1 of each, got "
+                             f"{self.num_prefill} and {self.num_decode}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
 
@@ -62,6 +66,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=d.port, help="0: let the OS choose")
     p.add_argument("--mode", default=d.mode,
                    help=f"{' | '.join(m.value for m in ServeMode)} (default %(default)s)")
+    p.add_argument("--prefill", type=int, default=d.num_prefill,
+                   help="prefill workers (disaggregated); colocated runs prefill + decode workers")
+    p.add_argument("--decode", type=int, default=d.num_decode, help="decode workers")
+    p.add_argument("--config", default=None,
+                   help="TOML cluster description (see docs/cluster.example.toml); wins over "
+                        "--prefill/--decode/--mode")
     p.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="answer 429 while this many requests wait for prefill (default: no limit)")
     p.add_argument("--retry-after-s", type=float, default=d.retry_after_s)
@@ -94,8 +104,15 @@ def backend_config(args: argparse.Namespace) -> LocalBackendConfig:
 
 def serve(args: argparse.Namespace) -> int:
     config = ServeConfig(model=args.model, host=args.host, port=args.port, mode=args.mode,
+                         num_prefill=args.prefill, num_decode=args.decode,
                          max_waiting_requests=args.max_waiting_requests,
                          retry_after_s=args.retry_after_s)
+    if args.config or config.mode != ServeMode.SINGLE:
+        from kvcake.server.launcher import serve_disaggregated
+
+        if config.mode == ServeMode.COLOCATED:  # the same number of workers, all colocated
+            args.prefill, args.decode = config.num_prefill + config.num_decode, 0
+        return serve_disaggregated(args)
     backend = LocalBackend.from_config(backend_config(args))
     # Bind first, so that --port 0 can report the port it got before serving.
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
@@ -104,6 +121,7 @@ def serve(args: argparse.Namespace) -> int:
         sock.bind((config.host, config.port))
     except OSError as exc:
         raise ValueError(f"--port: cannot listen on {config.host}:{config.port} ({exc})") from None
+    sock.listen(2048)  # accept connections from the moment the URL is printed
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(backend), log_level="warning",
                                            lifespan="off"))

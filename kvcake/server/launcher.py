@@ -208,6 +208,7 @@ def serve_disaggregated(args_or_config: argparse.Namespace | ClusterConfig) -> i
         sock.bind((config.host, config.port))
     except OSError as exc:
         raise ValueError(f"--port: cannot listen on {config.host}:{config.port} ({exc})") from None
+    sock.listen(2048)  # accept connections from the moment the URL is printed
     cluster = Cluster(config)
     # SIGTERM before uvicorn installs its handlers must still tear the children down.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import pickle
+import random
 
 import pytest
 
@@ -130,3 +131,33 @@ def test_freeze_heap_freezes_what_is_alive() -> None:
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("fetch_only_if_faster", [False, True])
+def test_the_choice_ranks_by_the_very_ttft_each_candidate_reports(
+        fetch_only_if_faster: bool) -> None:
+    """The prefill choice uses precomputed sums; they must be the same floats as `ttft_s`
+    (summed in the same order), or a near-tie could go to a different instance."""
+    rng = random.Random(11)
+    prefill = PrefillTimePredictor(1, 1.0, [0.0013, 0.00071, -0.00069])
+    conductor = Conductor(
+        ConductorConfig(fetch_only_if_faster=fetch_only_if_faster,
+                        transfer_bandwidth_bytes_per_s=1.1e6),
+        [f"p{i}" for i in range(12)], ["d0"], prefill, DecodeStepPredictor([0.01, 0.001, 0.0]),
+        777)
+    for i in range(12):
+        conductor.on_blocks_stored(f"p{i}", range(rng.randrange(0, 14)))
+        conductor.prefill_queue(f"p{i}").add(f"busy{i}", rng.uniform(0.0, 0.3))
+    num_turned_down = 0
+    for n in range(20):
+        prompt_len = rng.randrange(17, 230)
+        req = ScheduleRequest(f"r{n}", prompt_len, tuple(range(-(-prompt_len // BS))), BS, 10)
+        match = conductor.index.match(req.block_keys)
+        candidates, ttfts = conductor._estimate_prefills(req, match, now_s=0.0)
+        expanded = candidates.expand()
+        assert ttfts == [c.ttft_s for c in expanded]
+        assert [candidates[i] for i in range(len(candidates))] == list(expanded)
+        best_len = min(match.best_blocks * BS, prompt_len - 1)
+        num_turned_down += sum(best_len > 1.5 * c.local_len and c.prefix_len == c.local_len
+                               for c in expanded)  # the threshold says fetch; they recompute
+    assert (num_turned_down > 0) == fetch_only_if_faster

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -12,16 +14,23 @@ import pytest
 from kvcake.cli import main
 
 
-def test_serve_subprocess_answers_and_stops() -> None:
+@pytest.mark.parametrize("mode", ["single", "disaggregated", "colocated"])
+def test_serve_subprocess_answers_and_stops(mode: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`kvcake serve` as the README runs it, in each mode: answers, then stops on SIGTERM."""
+    env = dict(os.environ, KVCAKE_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "kvcake-cache"))
     proc = subprocess.Popen([sys.executable, "-m", "kvcake", "serve", "--port", "0",
-                             "--kv-cache-bytes", "16MiB"],
-                            stderr=subprocess.PIPE, text=True)
+                             "--mode", mode, "--kv-cache-bytes", "16MiB"],
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stderr is not None
-        line = proc.stderr.readline()
-        match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-        assert match, line
-        url = match.group(0)
+        match = None
+        deadline = time.monotonic() + 180
+        while match is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line, "kvcake serve exited before serving"
+            match = re.search(r"kvcake serve: (http://127\.0\.0\.1:\d+)", line)
+        assert match is not None
+        url = match.group(1)
         reply = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                            timeout=60)
         assert reply.status_code == 200
@@ -31,14 +40,14 @@ def test_serve_subprocess_answers_and_stops() -> None:
     finally:
         proc.terminate()
         # uvicorn shuts down gracefully, then re-raises SIGTERM (the conventional status).
-        assert proc.wait(timeout=30) in (0, -15)
+        assert proc.wait(timeout=60) in (0, -15)
 
 
-def test_unknown_and_unimplemented_modes_are_clear_errors(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_mode_and_bad_worker_counts_are_clear_errors(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["serve", "--mode", "turbo"]) == 2
     assert "unknown mode 'turbo'" in capsys.readouterr().err
-    assert main(["serve", "--mode", "disaggregated"]) == 2
-    assert "not implemented yet; use --mode colocated" in capsys.readouterr().err
+    assert main(["serve", "--prefill", "0"]) == 2
+    assert "--prefill / --decode: need at least 1 of each" in capsys.readouterr().err
 
 
 def test_help_renders(capsys) -> None:  # type: ignore[no-untyped-def]
