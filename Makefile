@@ -17,8 +17,10 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 
+# The embedded default: tiny preset, 1 prefill + 1 decode worker, store and Conductor in the
+# frontend, OpenAI API on http://127.0.0.1:8000 (Ctrl-C stops it and every worker).
 demo: setup
-	$(BIN)/kvcake generate --model tiny --prompt "The KVCache is" --max-tokens 16 --json
+	$(BIN)/kvcake serve
 
 test: setup
 	$(BIN)/python -m pytest -q
