@@ -198,6 +198,7 @@ def serve_disaggregated(args_or_config: argparse.Namespace | ClusterConfig) -> i
 
     import uvicorn
 
+    from kvcake.conductor import freeze_heap
     from kvcake.server.api import create_app
 
     config = args_or_config if isinstance(args_or_config, ClusterConfig) \
@@ -215,6 +216,9 @@ def serve_disaggregated(args_or_config: argparse.Namespace | ClusterConfig) -> i
     try:
         cluster.start()
         assert cluster.backend is not None
+        # The long-lived state (Conductor index, app, models) is built: keep the collector off it
+        # so that decisions do not pay for full collections over it (conductor/heap.py).
+        freeze_heap()
         server = uvicorn.Server(uvicorn.Config(create_app(cluster.backend), log_level="warning",
                                                lifespan="off"))
         print(f"kvcake serve: http://{config.host}:{sock.getsockname()[1]} (model "

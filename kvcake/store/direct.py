@@ -41,7 +41,11 @@ from kvcake.transfer.tcp import TcpTransport
 class DirectPath:
     """Per-thread endpoints to store nodes, for batches of at most `config.slice_bytes` bytes
     (larger ones are worth the engine's striping over rails). `wrap` is applied to every new
-    endpoint, as `TransferEngine(wrap_transport=...)` does (tests inject faults with it)."""
+    endpoint, as `TransferEngine(wrap_transport=...)` does (tests inject faults with it).
+
+    Each calling thread keeps one endpoint per node until `close()` (or until that endpoint
+    fails): right for a few long-lived threads; many short-lived threads would each leave one
+    connection open until then."""
 
     def __init__(self, config: TransferConfig, wrap: TransportWrapper | None = None) -> None:
         self.config = config
