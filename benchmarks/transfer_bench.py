@@ -149,7 +149,9 @@ def run_transfer_benchmarks(size_bytes: int = 256 << 20, duration_s: float = 1.0
         "shm_checksum": TransferConfig(serve=False, num_rails=num_rails, checksum_shm=True),
     }
     result: dict[str, Any] = {"size_bytes": size_bytes, "duration_s": duration_s, "rounds": rounds,
-                              "num_rails": num_rails, "checksum": checksum.parse(TransferConfig().checksum).name,
+                              "num_rails": num_rails,
+                              "checksum": checksum.parse(TransferConfig().checksum).name,
+                              "pipeline_depth": TransferConfig().pipeline_depth,
                               "loadavg_before": os.getloadavg()[0]}
     best: dict[str, float] = {}
     cpu: dict[str, list[float]] = {}
@@ -213,7 +215,8 @@ def format_report(result: dict[str, Any]) -> str:
         return "n/a" if x is None else f"{x:.2f}"
 
     lines = [f"transfer engine, {result['size_bytes'] >> 20} MiB per transfer, "
-             f"{result['num_rails']} rails, checksum {result['checksum']}, best of "
+             f"{result['num_rails']} rails, pipeline depth {result['pipeline_depth']}, "
+             f"checksum {result['checksum']} (tcp: on, tcp_no_checksum: off), best of "
              f"{result['rounds']} interleaved rounds, load avg "
              f"{result['loadavg_before']:.1f} -> {result['loadavg_after']:.1f}",
              f"  iperf3 loopback: 1 stream {fmt(result['iperf3_1_stream_gbps'])} GB/s "

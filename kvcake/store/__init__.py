@@ -30,7 +30,8 @@ from kvcake.store.master import MasterServer, MasterService
 from kvcake.store.node import StoreNode
 
 __all__ = [
-    "EmbeddedConfig", "EmbeddedStore", "InvalidRequest", "MasterConfig", "MasterServer", "MasterService",
+    "EmbeddedConfig", "EmbeddedStore", "InvalidRequest", "MasterConfig", "MasterServer",
+    "MasterService",
     "MasterUnavailable", "NoNodes", "NoSpace", "NodeConfig", "ObjectExists", "ObjectNotFound",
     "ObjectUnavailable", "StoreClient", "StoreError", "StoreNode", "Strategy", "TransferFailed",
 ]

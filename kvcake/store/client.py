@@ -14,9 +14,8 @@ On any error the contents of a caller's destination buffer are undefined.
 
 Each descriptor the master hands out comes with a read lease (the object is neither evicted nor
 its range reused while it is held); the client releases it, in a one-way message, as soon as the
-read is over. A put sends put_start without the checksum and computes it (and stages a lone
-object) while the master allocates; the checksum goes with the commit, which is acknowledged
-before `put` returns.
+read is over. A put sends put_start without the checksum and computes it while the master
+allocates; the checksum goes with the commit, which is acknowledged before `put` returns.
 """
 
 from __future__ import annotations
@@ -66,7 +65,8 @@ _READ_ROUNDS = 3  # how many times the client asks the master again after every 
 class Master(Protocol):
     """What the client needs of a master: `MasterService` in-process or `RemoteMaster`."""
 
-    def put_start(self, key: str, size_bytes: int, checksum: int | None, num_replicas: int | None = None,
+    def put_start(self, key: str, size_bytes: int, checksum: int | None,
+                  num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]: ...
     def put_commit(self, key: str, checksum: int | None = None) -> None: ...
     def put_revoke(self, key: str) -> None: ...
@@ -182,8 +182,8 @@ class StoreClient:
         if len(keys) != len(values):
             raise InvalidRequest(f"put_batch: {len(keys)} keys but {len(values)} values")
         views = [buffer_view(v, field=f"value of {k!r}") for k, v in zip(keys, values, strict=True)]
-        starts, (checksums, stage) = self._put_start([[k, len(v)] for k, v in zip(keys, views,
-                                                                             strict=True)], views)
+        items = [[k, len(v)] for k, v in zip(keys, views, strict=True)]
+        starts, checksums = self._put_start(items, views)
         written: list[bool] = []
         allocated: list[tuple[str, memoryview, int, list[dict[str, Any]]]] = []
         failure: StoreError | None = None
@@ -200,10 +200,10 @@ class StoreClient:
             for key in todo:
                 self._revoke(key)
             raise failure
-        requests = self._put_requests(allocated, stage)
+        requests, digests = self._put_requests(allocated)
         if requests:
             try:
-                self._transfer(requests)
+                self._transfer(requests, digests)
             except (TransferError, ValueError) as exc:
                 for key in todo:
                     self._revoke(key)
@@ -213,40 +213,42 @@ class StoreClient:
         return written
 
     def _put_start(self, items: list[list[Any]], views: list[memoryview]
-                   ) -> tuple[list[Any], tuple[list[int], memoryview | None]]:
-        """Allocate (put_start without checksums) while this thread computes the checksums, which go with
-        the commit, and stages a lone object behind room for its header (see _put_requests)."""
-        def prepare() -> tuple[list[int], memoryview | None]:
-            stage = None
-            if len(views) == 1 and self._direct is not None \
-                    and HEADER_BYTES + len(views[0]) <= self._transfer_config.slice_bytes:
-                stage = self._buffer("stage", HEADER_BYTES + len(views[0]))
-                stage[HEADER_BYTES:] = views[0]
-                return [payload_checksum(stage[HEADER_BYTES:])], stage  # the copy is cache-hot
-            return [payload_checksum(v) for v in views], stage
+                   ) -> tuple[list[Any], list[int]]:
+        """Allocate (put_start without checksums) while this thread computes the payload
+        checksums, which go with the commit."""
+        def prepare() -> list[int]:
+            return [payload_checksum(v) for v in views]
 
         if isinstance(self.master, RemoteMaster):
             return self.master.put_start_batch_overlapped(items, self.num_replicas,
                                                           self.local_node, prepare)
-        prepared = prepare()
-        return self.master.put_start_batch(items, self.num_replicas, self.local_node), prepared
+        checksums = prepare()
+        return self.master.put_start_batch(items, self.num_replicas, self.local_node), checksums
 
-    def _put_requests(self, allocated: list[tuple[str, memoryview, int, list[dict[str, Any]]]],
-                      stage: memoryview | None) -> list[TransferRequest]:
-        if stage is not None and len(allocated) == 1 and len(allocated[0][3]) == 1:
-            # On the caller's thread a second request is a second round trip; the payload was
-            # copied behind room for its header while the master allocated.
+    def _put_requests(self, allocated: list[tuple[str, memoryview, int, list[dict[str, Any]]]]
+                      ) -> tuple[list[TransferRequest], list[int | None]]:
+        """The writes of a put, and the xxh3 digest of each one's bytes where it is known."""
+        if self._direct is not None and len(allocated) == 1 and len(allocated[0][3]) == 1:
+            # The direct path pipelines header and payload on one connection (one round trip,
+            # no copy), and the payload's transport digest is its store checksum.
             _, view, checksum, (desc,) = allocated[0]
-            stage[:HEADER_BYTES] = pack_header(checksum, desc["version"], len(view))
-            return [TransferRequest(TransferOp.WRITE, stage,
-                                    SegmentDesc.from_dict(desc["segment"]), desc["offset"])]
-        return [r for _, view, checksum, descs in allocated for r in write_requests(view, checksum, descs)]
+            segment = SegmentDesc.from_dict(desc["segment"])
+            header = pack_header(checksum, desc["version"], len(view))
+            requests = [TransferRequest(TransferOp.WRITE, header, segment, desc["offset"])]
+            if len(view):
+                requests.append(TransferRequest(TransferOp.WRITE, view, segment,
+                                                desc["offset"] + HEADER_BYTES))
+            return requests, [None, checksum]
+        return [r for _, view, checksum, descs in allocated
+                for r in write_requests(view, checksum, descs)], []
 
-    def _transfer(self, requests: list[TransferRequest]) -> None:
+    def _transfer(self, requests: list[TransferRequest],
+                  xxh3_digests: list[int | None] | None = None) -> None:
         """Move a batch: on this thread when it is small (`DirectPath`), else (or if that fails)
         through the engine, which retries on other rails. TransferError if it cannot be moved."""
         direct = self._direct
-        if direct is not None and direct.accepts(requests) and direct.transfer(requests):
+        if direct is not None and direct.accepts(requests) \
+                and direct.transfer(requests, xxh3_digests or ()):
             return
         self.engine.transfer(requests)
 

@@ -1,4 +1,4 @@
-"""`DirectPath`: move one small batch on the caller's own thread, one transport call per request.
+"""`DirectPath`: move one small batch on the caller's own thread, one request per transfer.
 
 The transfer engine hands every slice to a rail thread and wakes the caller when the batch is
 done: two thread hand-offs, ~0.1-0.5 ms each on a loaded host, which is most of the cost of a
@@ -6,20 +6,21 @@ done: two thread hand-offs, ~0.1-0.5 ms each on a loaded host, which is most of 
 MiB, which the engine would put on one or two rails anyway, so the client moves such batches
 itself, through the same transports (TCP to the owner's segment server, or the owner's shared
 memory mapped here) and the same wire format, with one connection per peer per calling thread.
+Requests to one node are pipelined on its connection (a header and its payload: one round trip).
 
 Nothing is weakened: a request that fails here (path fault, peer gone, rejected range) makes
 `transfer` return False and the caller hands the whole batch to the engine, which validates it,
 retries slices on other rails and reports the error. Writes carry the engine's per-request
 checksum exactly as the engine would (`checksum_tcp` / `checksum_shm`). Reads carry none: every
-store read is verified end to end (version and checksum of the payload, `layout.verify`), and a read
-that fails that check is retried through the engine, with its checksums, before the replica is
-given up (see `StoreClient._read`).
+store read is verified end to end (version and checksum of the payload, `layout.verify`), and a
+read that fails that check is retried through the engine, with its checksums, before the replica
+is given up (see `StoreClient._read_replicas`).
 """
-
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import cast
 
 from kvcake.transfer import (
     EndpointKey,
@@ -34,8 +35,14 @@ from kvcake.transfer import (
     local_host_id,
 )
 from kvcake.transfer import checksum as checksums
+from kvcake.transfer.checksum import ChecksumKind
 from kvcake.transfer.shm import ShmTransport
 from kvcake.transfer.tcp import TcpTransport
+from kvcake.transfer.transport import PipelinedTransport
+
+# Operations in flight before their replies are read: bounded, so that what a batch sends
+# before reading never outgrows the socket buffers of both ends.
+_MAX_OUTSTANDING = 8
 
 
 class DirectPath:
@@ -64,15 +71,29 @@ class DirectPath:
             total += len(request.buffer) if request.length is None else request.length
         return 0 < total <= self.config.slice_bytes and not self._closed
 
-    def transfer(self, requests: Sequence[TransferRequest]) -> bool:
-        """Move every request, in order, on this thread. False as soon as one fails (the rest are
-        not tried; the failed endpoint is closed): the caller then gives the batch to the engine.
-        Never raises for a transport fault."""
-        for request in requests:
-            try:
-                self._one(request)
-            except (TransportError, ValueError, TypeError):
-                return False
+    def transfer(self, requests: Sequence[TransferRequest],
+                 xxh3_digests: Sequence[int | None] = ()) -> bool:
+        """Move every request on this thread; requests to one node are pipelined on its
+        connection (all sent, then all replies read: one round trip). False as soon as one
+        fails (every endpoint the batch used is then closed): the caller gives the batch to the
+        engine. Never raises for a transport fault.
+
+        `xxh3_digests[i]`, where the caller already knows it, is the xxh3-64 digest of write i's
+        bytes: used as its transport digest when the transport checksum is xxh3, not computed
+        again (the store's payload checksum is that same function)."""
+        used: dict[EndpointKey, Transport] = {}
+        waiting: list[PipelinedTransport] = []
+        try:
+            for i, request in enumerate(requests):
+                if len(waiting) >= _MAX_OUTSTANDING:
+                    _settle(waiting)
+                known = xxh3_digests[i] if i < len(xxh3_digests) else None
+                self._start(request, known, used, waiting)
+            _settle(waiting)
+        except (TransportError, ValueError, TypeError, RuntimeError):
+            for key in used:
+                self._drop(key)
+            return False
         return True
 
     def close(self) -> None:
@@ -83,25 +104,34 @@ class DirectPath:
         for transport in transports:
             transport.close()
 
-    def _one(self, request: TransferRequest) -> None:
+    def _start(self, request: TransferRequest, known: int | None,
+               used: dict[EndpointKey, Transport], waiting: list[PipelinedTransport]) -> None:
+        """Send one request (pipelined transports: its completion is read later), or move it."""
         segment = request.segment
         key = self._endpoint_key(segment.shm_name, segment.host_id, segment.address)
-        transport = self._endpoint(key)
+        transport = used[key] = self._endpoint(key)
         view = buffer_view(request.buffer, writable=request.op is TransferOp.READ)
         if request.length is not None:
             view = view[:request.length]
-        try:
+        kind = None
+        if request.op is TransferOp.WRITE and (self.config.checksum_shm if key.kind is
+                                               TransportKind.SHM else self.config.checksum_tcp):
+            kind = self._kind
+        digest = known if kind is ChecksumKind.XXH3_64 else None
+        if getattr(transport, "pipelined", False):  # (isinstance on the Protocol: 30 us)
+            transport = cast(PipelinedTransport, transport)
             if request.op is TransferOp.READ:
-                transport.read(segment, request.remote_offset, view, checksum=None)
-                return
-            on = self.config.checksum_shm if key.kind is TransportKind.SHM \
-                else self.config.checksum_tcp
-            kind = self._kind if on else None
-            transport.write(segment, request.remote_offset, view, checksum=kind,
-                            digest=kind.compute(view) if kind is not None else None)
-        except TransportError:
-            self._drop(key)
-            raise
+                transport.start_read(segment, request.remote_offset, view, checksum=None)
+            else:  # with no digest given, the transport digests the bytes as it sends them
+                transport.start_write(segment, request.remote_offset, view, checksum=kind,
+                                      digest=digest)
+            waiting.append(transport)
+        elif request.op is TransferOp.READ:
+            transport.read(segment, request.remote_offset, view, checksum=None)
+        else:
+            if kind is not None and digest is None:
+                digest = kind.compute(view)
+            transport.write(segment, request.remote_offset, view, checksum=kind, digest=digest)
 
     def _endpoint_key(self, shm_name: str | None, host_id: str, address: str) -> EndpointKey:
         if self.config.use_shared_memory and shm_name and host_id == self._host_id:
@@ -140,3 +170,11 @@ class DirectPath:
             if transport in self._all:
                 self._all.remove(transport)
         transport.close()
+
+
+def _settle(waiting: list[PipelinedTransport]) -> None:
+    """Read one completion per started operation; raise the first operation's error."""
+    while waiting:
+        done = waiting.pop().next_completion()
+        if done.error is not None:
+            raise done.error

@@ -124,8 +124,8 @@ class StoreIndex:
         if checksum is not None:
             meta.checksum = checksum
         if meta.checksum is None:
-            raise InvalidRequest(f"checksum: the put of {key!r} gave no payload checksum at start or "
-                                 "commit")
+            raise InvalidRequest(f"checksum: the put of {key!r} gave no payload checksum at "
+                                 "start or commit")
         for replica in meta.replicas:
             replica.complete = True
         meta.committed = True

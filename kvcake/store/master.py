@@ -122,7 +122,8 @@ class MasterService:
         return dead
 
     # ---- objects -------------------------------------------------------------------------------
-    def put_start(self, key: str, size_bytes: int, checksum: int | None, num_replicas: int | None = None,
+    def put_start(self, key: str, size_bytes: int, checksum: int | None,
+                  num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             replicas = self.index.put_start(key, size_bytes, checksum,

@@ -31,7 +31,8 @@ class RemoteMaster:
     def unregister_node(self, node_id: str) -> list[str]:
         return list(self._conn.call("unregister_node", node_id=node_id))
 
-    def put_start(self, key: str, size_bytes: int, checksum: int | None, num_replicas: int | None = None,
+    def put_start(self, key: str, size_bytes: int, checksum: int | None,
+                  num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]:
         return list(self._conn.call("put_start", key=key, size_bytes=size_bytes, checksum=checksum,
                                     num_replicas=num_replicas, local_node=local_node))

@@ -27,8 +27,9 @@ class TransferConfig:
     max_endpoints_per_rail: bound of each rail's endpoint pool (SIEVE eviction beyond it).
     pipeline_depth: slices one rail keeps in flight on one TCP connection (requests sent before
       the earlier replies are in; replies matched by id). 1 = one round trip per slice: the link
-      then idles while the client checks a slice and sends the next request. Reads and writes
-      were fastest here from depth 2 up (see docs/benchmarks.md); deeper only buffers more.
+      then idles while the client checks a slice and sends the next request. 2 hides that
+      round trip; deeper only adds slices in flight that compete for cache and CPU (depth 4 was no
+      faster here, on 2 loaded cores; see docs/benchmarks.md).
     inline_max_slices: the synchronous calls (`transfer`, `read`, `write`) move a batch of at most
       this many slices on the caller's thread, with its own endpoints, instead of handing it to
       the rail threads: two thread hand-offs cost more than a small transfer on a busy host
@@ -38,7 +39,11 @@ class TransferConfig:
       crc32), "crc32" or "xxh3".
     checksum_tcp / checksum_shm: carry and verify a digest per slice on that transport. TCP crosses
       NICs and kernels and is checked by default; shared memory is one memcpy in one host's RAM,
-      and the store checks every object end to end, so it is off by default there.
+      and the store checks every object end to end, so it is off by default there. The TCP default
+      stays on although it costs ~0.15 CPU s/GB (about a quarter of a read's CPU on loopback):
+      a raw user of the engine has no other check, and TCP's own 16-bit sum misses what a bad NIC,
+      switch or kernel copy does to a slice. A caller that verifies its data end to end (the
+      store's client on its one-thread path does) may turn it off.
     use_shared_memory: map a peer's shared-memory segment when it lives on this host.
     host, port, port_search: where the segment server listens (`serve=True`); it tries `port`,
       `port + 1`, ... `port + port_search - 1` and keeps the first free one (0 = any port).
@@ -51,7 +56,7 @@ class TransferConfig:
     num_rails: int = 4
     rail_bind_hosts: tuple[str, ...] = ()
     max_endpoints_per_rail: int = 64
-    pipeline_depth: int = 4
+    pipeline_depth: int = 2
     inline_max_slices: int = 2
     max_retries: int = 3
     checksum: str = "auto"

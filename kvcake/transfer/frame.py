@@ -14,9 +14,9 @@ An error reply has status != OK and a utf-8 message as its payload. `flags` name
 checksum algorithm (a ChecksumKind bit): a READ asks for it, a WRITE announces it. The data's
 sender then follows the data with an 8-byte digest TRAILER (READ|REPLY and WRITE carry `length`
 data bytes + 8); the receiver checks it before trusting the bytes. A trailer rather than the
-header's `checksum` field (0 in version 2) lets the sender digest each chunk just before sending
-it, and the receiver just after receiving it, while the chunk is in cache: the data crosses each
-side's memory once, not twice.
+header's `checksum` field (0 in version 2) lets the sender digest each chunk (CHUNK_BYTES) just
+before sending it, and the receiver just after receiving it, while the chunk is in cache, and lets
+a writer's transport digest the bytes itself as it sends them.
 """
 
 from __future__ import annotations

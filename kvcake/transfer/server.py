@@ -17,9 +17,9 @@ from collections.abc import Mapping
 import msgpack
 
 from kvcake.transfer import checksum, frame
+from kvcake.transfer.checksum import ChecksumKind
 from kvcake.transfer.frame import FrameError, Header, Op, Status
 from kvcake.transfer.segment import Segment
-from kvcake.transfer.checksum import ChecksumKind
 from kvcake.transfer.tcp import (
     recv_digested,
     recv_exactly,

@@ -138,7 +138,8 @@ def test_a_lease_blocks_eviction_during_the_read_and_ends_with_it() -> None:
         readers = [store.master.get("c"), store.master.get("d")]
         with pytest.raises(NoSpace):
             client.put("e", half)  # both are being read: nothing may go
-        store.master.release_leases([[k, m["lease_id"]] for k, m in zip("cd", readers, strict=True)])
+        store.master.release_leases([[k, m["lease_id"]]
+                                     for k, m in zip("cd", readers, strict=True)])
         client.put("e", half)
         assert not client.exists("c") and client.exists("d") and client.exists("e")
 

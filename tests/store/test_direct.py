@@ -54,6 +54,28 @@ class Recording:
         self.inner.close()
 
 
+class RecordingPipelined(Recording):
+    """As Recording, for a pipelined inner transport (TCP): requests are started, then settled."""
+
+    pipelined = True
+    inner: Any
+
+    def start_read(self, *args: Any, **kwargs: Any) -> Any:
+        self._threads.append(threading.current_thread().name)
+        return self.inner.start_read(*args, **kwargs)
+
+    def start_write(self, *args: Any, **kwargs: Any) -> Any:
+        self._threads.append(threading.current_thread().name)
+        return self.inner.start_write(*args, **kwargs)
+
+    def next_completion(self) -> Any:
+        return self.inner.next_completion()
+
+    @property
+    def num_outstanding(self) -> int:
+        return int(self.inner.num_outstanding)
+
+
 @pytest.fixture
 def node(master: MasterServer) -> Iterator[StoreNode]:
     node = StoreNode(NodeConfig(4 << 20, heartbeat_interval_s=3600), master.address,
@@ -76,8 +98,29 @@ def test_small_objects_move_on_the_callers_thread(master: MasterServer, node: St
         assert client.get_into("k", buffer) == 300_000 and buffer == value
         assert client.get_batch_into(["k"], [bytearray(300_000)]) == [300_000]
     me = threading.current_thread().name
-    # put: header + payload in one request; get: one; get_into and the batch: header, payload
-    assert threads == [me] * 6
+    # put: header, payload; get: one request (header + payload into a scratch buffer);
+    # get_into and the batch: header, payload
+    assert threads == [me] * 7
+
+
+def test_pipelined_requests_to_one_node_take_one_round_trip(master: MasterServer,
+                                                            node: StoreNode) -> None:
+    threads: list[str] = []
+
+    def wrap(inner: TransportT, key: EndpointKey, rail: int) -> TransportT:
+        return RecordingPipelined(inner, threads, [])  # type: ignore[return-value]
+
+    values = [os.urandom(n) for n in (0, 1, 70_000, 900_000)]
+    with StoreClient(master.address, transfer_config=TCP, wrap_transport=wrap) as client:
+        for i, value in enumerate(values):
+            assert client.put(f"k{i}", value)
+        assert [client.get(f"k{i}") for i in range(4)] == values
+        buffers = [bytearray(len(v)) for v in values]
+        assert client.get_batch_into([f"k{i}" for i in range(4)], buffers) == [0, 1, 70_000,
+                                                                               900_000]
+        assert [bytes(b) for b in buffers] == values
+    me = threading.current_thread().name
+    assert threads == [me] * (7 + 4 + 7)  # puts: header (+ payload); gets: 1; batch: 1 + 3 * 2
 
 
 def test_a_failed_direct_write_is_retried_by_the_engine(master: MasterServer,
@@ -92,7 +135,8 @@ def test_a_failed_direct_write_is_retried_by_the_engine(master: MasterServer,
     with StoreClient(master.address, transfer_config=TCP, wrap_transport=wrap) as client:
         assert client.put("k", value)
         assert client.get("k") == value
-    assert failing == [0] and len(threads) == 3  # failed write, the engine's write, the read
+    # the failed header write (the payload's is then not tried), the engine's two, the read
+    assert failing == [0] and len(threads) == 4
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -12,6 +12,7 @@ from kvcake.transfer.checksum import ChecksumKind, available, parse
     ({"slice_bytes": 0}, "slice_bytes"),
     ({"slice_bytes": 100}, "slice_bytes"),
     ({"num_rails": 0}, "num_rails"),
+    ({"pipeline_depth": 0}, "pipeline_depth"),
     ({"max_retries": -1}, "max_retries"),
     ({"num_rails": 2, "rail_bind_hosts": ("127.0.0.1",)}, "rail_bind_hosts"),
     ({"port": 70000}, "port"),
