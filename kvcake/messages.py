@@ -18,6 +18,8 @@ Direction and meaning (F = frontend, P = prefill worker, D = decode worker):
   P/D -> F  KvEvents       blocks stored in / removed from the worker's prefix cache
   P -> F    StoreEvents    blocks written to the store (holder "store" in the Conductor)
   P/D -> F  LoadReport     queue, running requests and free KV blocks
+  F -> P/D  Ping           liveness probe; the worker's engine loop answers between steps
+  P/D -> F  Pong           the answer (same seq): a worker whose loop stalls stops answering
   F -> P/D  Abort, Shutdown
 """
 
@@ -136,6 +138,16 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
+class Ping:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    seq: int
+
+
+@dataclass(frozen=True)
 class Abort:
     request_id: str
 
@@ -146,11 +158,11 @@ class Shutdown:
 
 
 Message = (Hello | PrefillOrder | PrefillDone | DecodeOrder | DecodeAdmitted | Tokens
-           | RequestFailed | KvEvents | StoreEvents | LoadReport | Abort | Shutdown)
+           | RequestFailed | KvEvents | StoreEvents | LoadReport | Ping | Pong | Abort | Shutdown)
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     Hello, PrefillOrder, PrefillDone, DecodeOrder, DecodeAdmitted, Tokens, RequestFailed,
-    KvEvents, StoreEvents, LoadReport, Abort, Shutdown)}
+    KvEvents, StoreEvents, LoadReport, Ping, Pong, Abort, Shutdown)}
 
 _CHECKS: dict[str, Any] = {
     "str": lambda v: isinstance(v, str),

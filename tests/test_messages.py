@@ -17,6 +17,8 @@ from kvcake.messages import (
     LoadReport,
     MessageError,
     MessageLink,
+    Ping,
+    Pong,
     PrefillDone,
     PrefillOrder,
     RequestFailed,
@@ -47,6 +49,8 @@ EXAMPLES = [
     KvEvents([BIG_KEY, 1], []),
     StoreEvents([3]),
     LoadReport(1, 2, 3),
+    Ping(1),
+    Pong(2**40),
     Abort("r9"),
     Shutdown(),
 ]

@@ -7,13 +7,17 @@ Lifecycle of one request (the `Backend` contract of backend.py on the outside):
                none free) -> `PrefillOrder` to p;
   PrefillDone  first token to the client (TTFT), `DecodeOrder` to d (colocated: p decodes);
   DecodeAdmitted  the staging slots are free again;  Tokens  stream to the client.
-  A worker whose link drops is removed from the Conductor; its requests end with an error
-  event, later requests go to the survivors.
+  A worker whose link drops, or that leaves a ping unanswered for `worker_timeout_s` (a hung
+  engine loop), is removed from the Conductor; its requests end with an error event, later
+  requests go to the survivors.
 
 Live view: prefill workers' `KvEvents` and `StoreEvents` feed the Conductor's index (holder
-"store" for blocks in the store); dispatches and completions feed its queue and decode books.
-Threads: one reader per worker link; every shared structure is guarded by `_lock`; tokens reach
-the HTTP side through `loop.call_soon_threadsafe`.
+"store" for blocks in the store); the store audit (store_audit.py) removes holder "store" from
+blocks the store no longer has; dispatches and completions feed its queue and decode books.
+Threads: one reader per worker link and the monitor (monitor.py: pings, store audit); every
+shared structure is guarded by `_lock`; tokens reach the HTTP side through
+`loop.call_soon_threadsafe`. Nouns elsewhere: disagg_stream.py (flights, streams, totals),
+worker_link.py (a worker's link, staging slots and liveness).
 """
 
 from __future__ import annotations
@@ -23,8 +27,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from enum import Enum
+from dataclasses import asdict
 from typing import cast
 
 from kvcake.clock import Clock, SystemClock
@@ -42,6 +45,7 @@ from kvcake.messages import (
     Message,
     MessageError,
     MessageLink,
+    Pong,
     PrefillDone,
     PrefillOrder,
     RequestFailed,
@@ -51,85 +55,18 @@ from kvcake.messages import (
     Tokens,
 )
 from kvcake.server.backend import BackendStats, FinishReason, GenerateRequest, Rejected, TokenEvent
+from kvcake.server.disagg_stream import Flight, Stage, Stream, TransferTotals
+from kvcake.server.monitor import Monitor, MonitorConfig
 from kvcake.server.protocol import render_chat_text
+from kvcake.server.store_audit import StoreAudit
+from kvcake.server.worker_link import WorkerLink
+from kvcake.store import StoreClient, StoreError
+
+__all__ = ["STORE_HOLDER", "DisaggBackend", "Stage", "TransferTotals"]
 
 log = logging.getLogger(__name__)
 
 STORE_HOLDER = "store"
-
-
-class Stage(Enum):
-    QUEUED = "queued"  # placed, waiting for staging slots on its decode worker
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    DONE = "done"
-
-
-@dataclass
-class _Flight:
-    request: GenerateRequest
-    sink: asyncio.Queue[TokenEvent | BaseException]
-    loop: asyncio.AbstractEventLoop
-    placement: Placement
-    sampling: Sampling
-    slots: list[int] = field(default_factory=list)
-    stage: Stage = Stage.QUEUED
-    num_cached_tokens: int = 0
-    aborted: bool = False
-
-
-@dataclass
-class _WorkerView:
-    hello: Hello
-    link: MessageLink
-    free_slots: deque[int]
-    load: LoadReport | None = None
-    alive: bool = True
-
-
-@dataclass
-class TransferTotals:
-    """KV streaming figures summed over finished prefills (see `PrefillDone`)."""
-
-    num_prefills: int = 0
-    compute_s: float = 0.0
-    transfer_span_s: float = 0.0
-    transfer_exposed_s: float = 0.0
-    transfer_bytes: int = 0
-    num_cached_tokens: int = 0
-    num_fetched_tokens: int = 0
-
-    @property
-    def hidden_share(self) -> float:
-        """Share of the streaming window overlapped with compute: 1 - exposed / span."""
-        if self.transfer_span_s <= 0:
-            return 0.0
-        return max(0.0, 1.0 - self.transfer_exposed_s / self.transfer_span_s)
-
-
-class _Stream:
-    def __init__(self, backend: DisaggBackend, request_id: str,
-                 sink: asyncio.Queue[TokenEvent | BaseException]) -> None:
-        self._backend, self._request_id, self._sink = backend, request_id, sink
-        self._done = False
-
-    def __aiter__(self) -> _Stream:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._sink.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._done = item.finish_reason is not None
-        return item
-
-    async def aclose(self) -> None:
-        if not self._done:  # no await: this may run in a cancelled task
-            self._done = True
-            self._backend.abort(self._request_id)
 
 
 class DisaggBackend:
@@ -137,7 +74,10 @@ class DisaggBackend:
 
     def __init__(self, model: str, worker_addresses: Sequence[str], config: ConductorConfig,
                  prefill_model: PrefillModel, decode_model: DecodeModel,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, *, monitor: MonitorConfig | None = None,
+                 store_master: str | None = None, run_monitor: bool = True) -> None:
+        """`store_master` (HOST:PORT) turns the store audit on; `run_monitor=False` leaves
+        `check_workers()` and `audit_store()` to the caller (tests with a manual clock)."""
         if not worker_addresses:
             raise ValueError("workers: pass at least one worker address")
         source = resolve(model)
@@ -148,13 +88,18 @@ class DisaggBackend:
         self._prefill_model, self._decode_model = prefill_model, decode_model
         self.clock = clock or SystemClock()
         self._lock = threading.RLock()
-        self._workers: dict[str, _WorkerView] = {}
-        self._flights: dict[str, _Flight] = {}
+        self._workers: dict[str, WorkerLink] = {}
+        self._flights: dict[str, Flight] = {}
         self._queued: deque[str] = deque()
         self.conductor: Conductor | None = None
         self.totals = TransferTotals()
         self._layout: Hello | None = None
         self._readers: list[threading.Thread] = []
+        self.monitor_config = monitor or MonitorConfig()
+        self._store_master, self._run_monitor = store_master, run_monitor
+        self._store: StoreClient | None = None
+        self.store_audit: StoreAudit | None = None
+        self._monitor: Monitor | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> DisaggBackend:
@@ -179,18 +124,28 @@ class DisaggBackend:
         self.conductor = Conductor(self.config, prefill_ids, decode_ids, self._prefill_model,
                                    self._decode_model, self._layout.kv_bytes_per_token)
         for hello, link in hellos:
-            self._workers[hello.worker_id] = _WorkerView(
-                hello, link, deque(range(hello.num_staging_blocks)))
+            self._workers[hello.worker_id] = WorkerLink.of(hello, link)
         for hello, link in hellos:
             reader = threading.Thread(target=self._read_loop, args=(hello.worker_id, link),
                                       name=f"frontend-{hello.worker_id}", daemon=True)
             reader.start()
             self._readers.append(reader)
+        if self._store_master is not None and self.monitor_config.store_audit_max_keys > 0:
+            self._store = StoreClient(self._store_master)
+            self.store_audit = StoreAudit(self._layout.namespace,
+                                          self.monitor_config.store_audit_max_keys)
+        if self._run_monitor:
+            self._monitor = Monitor(self.monitor_config, self.check_workers,
+                                    self.audit_store if self._store is not None else None)
+            self._monitor.start()
         return self
 
     def close(self, shutdown_workers: bool = False) -> None:
         """Fail what is in flight and disconnect; `shutdown_workers` also asks every worker
         process to exit (`kvcake worker` honours it)."""
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
         with self._lock:
             views = list(self._workers.values())
             for flight in list(self._flights.values()):
@@ -205,6 +160,9 @@ class DisaggBackend:
             view.link.close()
         for reader in self._readers:
             reader.join(timeout=5)
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def __enter__(self) -> DisaggBackend:
         return self.start()
@@ -237,7 +195,7 @@ class DisaggBackend:
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         return self.encode(render_chat_text(messages))
 
-    async def generate(self, request: GenerateRequest) -> _Stream:
+    async def generate(self, request: GenerateRequest) -> Stream:
         sampling = _sampling(request)
         layout = self._hello()
         keys = block_keys(request.prompt_token_ids, layout.block_size, layout.namespace)
@@ -252,11 +210,11 @@ class DisaggBackend:
                 raise Rejected(f"the Conductor rejected the request ({decision.reason.value}: "
                                f"predicted TTFT {decision.predicted_ttft_s:.3f} s, TBT "
                                f"{decision.predicted_tbt_s:.3f} s)", decision.retry_after_s)
-            flight = _Flight(request, sink, asyncio.get_running_loop(), decision, sampling)
+            flight = Flight(request, sink, asyncio.get_running_loop(), decision, sampling)
             self._flights[request.request_id] = flight
             self._queued.append(request.request_id)
             self._dispatch_queued()
-        return _Stream(self, request.request_id, sink)
+        return Stream(self.abort, request.request_id, sink)
 
     def stats(self) -> BackendStats:
         with self._lock:
@@ -315,6 +273,41 @@ class DisaggBackend:
         with self._lock:
             return [w for w, v in self._workers.items() if v.alive]
 
+    # -- housekeeping (the monitor thread, or a test) -----------------------------------------
+    def check_workers(self) -> list[str]:
+        """Ping the live workers; fail those whose ping is unanswered for worker_timeout_s
+        (hung: their link stays open but their engine loop does not turn). Returns them."""
+        with self._lock:
+            now_s = self.clock.now_s()
+            hung = [w for w, v in self._workers.items()
+                    if v.alive and v.probe(now_s, self.monitor_config)]
+            for worker_id in hung:
+                self._on_worker_lost(worker_id, f"did not answer a ping for "
+                                                f"{self.monitor_config.worker_timeout_s} s")
+        return hung
+
+    def audit_store(self) -> list[int]:
+        """One store-audit round (store_audit.py): returns the block keys found gone, which
+        the Conductor no longer lists under holder "store"."""
+        audit, store = self.store_audit, self._store
+        if audit is None or store is None:
+            return []
+        with self._lock:
+            batch = audit.take_round()
+        if not batch:
+            return []
+        try:  # the master round trip runs without the lock
+            present = store.exists_batch([audit.store_key(k) for k, _ in batch])
+        except (StoreError, OSError) as exc:
+            log.warning("store audit: the master did not answer (%s); next round", exc)
+            return []
+        with self._lock:
+            gone = audit.settle(batch, present)
+            if gone:
+                assert self.conductor is not None
+                self.conductor.on_blocks_removed(STORE_HOLDER, gone)
+        return gone
+
     # -- dispatch ------------------------------------------------------------------------------
     def _hello(self) -> Hello:
         if self._layout is None:
@@ -335,7 +328,7 @@ class DisaggBackend:
                 blocked.add(decode_id)
                 self._queued.append(rid)
 
-    def _try_dispatch(self, flight: _Flight) -> bool:
+    def _try_dispatch(self, flight: Flight) -> bool:
         placement = flight.placement
         request = flight.request
         colocated = placement.decode_id == placement.prefill_id
@@ -349,9 +342,10 @@ class DisaggBackend:
                 self._fail(flight, ValueError("prompt: longer than the decode worker's staging "
                                               "segment holds; raise --staging-bytes"))
                 return True
-            if len(decode.free_slots) < num_blocks:
+            slots = decode.take_slots(num_blocks)
+            if slots is None:
                 return False
-            flight.slots = [decode.free_slots.popleft() for _ in range(num_blocks)]
+            flight.slots = slots
         fetch = placement.fetch
         order = PrefillOrder(
             request.request_id, list(request.prompt_token_ids),
@@ -368,13 +362,7 @@ class DisaggBackend:
 
     def _send(self, worker_id: str, message: Message) -> bool:
         view = self._workers.get(worker_id)
-        if view is None or not view.alive:
-            return False
-        try:
-            view.link.send(message)
-        except OSError:
-            return False
-        return True
+        return view is not None and view.send(message)
 
     # -- events from workers (reader threads) -----------------------------------------------
     def _read_loop(self, worker_id: str, link: MessageLink) -> None:
@@ -400,9 +388,14 @@ class DisaggBackend:
             return
         if isinstance(message, StoreEvents):
             conductor.on_blocks_stored(STORE_HOLDER, message.stored)
+            if self.store_audit is not None:
+                conductor.on_blocks_removed(STORE_HOLDER, self.store_audit.track(message.stored))
             return
         if isinstance(message, LoadReport):
             self._workers[worker_id].load = message
+            return
+        if isinstance(message, Pong):
+            self._workers[worker_id].on_pong(message.seq)
             return
         flight = self._flights.get(getattr(message, "request_id", ""))
         if flight is None:
@@ -416,7 +409,7 @@ class DisaggBackend:
             self._dispatch_queued()
         elif isinstance(message, Tokens):
             reason = FinishReason(message.finish_reason) if message.finish_reason else None
-            self._emit(flight, TokenEvent(tuple(message.token_ids), flight.num_cached_tokens,
+            flight.emit(TokenEvent(tuple(message.token_ids), flight.num_cached_tokens,
                                           reason))
             if reason is not None:
                 self._finish(flight)
@@ -426,7 +419,7 @@ class DisaggBackend:
             else:
                 self._fail(flight, RuntimeError(f"worker {worker_id}: {message.message}"))
 
-    def _on_prefill_done(self, flight: _Flight, done: PrefillDone) -> None:
+    def _on_prefill_done(self, flight: Flight, done: PrefillDone) -> None:
         conductor = self.conductor
         assert conductor is not None
         placement = flight.placement
@@ -441,12 +434,17 @@ class DisaggBackend:
         t.transfer_bytes += done.transfer_bytes
         t.num_cached_tokens += done.num_cached_tokens
         t.num_fetched_tokens += done.num_fetched_tokens
+        fetch = placement.fetch
+        if fetch is not None and self.store_audit is not None and \
+                done.num_fetched_tokens < len(fetch.keys) * self._hello().block_size:
+            # A short fetch: some planned blocks may have left the store; check them first.
+            self.store_audit.suspect([cast(int, k) for k in fetch.keys])
         if flight.aborted:
             self._finish(flight)
             return
         flight.num_cached_tokens = done.num_cached_tokens
         reason = FinishReason(done.finish_reason) if done.finish_reason else None
-        self._emit(flight, TokenEvent((done.first_token_id,), done.num_cached_tokens, reason))
+        flight.emit(TokenEvent((done.first_token_id,), done.num_cached_tokens, reason))
         if reason is not None:
             self._finish(flight)
             return
@@ -460,14 +458,15 @@ class DisaggBackend:
         if not self._send(placement.decode_id, order):
             self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
 
-    def _on_worker_lost(self, worker_id: str) -> None:
+    def _on_worker_lost(self, worker_id: str, why: str = "its link closed") -> None:
         with self._lock:
             view = self._workers.get(worker_id)
             if view is None or not view.alive:
                 return
             view.alive = False
-            log.warning("worker %s lost; its requests fail, new ones go to the others",
-                        worker_id)
+            view.link.close()  # a hung worker's late messages are not read any more
+            log.warning("worker %s lost (%s); its requests fail, new ones go to the others",
+                        worker_id, why)
             assert self.conductor is not None
             self.conductor.remove_instance(worker_id)
             for flight in list(self._flights.values()):
@@ -483,21 +482,15 @@ class DisaggBackend:
             self._dispatch_queued()
 
     # -- endings -------------------------------------------------------------------------------
-    def _emit(self, flight: _Flight, item: TokenEvent | BaseException) -> None:
-        try:
-            flight.loop.call_soon_threadsafe(flight.sink.put_nowait, item)
-        except RuntimeError:  # the HTTP side's loop is closed: nobody listens any more
-            pass
-
-    def _fail(self, flight: _Flight, error: BaseException) -> None:
+    def _fail(self, flight: Flight, error: BaseException) -> None:
         if flight.stage is not Stage.DONE and not flight.aborted:
-            self._emit(flight, error)
+            flight.emit(error)
         placement = flight.placement
         for worker_id in {placement.prefill_id, placement.decode_id}:
             self._send(worker_id, Abort(flight.request.request_id))
         self._finish(flight)
 
-    def _finish(self, flight: _Flight) -> None:
+    def _finish(self, flight: Flight) -> None:
         rid = flight.request.request_id
         flight.stage = Stage.DONE
         self._free_slots(flight)
@@ -506,10 +499,10 @@ class DisaggBackend:
         self.conductor.on_request_aborted(rid)  # forgets whatever is still booked
         self._dispatch_queued()
 
-    def _free_slots(self, flight: _Flight) -> None:
+    def _free_slots(self, flight: Flight) -> None:
         view = self._workers.get(flight.placement.decode_id)
         if view is not None and flight.slots:
-            view.free_slots.extend(flight.slots)
+            view.give_back(flight.slots)
         flight.slots = []
 
 

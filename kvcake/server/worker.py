@@ -15,7 +15,10 @@ is pending and publishes the prefix cache's KV events and the load after every s
 work it blocks on the inbox: an idle worker burns no CPU.
 
 On connect the worker sends `Hello` (identity, KV layout, staging segment). Messages to a
-frontend that is gone are dropped: the frontend fails those requests itself.
+frontend that is gone are dropped: the frontend fails those requests itself. The engine loop
+answers the frontend's `Ping` between steps (not the reader thread), so a worker whose loop
+stalls stops answering and the frontend fails it after `MonitorConfig.worker_timeout_s`.
+`hold()` / `release()` stall the engine loop on purpose (fault injection for tests).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from kvcake.messages import (
     Message,
     MessageError,
     MessageLink,
+    Ping,
+    Pong,
     Shutdown,
 )
 from kvcake.store import NodeConfig, StoreClient, StoreNode
@@ -105,6 +110,8 @@ class Worker:
         self._stopping = threading.Event()
         self.shutdown_requested = threading.Event()  # a frontend sent Shutdown
         self._last_load: LoadReport | None = None
+        self._running = threading.Event()  # cleared by hold(): the engine loop stalls
+        self._running.set()
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -157,6 +164,7 @@ class Worker:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        self._running.set()
         self._inbox.put(None)
         if self._listener is not None:
             try:
@@ -196,6 +204,14 @@ class Worker:
             kv_bytes_per_token=engine.model_config.kv_bytes_per_token(itemsize),
             max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
             staging=staging, num_staging_blocks=num_staging)
+
+    def hold(self) -> None:
+        """Fault injection: stall the engine loop (before its next iteration) until
+        `release()`; the process stays up and its links stay open, like a hung worker."""
+        self._running.clear()
+
+    def release(self) -> None:
+        self._running.set()
 
     def post(self, item: object) -> None:
         """Hand a role-internal item (e.g. a finished fetch) to the engine-loop thread."""
@@ -250,7 +266,12 @@ class Worker:
         role = self._role
         while True:
             idle = not engine.has_unfinished() and not role.has_pending()
-            for message in self._drain(block=idle):
+            messages = self._drain(block=idle)
+            self._running.wait()
+            for message in messages:
+                if isinstance(message, Ping):  # answered here: proves this loop turns
+                    self.send(Pong(message.seq))
+                    continue
                 if isinstance(message, Shutdown):
                     self.shutdown_requested.set()  # the process owner (run_worker) stops
                     continue

@@ -1,0 +1,92 @@
+"""The per-request objects of the disaggregated backend: a request in flight, its token stream,
+and the KV streaming totals.
+
+A `Flight` is created by `DisaggBackend.generate` and lives until its `Stage` is DONE; the
+backend mutates it only under its lock. A `Stream` is what the HTTP side iterates: it yields
+`TokenEvent`s from the flight's sink and raises the error a failed flight puts there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvcake.conductor import Placement
+from kvcake.messages import Sampling
+from kvcake.server.backend import GenerateRequest, TokenEvent
+
+
+class Stage(Enum):
+    QUEUED = "queued"  # placed, waiting for staging slots on its decode worker
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DONE = "done"
+
+
+@dataclass
+class Flight:
+    request: GenerateRequest
+    sink: asyncio.Queue[TokenEvent | BaseException]
+    loop: asyncio.AbstractEventLoop
+    placement: Placement
+    sampling: Sampling
+    slots: list[int] = field(default_factory=list)  # staging slots held on the decode worker
+    stage: Stage = Stage.QUEUED
+    num_cached_tokens: int = 0
+    aborted: bool = False
+
+    def emit(self, item: TokenEvent | BaseException) -> None:
+        """Hand an event (or the error that ends the stream) to the HTTP side; any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.sink.put_nowait, item)
+        except RuntimeError:  # the HTTP side's loop is closed: nobody listens any more
+            pass
+
+
+@dataclass
+class TransferTotals:
+    """KV streaming figures summed over finished prefills (see `PrefillDone`)."""
+
+    num_prefills: int = 0
+    compute_s: float = 0.0
+    transfer_span_s: float = 0.0
+    transfer_exposed_s: float = 0.0
+    transfer_bytes: int = 0
+    num_cached_tokens: int = 0
+    num_fetched_tokens: int = 0
+
+    @property
+    def hidden_share(self) -> float:
+        """Share of the streaming window overlapped with compute: 1 - exposed / span."""
+        if self.transfer_span_s <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.transfer_exposed_s / self.transfer_span_s)
+
+
+class Stream:
+    """The async iterator `generate` returns; `aclose()` before the end aborts the request."""
+
+    def __init__(self, abort: Callable[[str], None], request_id: str,
+                 sink: asyncio.Queue[TokenEvent | BaseException]) -> None:
+        self._abort, self._request_id, self._sink = abort, request_id, sink
+        self._done = False
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._sink.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finish_reason is not None
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:  # no await: this may run in a cancelled task
+            self._done = True
+            self._abort(self._request_id)

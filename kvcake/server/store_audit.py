@@ -1,0 +1,91 @@
+"""Keeps the Conductor's holder "store" true: blocks the store dropped stop being listed.
+
+Why polling: the store master evicts (LRU above its watermark), removes, and drops the
+replicas of dead nodes on its own, and its public API reports none of it; the frontend already
+knows exactly which keys it told the Conductor the store holds (from `StoreEvents`). So the
+audit keeps those keys in an ordered map and, each round, asks the master `exists_batch` about
+at most `max_keys` of them, oldest-checked first (round robin), and reports the missing ones
+removed. The cost is bounded: one master round trip per round, `max_keys` keys; a block gone
+from the store stays listed at most one full cycle (tracked / max_keys rounds). Until then a
+fetch planned for it falls back to recompute (the prefill worker imports what it could read),
+which costs time, never tokens; `suspect()` moves the keys of such a short fetch to the front,
+so they are checked in the next round.
+
+Races: a key stored again between the master's answer and the report must stay listed, so each
+tracking entry carries a generation, and a removal is reported only if the generation is the
+one that was checked. Memory is bounded by `max_tracked`: past it the oldest-checked keys are
+reported removed without asking (a possible miss, never a wrong fetch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import count
+
+from kvcake.hashing import key_hex
+from kvcake.types import BlockKey
+
+ExistsBatch = Callable[[Sequence[str]], list[bool]]
+
+
+class StoreAudit:
+    """Not thread-safe: the backend calls `track`, `suspect`, `take_round` and `settle` under
+    its lock, and `exists_batch` (the master round trip) without it."""
+
+    def __init__(self, namespace: str, max_keys: int, max_tracked: int = 1_000_000) -> None:
+        if max_keys < 1:
+            raise ValueError(f"max_keys: must be >= 1, got {max_keys}")
+        self.namespace = namespace
+        self.max_keys = max_keys
+        self.max_tracked = max_tracked
+        self._tracked: dict[int, int] = {}  # key -> generation; order: least recently checked
+        self._generations = count(1)
+        self.num_checked = 0
+        self.num_removed = 0
+
+    def __len__(self) -> int:
+        return len(self._tracked)
+
+    def track(self, keys: Sequence[int]) -> list[int]:
+        """The store holds `keys` (again); returns keys dropped from tracking to stay bounded
+        (the caller reports them removed)."""
+        for key in keys:
+            self._tracked.pop(key, None)
+            self._tracked[key] = next(self._generations)  # checked last: it was just written
+        dropped = []
+        while len(self._tracked) > self.max_tracked:
+            key = next(iter(self._tracked))
+            del self._tracked[key]
+            dropped.append(key)
+        self.num_removed += len(dropped)
+        return dropped
+
+    def suspect(self, keys: Sequence[int]) -> None:
+        """Check these tracked keys first in the next round (e.g. a fetch came back short)."""
+        front = {k: self._tracked[k] for k in keys if k in self._tracked}
+        for key in front:
+            del self._tracked[key]
+        self._tracked = {**front, **self._tracked}
+
+    def take_round(self) -> list[tuple[int, int]]:
+        """Up to max_keys (key, generation) pairs to check now; they move to the back."""
+        batch = []
+        for key in list(self._tracked)[:self.max_keys]:
+            generation = self._tracked.pop(key)
+            self._tracked[key] = generation
+            batch.append((key, generation))
+        return batch
+
+    def store_key(self, key: int) -> str:
+        return f"{self.namespace}:{key_hex(BlockKey(key))}"
+
+    def settle(self, batch: Sequence[tuple[int, int]], present: Sequence[bool]) -> list[int]:
+        """The master's answers for `batch`; returns the keys to report removed."""
+        gone = []
+        for (key, generation), exists in zip(batch, present, strict=True):
+            if not exists and self._tracked.get(key) == generation:
+                del self._tracked[key]
+                gone.append(key)
+        self.num_checked += len(batch)
+        self.num_removed += len(gone)
+        return gone

@@ -1,0 +1,75 @@
+"""The frontend's side of one worker: its link, its decode staging slots, load and liveness.
+
+Staging slots: a decode worker's staging segment holds `num_staging_blocks` prompt blocks; the
+frontend hands a request the slots its prompt needs before the prefill starts and takes them
+back when the decode worker admitted the request (or the request ended).
+
+Liveness: `probe(now_s)` sends a `Ping` when none is outstanding and `ping_interval_s` has
+passed, and says the worker is hung when the outstanding ping is older than
+`worker_timeout_s`; `on_pong` clears it. Pure bookkeeping with the time passed in: the backend
+calls it under its lock and acts on the answer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcake.messages import Hello, LoadReport, Message, MessageLink, Ping
+from kvcake.server.monitor import MonitorConfig
+
+
+@dataclass
+class WorkerLink:
+    hello: Hello
+    link: MessageLink
+    free_slots: deque[int] = field(default_factory=deque)
+    load: LoadReport | None = None
+    alive: bool = True
+    ping_seq: int = 0
+    ping_sent_s: float | None = None  # the outstanding ping; None: answered
+    last_ping_s: float | None = None
+
+    @classmethod
+    def of(cls, hello: Hello, link: MessageLink) -> WorkerLink:
+        return cls(hello, link, deque(range(hello.num_staging_blocks)))
+
+    @property
+    def worker_id(self) -> str:
+        return self.hello.worker_id
+
+    def send(self, message: Message) -> bool:
+        """False when the worker is gone (or was declared so)."""
+        if not self.alive:
+            return False
+        try:
+            self.link.send(message)
+        except OSError:
+            return False
+        return True
+
+    # -- staging slots -------------------------------------------------------------------------
+    def take_slots(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` free staging slots, or None (nothing taken) when fewer are free."""
+        if len(self.free_slots) < num_blocks:
+            return None
+        return [self.free_slots.popleft() for _ in range(num_blocks)]
+
+    def give_back(self, slots: list[int]) -> None:
+        self.free_slots.extend(slots)
+
+    # -- liveness ------------------------------------------------------------------------------
+    def probe(self, now_s: float, config: MonitorConfig) -> bool:
+        """True when the worker is hung (its ping unanswered for worker_timeout_s); else sends
+        the next ping when one is due."""
+        if self.ping_sent_s is not None:
+            return now_s - self.ping_sent_s > config.worker_timeout_s
+        if self.last_ping_s is None or now_s - self.last_ping_s >= config.ping_interval_s:
+            self.ping_seq += 1
+            self.ping_sent_s = self.last_ping_s = now_s
+            self.send(Ping(self.ping_seq))  # a dead link is noticed by its reader
+        return False
+
+    def on_pong(self, seq: int) -> None:
+        if seq == self.ping_seq:
+            self.ping_sent_s = None
