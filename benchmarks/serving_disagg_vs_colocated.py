@@ -2,15 +2,19 @@
 
     .venv/bin/python benchmarks/serving_disagg_vs_colocated.py \
         --trace ../shared/traces/conversation_trace.jsonl --max-requests 300 --speed 2 \
-        --scale-tokens 0.03125
+        --scale-tokens 0.03125 --capacity-requests 60 --capacity-probes 4
 
 Each system is a cluster started by `kvcake.server.launcher` (worker processes, the same
 frontend, the same Conductor code): (a) 1 prefill + 1 decode worker with the store (policy
 global_cache), (b) 2 colocated workers (policy colocated: local prefix cache only, no store).
 `kvcake bench` replays the same scaled slice of the trace against each, twice: a cold pass
 (empty caches and store) and a warm pass (the same prompts again: prefixes in the store and the
-local caches). Printed: effective request capacity, TTFT and the paper's TBT per pass, the
-ratios disaggregated / colocated, and the KV streaming overlap measured by the prefill workers.
+local caches). Then, on the same warm cluster, `kvcake bench --find-capacity` searches the
+highest replay speed (and request rate) at which >= 90% of requests are effective, over the first
+`--capacity-requests` records with at most `--capacity-probes` probes (each a full replay: the
+cap keeps the whole run bounded). Printed: effective request capacity, TTFT and the paper's TBT
+per pass, the capacity found, the ratios disaggregated / colocated, and the KV streaming overlap
+measured by the prefill workers.
 Admission control is off in both (every request is served), so the capacity compares the
 systems and not the Conductor's rejections.
 """
@@ -35,11 +39,16 @@ FIELDS = ("completed", "failed", "effective_request_capacity", "mean_ttft_ms", "
           "mean_tbt_ms", "p90_tbt_ms", "mean_tpot_ms", "request_throughput")
 
 
-def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
+def bench(url: str, args: argparse.Namespace, find_capacity: bool = False) -> dict[str, Any]:
+    max_requests, speed = args.max_requests, args.speed
+    extra: list[str] = []
+    if find_capacity:
+        max_requests, speed = args.capacity_requests, args.capacity_start_speed
+        extra = ["--find-capacity", "--max-capacity-probes", str(args.capacity_probes)]
     cmd = [sys.executable, "-m", "kvcake", "bench", "--trace", str(args.trace), "--url", url,
-           "--max-requests", str(args.max_requests), "--speed", str(args.speed),
+           "--max-requests", str(max_requests), "--speed", str(speed),
            "--scale-tokens", str(args.scale_tokens), "--tbt-slo-ms", str(args.tbt_slo_ms),
-           "--ttft-slo-s", str(args.ttft_slo_s)]
+           "--ttft-slo-s", str(args.ttft_slo_s), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     report: dict[str, Any] = json.loads(out)
     return report
@@ -58,6 +67,12 @@ def run_system(name: str, config: ClusterConfig, args: argparse.Namespace) -> di
                 passes[label] = bench(api.url, args)
                 print(f"[{name}] {label} pass: {time.perf_counter() - started:.0f} s",
                       file=sys.stderr, flush=True)
+            capacity = None
+            if args.capacity_probes > 0:
+                started = time.perf_counter()
+                capacity = bench(api.url, args, find_capacity=True)["capacity"]
+                print(f"[{name}] capacity search: {time.perf_counter() - started:.0f} s",
+                      file=sys.stderr, flush=True)
             totals = cluster.backend.totals
             streaming = {"num_prefills": totals.num_prefills,
                          "kv_stream_hidden_share": totals.hidden_share,
@@ -69,7 +84,7 @@ def run_system(name: str, config: ClusterConfig, args: argparse.Namespace) -> di
                          "fetched_tokens": totals.num_fetched_tokens}
         finally:
             api.close()
-    return {"passes": passes, "streaming": streaming}
+    return {"passes": passes, "capacity": capacity, "streaming": streaming}
 
 
 def main() -> int:
@@ -83,6 +98,11 @@ def main() -> int:
     parser.add_argument("--scale-tokens", type=float, default=1 / 32)
     parser.add_argument("--ttft-slo-s", type=float, default=30.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    parser.add_argument("--capacity-requests", type=int, default=60,
+                        help="records replayed by each --find-capacity probe")
+    parser.add_argument("--capacity-probes", type=int, default=4,
+                        help="probe budget of the capacity search per system (0: skip it)")
+    parser.add_argument("--capacity-start-speed", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--streaming-requests", type=int, default=20)
@@ -174,12 +194,29 @@ def print_table(results: dict[str, Any]) -> None:
         cold, warm = results[name]["passes"]["cold"], results[name]["passes"]["warm"]
         print(f"{name}: mean TTFT warm / cold = {warm['mean_ttft_ms']:.1f} / "
               f"{cold['mean_ttft_ms']:.1f} ms = {warm['mean_ttft_ms'] / cold['mean_ttft_ms']:.2f}")
+    print_capacity(results)
     s = results["disaggregated"]["streaming"]
     print(f"KV streaming: {s['transfer_bytes'] / 2**20:.1f} MiB over {s['num_prefills']} prefills;"
           f" hidden behind compute {s['kv_stream_hidden_share']:.1%} (exposed "
           f"{s['transfer_exposed_s'] * 1000:.1f} ms of a {s['transfer_span_s'] * 1000:.1f} ms "
           f"window; prefill compute {s['prefill_compute_s'] * 1000:.0f} ms); fetched from the "
           f"store {s['fetched_tokens']} of {s['cached_tokens']} reused tokens")
+
+
+def print_capacity(results: dict[str, Any]) -> None:
+    found = {name: results[name]["capacity"] for name in ("disaggregated", "colocated")}
+    if any(c is None for c in found.values()):
+        return
+    for name, cap in found.items():
+        probes = ", ".join(f"{p['speed']:.3g}x -> {p['effective_request_capacity']:.2f}"
+                           for p in cap["probes"])
+        rate = cap["best_request_rate"]
+        print(f"{name}: capacity (>= {cap['target_effective_share']:.0%} effective) at speed "
+              f"{cap['best_speed']} = {'-' if rate is None else f'{rate:.2f}'} req/s "
+              f"(probes: {probes})")
+    a, b = (found[n]["best_request_rate"] for n in ("disaggregated", "colocated"))
+    if a is not None and b:
+        print(f"effective request capacity (req/s) disagg / colocated = {a / b:.2f}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.loader import load_weights, resolve
 from kvcake.engine.model import LlamaModel
 from kvcake.engine.runner import ModelRunner
-from kvcake.engine.sampling import Sampler, SamplingParams
+from kvcake.engine.sampling import Sampler, SamplingParams, suppress_tokens
 from kvcake.engine.sequence import FinishReason
 from kvcake.engine.sequence import Sequence as Seq
 from kvcake.engine.tokenizer import Tokenizer
@@ -104,6 +104,8 @@ class Engine:
         self._seqs: dict[str, Seq] = {}
         self._params: dict[str, SamplingParams] = {}
         self._held: dict[str, Seq] = {}  # finished prefill-only requests still holding blocks
+        self._held_sampler_state: dict[str, bytes] = {}  # their seeded generators, for export
+        self._reserved: dict[str, tuple[Seq, SamplingParams]] = {}  # blocks awaiting remote KV
 
     @property
     def num_blocks(self) -> int:
@@ -129,47 +131,126 @@ class Engine:
 
     def add_request_with_kv(self, request_id: str, prompt_token_ids: Sequence[int],
                             first_token_id: int, kv_blocks: Sequence[bytes],
-                            sampling_params: SamplingParams | None = None) -> bool:
+                            sampling_params: SamplingParams | None = None, *,
+                            sampler_state: bytes | None = None) -> bool:
         """Admit a request whose prompt KV was computed elsewhere (decode role).
 
         `kv_blocks[i]` holds block i of the prompt (ceil(len(prompt) / block_size) blocks, each
         `pool.block_nbytes`). Blocks already in the local prefix cache are reused, not written.
-        Returns False, changing nothing, when the pool has no room now (retry later).
+        `sampler_state` is the prefill engine's `sampler_state(request_id)` of a seeded request,
+        so its tokens equal a colocated run's. Returns False, changing nothing, when the pool
+        has no room now (retry later). A staging-copy path: `reserve_request` avoids the copy.
+        """
+        params = sampling_params or SamplingParams()
+        num_blocks = -(-len(prompt_token_ids) // self.block_size)
+        if len(kv_blocks) != num_blocks:
+            raise ValueError(f"kv_blocks: the prompt needs {num_blocks} blocks, "
+                             f"got {len(kv_blocks)}")
+        if any(len(b) != self.pool.block_nbytes for b in kv_blocks):
+            raise ValueError(f"kv_blocks: each block must be {self.pool.block_nbytes} bytes")
+        to_fill = self.reserve_request(request_id, prompt_token_ids, params)
+        if to_fill is None:
+            return False
+        try:
+            for block, data in zip(to_fill, kv_blocks[num_blocks - len(to_fill):], strict=True):
+                self.pool.import_block(block, data)
+            self.commit_reserved(request_id, first_token_id, sampler_state)
+        except ValueError:
+            self.cancel_reserved(request_id)
+            raise
+        return True
+
+    # -- decode-side reservation (direct KV writes) ------------------------------------------
+    def reserve_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                        sampling_params: SamplingParams | None = None) -> list[BlockId] | None:
+        """Allocate the KV blocks of a request whose prompt is prefilled elsewhere, so a remote
+        writer can put the KV straight into this pool (no staging copy).
+
+        Contract. The prompt needs P = ceil(len(prompt) / block_size) blocks. Leading full
+        blocks already in the local prefix cache are reused (pinned, never written); the
+        returned list holds the block ids of prompt blocks P - len(result) .. P - 1, in order,
+        which the caller must fill completely (the tail of a partial last block is ignored).
+        Pool layout (`KVPool`): one contiguous tensor [layers, num_blocks, 2 (K, V), block_size,
+        num_kv_heads, head_dim] of `pool.dtype`; layer l of block b is the `pool.layer_nbytes`
+        bytes at byte offset `pool.layer_offset_bytes(b, l)` = (l * num_blocks + b) *
+        layer_nbytes from `pool.kv.data_ptr()`, K in its first half and V in the second, each
+        [block_size, num_kv_heads, head_dim] row-major (the bytes `export_layer_kv` returns).
+        Then `commit_reserved` joins the request to batching; `cancel_reserved` (or `abort`)
+        frees exactly the reserved blocks and drops the request. Until commit nothing is
+        keyed, so a half-written block is never served from the prefix cache; the caller must
+        stop writing before it cancels. None, changing nothing, when the pool has no room now.
+        ValueError (nothing changed) on bad input, as `add_request`; max_tokens must be >= 2.
         """
         params = sampling_params or SamplingParams()
         ids = self._validate(request_id, prompt_token_ids, params)
         if params.max_tokens < 2:
             raise ValueError("max_tokens: must be >= 2 for a request whose first token is "
-                             "already generated")
-        if len(kv_blocks) != -(-len(ids) // self.block_size):
-            raise ValueError(f"kv_blocks: the prompt needs {-(-len(ids) // self.block_size)} "
-                             f"blocks, got {len(kv_blocks)}")
-        if any(len(b) != self.pool.block_nbytes for b in kv_blocks):
-            raise ValueError(f"kv_blocks: each block must be {self.pool.block_nbytes} bytes")
-        seq = Seq(RequestId(request_id), [*ids, int(first_token_id)], len(ids),
-                  params.max_tokens, self.block_size, self.namespace,
-                  arrival_s=self.clock.now_s())
-        prompt_keys = seq.block_keys[:len(ids) // self.block_size]
-        cached = self.block_manager.allocate(request_id, seq.num_tokens, prompt_keys)
+                             "generated elsewhere")
+        seq = Seq(RequestId(request_id), ids, len(ids), params.max_tokens, self.block_size,
+                  self.namespace, arrival_s=self.clock.now_s())
+        # Room for the first token too, so commit never fails for want of a block.
+        cached = self.block_manager.allocate(request_id, len(ids) + 1,
+                                             seq.block_keys[:len(ids) // self.block_size])
         if cached is None:
-            return False
-        table = self.block_manager.block_ids(request_id)
-        for i in range(cached // self.block_size, len(kv_blocks)):
-            self.pool.import_block(table[i], kv_blocks[i])
+            return None
         seq.num_computed_tokens = len(ids)
         seq.num_cached_tokens = cached
+        self._reserved[request_id] = (seq, params)
+        table = self.block_manager.block_ids(request_id)
+        return table[cached // self.block_size:-(-len(ids) // self.block_size)]
+
+    def commit_reserved(self, request_id: str, first_token_id: int,
+                        sampler_state: bytes | None = None) -> None:
+        """The reserved blocks are filled: register their keys in the prefix cache and join
+        the request to continuous batching (it decodes from the next step()). ValueError,
+        the reservation kept, for an unknown id, a first token outside the vocabulary or a
+        bad `sampler_state` (see `sampler_state`)."""
+        if request_id not in self._reserved:
+            raise ValueError(f"request_id: {request_id!r} has no reservation; call "
+                             f"reserve_request first")
+        seq, params = self._reserved[request_id]
+        vocab = self.model_config.vocab_size
+        if isinstance(first_token_id, bool) or not isinstance(first_token_id, int) \
+                or not 0 <= first_token_id < vocab:
+            raise ValueError(f"first_token_id: {first_token_id!r} is outside the vocabulary "
+                             f"[0, {vocab})")
+        if sampler_state is not None:
+            self.sampler.import_state(request_id, params, sampler_state, self.device)
+        del self._reserved[request_id]
+        seq.token_ids.append(first_token_id)
+        seq.update_block_keys()
         seq.first_token_s = seq.arrival_s
-        self.block_manager.cache_full_blocks(request_id, prompt_keys)
+        self.block_manager.cache_full_blocks(
+            request_id, seq.block_keys[:seq.num_prompt_tokens // self.block_size])
         self._seqs[request_id] = seq
         self._params[request_id] = params
+        # A first token that ends the request (a stop id, EOS) is the prefill side's to
+        # report; it should never be committed here (the prefill engine finishes with STOP).
         self.batcher.add_running(seq)
-        return True
+
+    def cancel_reserved(self, request_id: str) -> None:
+        """Drop a reservation and free its blocks (reused cached prefix blocks stay cached);
+        unknown ids are ignored, so a racing cancel is harmless."""
+        if self._reserved.pop(request_id, None) is not None:
+            self.block_manager.free(request_id)
+            self.sampler.forget(request_id)
+
+    def sampler_state(self, request_id: str) -> bytes | None:
+        """A request's sampler state (its seeded generator), for `add_request_with_kv` /
+        `commit_reserved` on another engine: export it after the prefill-only request's first
+        token, before `release`. None for unseeded or greedy requests (nothing to carry)."""
+        if request_id in self._held_sampler_state:
+            return self._held_sampler_state[request_id]
+        return self.sampler.export_state(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks. Unknown or finished ids are ignored, so a racing
         abort is harmless."""
         if request_id in self._held:
             self.release(request_id)
+            return
+        if request_id in self._reserved:
+            self.cancel_reserved(request_id)
             return
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
@@ -182,6 +263,7 @@ class Engine:
         """Free the blocks a finished prefill-only request kept (no-op if none)."""
         if self._held.pop(request_id, None) is not None:
             self.block_manager.free(request_id)
+            self._held_sampler_state.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_unfinished()
@@ -199,6 +281,7 @@ class Engine:
         tables = {c.request_id: self.block_manager.block_ids(c.request_id) for c in plan.chunks}
         logits = self.runner.run(plan, self._seqs, tables, layer_hook)
         sampling = [c.request_id for c in plan.chunks if c.samples]
+        self._suppress_early_stops(logits, sampling)
         new_ids = self.sampler.sample(logits, sampling, [self._params[r] for r in sampling])
         sampled = dict(zip(sampling, new_ids, strict=True))
         now_s = self.clock.now_s()
@@ -217,11 +300,30 @@ class Engine:
                     self._finish(seq)
         return outputs
 
+    def _suppress_early_stops(self, logits: torch.Tensor, sampling: list[str]) -> None:
+        """min_tokens: mask the stop ids (and EOS unless ignore_eos) of rows still short."""
+        rows: list[int] = []
+        banned: list[tuple[int, ...]] = []
+        for row, rid in enumerate(sampling):
+            params = self._params[rid]
+            if self._seqs[rid].num_output_tokens < params.min_tokens:
+                rows.append(row)
+                eos = () if params.ignore_eos else self.eos_token_ids
+                banned.append(params.stop_token_ids + eos)
+        if rows:
+            with torch.inference_mode():  # the logits are an inference-mode tensor
+                suppress_tokens(logits, rows, banned)
+
     def _append_token(self, seq: Seq, token_id: int, now_s: float) -> None:
-        params = self._params[seq.request_id]
         seq.token_ids.append(token_id)
         if seq.first_token_s is None:
             seq.first_token_s = now_s
+        self._append_stop_check(seq)
+
+    def _append_stop_check(self, seq: Seq) -> None:
+        """Set `finish_reason` if the last token ends `seq`."""
+        params = self._params[seq.request_id]
+        token_id = seq.token_ids[-1]
         if token_id in params.stop_token_ids or (
                 not params.ignore_eos and token_id in self.eos_token_ids):
             seq.finish_reason = FinishReason.STOP
@@ -235,6 +337,9 @@ class Engine:
         self.batcher.finish(seq, keep_blocks=keep)
         if keep:
             self._held[seq.request_id] = seq
+            state = self.sampler.export_state(seq.request_id)
+            if state is not None:
+                self._held_sampler_state[seq.request_id] = state
         del self._seqs[seq.request_id]
         del self._params[seq.request_id]
         self.sampler.forget(seq.request_id)
@@ -248,7 +353,7 @@ class Engine:
 
     def _validate(self, request_id: str, prompt_token_ids: Sequence[int],
                   params: SamplingParams) -> list[int]:
-        if request_id in self._seqs or request_id in self._held:
+        if request_id in self._seqs or request_id in self._held or request_id in self._reserved:
             raise ValueError(f"request_id: {request_id!r} is already in use; pass a new id")
         ids = list(prompt_token_ids)
         if not ids:

@@ -63,3 +63,11 @@ class KVPool:
         n = self.layer_nbytes
         for i in range(self.num_layers):
             self.import_layer(block_id, i, data[i * n:(i + 1) * n])
+
+    def layer_offset_bytes(self, block_id: BlockId, layer_idx: int) -> int:
+        """Byte offset of layer `layer_idx` of block `block_id` from `kv.data_ptr()`: where a
+        remote writer puts that layer's `layer_nbytes` (K half, then V half)."""
+        if not 0 <= block_id < self.num_blocks or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"kv address: block {block_id} / layer {layer_idx} is outside the "
+                             f"pool ({self.num_blocks} blocks, {self.num_layers} layers)")
+        return (layer_idx * self.num_blocks + block_id) * self.layer_nbytes

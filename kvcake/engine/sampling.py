@@ -3,6 +3,14 @@
 `SamplingParams` is greedy by default (temperature 0), so offline runs are reproducible; the
 OpenAI-compatible server passes its own defaults explicitly. Seeded requests draw from their
 own generator, so their tokens do not depend on what else is in the batch.
+
+Disaggregation: a seeded request samples its first token on the prefill instance and the rest
+on a decode instance. `Sampler.export_state` captures its generator after the first draw and
+`Sampler.import_state` resumes it elsewhere, so the tokens equal a colocated run's.
+
+`min_tokens` (vLLM semantics): until that many tokens are generated, the logits of the stop
+token ids (and of EOS unless `ignore_eos`) are masked to -inf (`suppress_tokens`), so they can
+neither be sampled nor end the request early.
 """
 
 from __future__ import annotations
@@ -22,10 +30,15 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # True: the model's EOS does not stop generation
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
+                             f", got {self.min_tokens!r}; lower min_tokens or raise max_tokens")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
@@ -42,6 +55,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def suppress_tokens(logits: Tensor, rows: list[int], token_ids: list[tuple[int, ...]]) -> None:
+    """Mask (in place, to -inf) `token_ids[i]` in row `rows[i]` of `logits`; ids outside the
+    vocabulary are skipped (a stop id may name a token the model never emits)."""
+    vocab = logits.shape[-1]
+    for row, ids in zip(rows, token_ids, strict=True):
+        cols = [t for t in ids if t < vocab]
+        if cols:
+            logits[row, cols] = float("-inf")
+
+
 class Sampler:
     """Turns one row of logits per sequence into one token id per sequence."""
 
@@ -50,6 +73,28 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+    def export_state(self, request_id: str) -> bytes | None:
+        """The request's generator state (opaque bytes), or None when it has no generator
+        (unseeded or greedy: nothing to carry to another instance)."""
+        gen = self._generators.get(request_id)
+        return None if gen is None else bytes(gen.get_state().numpy().tobytes())
+
+    def import_state(self, request_id: str, p: SamplingParams, state: bytes,
+                     device: torch.device) -> None:
+        """Resume `request_id`'s seeded generator from `export_state` bytes of another sampler.
+        ValueError (nothing changed) for an unseeded request or bytes that are not a state."""
+        if p.seed is None:
+            raise ValueError("sampler_state: only seeded requests carry a sampler state; "
+                             "pass a seed in the sampling params or omit sampler_state")
+        gen = torch.Generator(device=device)
+        try:
+            gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"sampler_state: {len(state)} bytes are not a generator state of "
+                             f"this device ({device}); pass Engine.sampler_state() bytes "
+                             f"from an engine on the same kind of device") from None
+        self._generators[request_id] = gen
 
     def sample(self, logits: Tensor, request_ids: list[str],
                params: list[SamplingParams]) -> list[int]:

@@ -6,6 +6,7 @@
     [store]     master_host = "127.0.0.1"  master_port = 0    # the master runs in the frontend
     [engine]    kv_cache_bytes = "64MiB"  block_size = 16     # EngineConfig keys, every worker
     [conductor] policy = "global_cache"  tbt_slo_s = 0.3      # ConductorConfig keys
+    [monitor]   worker_timeout_s = 30  store_audit_max_keys = 2048   # MonitorConfig keys
     [[workers]] role = "prefill"  count = 2                   # launched here, ports from the OS
     [[workers]] role = "decode"   host = "10.0.0.7"  port = 24100  launch = false   # started
                                   # on its host with `kvcake worker --role decode --port 24100
@@ -23,6 +24,7 @@ from typing import Any
 
 from kvcake.conductor import ConductorConfig, Policy
 from kvcake.engine.config import EngineConfig
+from kvcake.server.monitor import MonitorConfig
 from kvcake.server.worker import Role
 from kvcake.units import parse_size
 
@@ -63,6 +65,7 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     workers: tuple[WorkerSpec, ...] = ()
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)  # pings, store audit
     profile_dir: str | None = None  # None: kvcake.server.profiler.default_cache_dir()
 
     def __post_init__(self) -> None:
@@ -110,8 +113,8 @@ class ClusterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ClusterConfig:
-        known = {"model", "mode", "frontend", "store", "engine", "conductor", "workers",
-                 "profile_dir"}
+        known = {"model", "mode", "frontend", "store", "engine", "conductor", "monitor",
+                 "workers", "profile_dir"}
         _no_unknown(raw, known, source)
         frontend = dict(raw.get("frontend", {}))
         _no_unknown(frontend, {"host", "port"}, f"{source} [frontend]")
@@ -136,6 +139,7 @@ class ClusterConfig:
                    master_port=store.get("master_port", 0),
                    engine=EngineConfig.from_dict(engine),
                    conductor=ConductorConfig.from_dict(raw.get("conductor", {})),
+                   monitor=MonitorConfig.from_dict(raw.get("monitor", {})),
                    workers=tuple(workers), profile_dir=raw.get("profile_dir"))
 
 

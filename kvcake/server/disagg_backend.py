@@ -27,18 +27,15 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import cast
 
 from kvcake.clock import Clock, SystemClock
 from kvcake.conductor import Conductor, ConductorConfig, Placement, Policy, ScheduleRequest
 from kvcake.conductor.predictor import DecodeModel, PrefillModel
-from kvcake.engine.loader import resolve
 from kvcake.hashing import block_keys
 from kvcake.messages import (
     Abort,
     DecodeAdmitted,
-    DecodeOrder,
     Hello,
     KvEvents,
     LoadReport,
@@ -47,19 +44,16 @@ from kvcake.messages import (
     MessageLink,
     Pong,
     PrefillDone,
-    PrefillOrder,
     RequestFailed,
-    Sampling,
-    Shutdown,
     StoreEvents,
     Tokens,
 )
 from kvcake.server.backend import BackendStats, FinishReason, GenerateRequest, Rejected, TokenEvent
-from kvcake.server.disagg_stream import Flight, Stage, Stream, TransferTotals
+from kvcake.server.disagg_stream import Flight, Stage, Stream, TransferTotals, sampling_of
+from kvcake.server.model_front import ModelFront
 from kvcake.server.monitor import Monitor, MonitorConfig
-from kvcake.server.protocol import render_chat_text
 from kvcake.server.store_audit import StoreAudit
-from kvcake.server.worker_link import WorkerLink
+from kvcake.server.worker_link import WorkerLink, connect_workers
 from kvcake.store import StoreClient, StoreError
 
 __all__ = ["STORE_HOLDER", "DisaggBackend", "Stage", "TransferTotals"]
@@ -69,7 +63,7 @@ log = logging.getLogger(__name__)
 STORE_HOLDER = "store"
 
 
-class DisaggBackend:
+class DisaggBackend(ModelFront):
     """See the module docstring. `start()` connects to the workers; `close()` disconnects."""
 
     def __init__(self, model: str, worker_addresses: Sequence[str], config: ConductorConfig,
@@ -80,9 +74,7 @@ class DisaggBackend:
         `check_workers()` and `audit_store()` to the caller (tests with a manual clock)."""
         if not worker_addresses:
             raise ValueError("workers: pass at least one worker address")
-        source = resolve(model)
-        self._model_config = source.config
-        self._tokenizer = source.tokenizer
+        super().__init__(model)
         self._addresses = list(worker_addresses)
         self.config = config
         self._prefill_model, self._decode_model = prefill_model, decode_model
@@ -103,31 +95,18 @@ class DisaggBackend:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> DisaggBackend:
-        hellos: list[tuple[Hello, MessageLink]] = []
-        for address in self._addresses:
-            link = MessageLink.connect(address)
-            first = link.recv()
-            if not isinstance(first, Hello):
-                link.close()
-                raise ValueError(f"worker {address}: expected Hello, got {first!r}")
-            hellos.append((first, link))
-        self._layout = hellos[0][0]
-        for hello, _ in hellos:
-            if (hello.namespace, hello.block_size) != (self._layout.namespace,
-                                                       self._layout.block_size):
-                raise ValueError(f"worker {hello.worker_id}: KV namespace {hello.namespace!r} "
-                                 f"differs from {self._layout.namespace!r}; run every worker "
-                                 "with the same model, dtype, seed and block size")
+        views = connect_workers(self._addresses)
+        self._layout = views[0].hello
         colocated = self.config.policy is Policy.COLOCATED
-        prefill_ids = [h.worker_id for h, _ in hellos if h.role in ("prefill", "colocated")]
-        decode_ids = [] if colocated else [h.worker_id for h, _ in hellos if h.role == "decode"]
+        prefill_ids = [v.worker_id for v in views if v.hello.role in ("prefill", "colocated")]
+        decode_ids = [] if colocated else [v.worker_id for v in views
+                                           if v.hello.role == "decode"]
         self.conductor = Conductor(self.config, prefill_ids, decode_ids, self._prefill_model,
                                    self._decode_model, self._layout.kv_bytes_per_token)
-        for hello, link in hellos:
-            self._workers[hello.worker_id] = WorkerLink.of(hello, link)
-        for hello, link in hellos:
-            reader = threading.Thread(target=self._read_loop, args=(hello.worker_id, link),
-                                      name=f"frontend-{hello.worker_id}", daemon=True)
+        self._workers = {v.worker_id: v for v in views}
+        for view in views:
+            reader = threading.Thread(target=self._read_loop, args=(view.worker_id, view.link),
+                                      name=f"frontend-{view.worker_id}", daemon=True)
             reader.start()
             self._readers.append(reader)
         if self._store_master is not None and self.monitor_config.store_audit_max_keys > 0:
@@ -151,13 +130,7 @@ class DisaggBackend:
             for flight in list(self._flights.values()):
                 self._fail(flight, RuntimeError("the server is shutting down"))
         for view in views:
-            if shutdown_workers and view.alive:
-                try:
-                    view.link.send(Shutdown())
-                except OSError:
-                    pass
-            view.alive = False
-            view.link.close()
+            view.close(shutdown_worker=shutdown_workers)
         for reader in self._readers:
             reader.join(timeout=5)
         if self._store is not None:
@@ -172,31 +145,11 @@ class DisaggBackend:
 
     # -- the Backend contract ------------------------------------------------------------------
     @property
-    def model_name(self) -> str:
-        return self._model_config.name
-
-    @property
     def max_model_len(self) -> int:
         return self._hello().max_model_len
 
-    @property
-    def vocab_size(self) -> int:
-        return self._model_config.vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        if self._tokenizer is None:
-            raise ValueError("prompt: this model has no tokenizer.json; send token ids instead "
-                             "of text")
-        return self._tokenizer.encode(text)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return "" if self._tokenizer is None else self._tokenizer.decode(list(token_ids))
-
-    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        return self.encode(render_chat_text(messages))
-
     async def generate(self, request: GenerateRequest) -> Stream:
-        sampling = _sampling(request)
+        sampling = sampling_of(request)
         layout = self._hello()
         keys = block_keys(request.prompt_token_ids, layout.block_size, layout.namespace)
         schedule = ScheduleRequest(request.request_id, len(request.prompt_token_ids),
@@ -346,12 +299,7 @@ class DisaggBackend:
             if slots is None:
                 return False
             flight.slots = slots
-        fetch = placement.fetch
-        order = PrefillOrder(
-            request.request_id, list(request.prompt_token_ids),
-            asdict(flight.sampling),
-            [cast(int, k) for k in fetch.keys] if fetch is not None else [],
-            {} if colocated else dict(decode.hello.staging or {}), flight.slots)
+        order = flight.prefill_order({} if colocated else dict(decode.hello.staging or {}))
         flight.stage = Stage.PREFILLING
         assert self.conductor is not None
         self.conductor.on_prefill_started(placement.prefill_id, request.request_id,
@@ -426,14 +374,7 @@ class DisaggBackend:
         now_s = self.clock.now_s()
         conductor.on_prefill_finished(placement.prefill_id, done.request_id, now_s)
         conductor.on_transfer_done(done.request_id, now_s)
-        t = self.totals
-        t.num_prefills += 1
-        t.compute_s += done.compute_s
-        t.transfer_span_s += done.transfer_span_s
-        t.transfer_exposed_s += done.transfer_exposed_s
-        t.transfer_bytes += done.transfer_bytes
-        t.num_cached_tokens += done.num_cached_tokens
-        t.num_fetched_tokens += done.num_fetched_tokens
+        self.totals.add(done)
         fetch = placement.fetch
         if fetch is not None and self.store_audit is not None and \
                 done.num_fetched_tokens < len(fetch.keys) * self._hello().block_size:
@@ -452,10 +393,7 @@ class DisaggBackend:
         if placement.decode_id == placement.prefill_id:  # colocated: it decodes in place
             conductor.on_decode_joined(placement.decode_id, done.request_id, now_s)
             return
-        order = DecodeOrder(done.request_id, list(flight.request.prompt_token_ids),
-                            done.first_token_id, asdict(flight.sampling),
-                            flight.slots)
-        if not self._send(placement.decode_id, order):
+        if not self._send(placement.decode_id, flight.decode_order(done.first_token_id)):
             self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
 
     def _on_worker_lost(self, worker_id: str, why: str = "its link closed") -> None:
@@ -505,11 +443,3 @@ class DisaggBackend:
             view.give_back(flight.slots)
         flight.slots = []
 
-
-def _sampling(request: GenerateRequest) -> Sampling:
-    if request.min_tokens > 1 and not (request.ignore_eos and not request.stop_token_ids):
-        raise ValueError("min_tokens > 1 is supported only with ignore_eos=true and no "
-                         "stop_token_ids on this backend")
-    return Sampling(max_tokens=request.max_tokens, temperature=request.temperature,
-                    top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                    stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos)

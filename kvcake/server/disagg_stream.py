@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
+from typing import Any, cast
 
 from kvcake.conductor import Placement
-from kvcake.messages import Sampling
+from kvcake.messages import DecodeOrder, PrefillDone, PrefillOrder, Sampling
 from kvcake.server.backend import GenerateRequest, TokenEvent
 
 
@@ -36,6 +37,20 @@ class Flight:
     stage: Stage = Stage.QUEUED
     num_cached_tokens: int = 0
     aborted: bool = False
+
+    def prefill_order(self, staging: dict[str, Any]) -> PrefillOrder:
+        """The order for the prefill worker; `staging` is the decode worker's segment ({} when
+        the request decodes where it prefills)."""
+        fetch = self.placement.fetch
+        request = self.request
+        return PrefillOrder(request.request_id, list(request.prompt_token_ids),
+                            asdict(self.sampling),
+                            [cast(int, k) for k in fetch.keys] if fetch is not None else [],
+                            staging, self.slots)
+
+    def decode_order(self, first_token_id: int) -> DecodeOrder:
+        return DecodeOrder(self.request.request_id, list(self.request.prompt_token_ids),
+                           first_token_id, asdict(self.sampling), self.slots)
 
     def emit(self, item: TokenEvent | BaseException) -> None:
         """Hand an event (or the error that ends the stream) to the HTTP side; any thread."""
@@ -64,6 +79,15 @@ class TransferTotals:
             return 0.0
         return max(0.0, 1.0 - self.transfer_exposed_s / self.transfer_span_s)
 
+    def add(self, done: PrefillDone) -> None:
+        self.num_prefills += 1
+        self.compute_s += done.compute_s
+        self.transfer_span_s += done.transfer_span_s
+        self.transfer_exposed_s += done.transfer_exposed_s
+        self.transfer_bytes += done.transfer_bytes
+        self.num_cached_tokens += done.num_cached_tokens
+        self.num_fetched_tokens += done.num_fetched_tokens
+
 
 class Stream:
     """The async iterator `generate` returns; `aclose()` before the end aborts the request."""
@@ -90,3 +114,14 @@ class Stream:
         if not self._done:  # no await: this may run in a cancelled task
             self._done = True
             self._abort(self._request_id)
+
+
+def sampling_of(request: GenerateRequest) -> Sampling:
+    """The request's sampling settings as an order carries them; ValueError for what this
+    backend cannot honour."""
+    if request.min_tokens > 1 and not (request.ignore_eos and not request.stop_token_ids):
+        raise ValueError("min_tokens > 1 is supported only with ignore_eos=true and no "
+                         "stop_token_ids on this backend")
+    return Sampling(max_tokens=request.max_tokens, temperature=request.temperature,
+                    top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                    stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos)

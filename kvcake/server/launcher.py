@@ -61,7 +61,9 @@ class Cluster:
                                       Path(cfg.profile_dir) if cfg.profile_dir else None,
                                       num_threads=threads)
             self.backend = DisaggBackend(cfg.model, list(self.addresses.values()), cfg.conductor,
-                                         profile.prefill, profile.decode).start()
+                                         profile.prefill, profile.decode,
+                                         monitor=cfg.monitor,
+                                         store_master=self.master_address).start()
         except BaseException:
             self.close()
             raise

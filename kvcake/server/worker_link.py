@@ -13,9 +13,10 @@ calls it under its lock and acts on the answer.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcake.messages import Hello, LoadReport, Message, MessageLink, Ping
+from kvcake.messages import Hello, LoadReport, Message, MessageLink, Ping, Shutdown
 from kvcake.server.monitor import MonitorConfig
 
 
@@ -48,6 +49,13 @@ class WorkerLink:
             return False
         return True
 
+    def close(self, shutdown_worker: bool = False) -> None:
+        """Disconnect; `shutdown_worker` first asks the worker process to exit."""
+        if shutdown_worker:
+            self.send(Shutdown())
+        self.alive = False
+        self.link.close()
+
     # -- staging slots -------------------------------------------------------------------------
     def take_slots(self, num_blocks: int) -> list[int] | None:
         """`num_blocks` free staging slots, or None (nothing taken) when fewer are free."""
@@ -73,3 +81,30 @@ class WorkerLink:
     def on_pong(self, seq: int) -> None:
         if seq == self.ping_seq:
             self.ping_sent_s = None
+
+
+def connect_workers(addresses: Sequence[str]) -> list[WorkerLink]:
+    """Connect to every worker and read its `Hello`; every worker must share the first one's KV
+    layout (namespace, block size). ValueError naming the worker otherwise, with every link
+    opened so far closed again."""
+    links: list[WorkerLink] = []
+    try:
+        for address in addresses:
+            link = MessageLink.connect(address)
+            first = link.recv()
+            if not isinstance(first, Hello):
+                link.close()
+                raise ValueError(f"worker {address}: expected Hello, got {first!r}")
+            links.append(WorkerLink.of(first, link))
+        layout = links[0].hello
+        for view in links:
+            hello = view.hello
+            if (hello.namespace, hello.block_size) != (layout.namespace, layout.block_size):
+                raise ValueError(f"worker {hello.worker_id}: KV namespace {hello.namespace!r} "
+                                 f"differs from {layout.namespace!r}; run every worker "
+                                 "with the same model, dtype, seed and block size")
+    except BaseException:
+        for view in links:
+            view.link.close()
+        raise
+    return links

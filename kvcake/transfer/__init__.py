@@ -11,7 +11,8 @@
 
 Requests are cut into `config.slice_bytes` slices striped over `config.num_rails` rails (per-segment
 preference via `set_rail_preference`); same-host shared-memory segments are mapped and copied,
-others go over TCP to the owner's segment server. See kvcake/transfer/engine.py for the contract.
+others go over TCP to the owner's segment server, `config.pipeline_depth` slices in flight per
+connection. See kvcake/transfer/engine.py for the contract.
 """
 
 from kvcake.transfer.config import TransferConfig
@@ -29,10 +30,18 @@ from kvcake.transfer.request import (
 )
 from kvcake.transfer.segment import Segment, SegmentDesc, buffer_view, local_host_id
 from kvcake.transfer.sieve import SieveCache
-from kvcake.transfer.transport import EndpointKey, Transport, TransportKind, TransportWrapper
+from kvcake.transfer.transport import (
+    Completion,
+    EndpointKey,
+    PipelinedTransport,
+    Transport,
+    TransportKind,
+    TransportWrapper,
+)
 
 __all__ = [
-    "BatchId", "BatchStatus", "EndpointKey", "FaultSpec", "FaultyTransport", "RailPreference",
+    "BatchId", "BatchStatus", "Completion", "EndpointKey", "FaultSpec", "FaultyTransport", "PipelinedTransport",
+    "RailPreference",
     "RequestState", "RequestStatus", "Segment", "SegmentDesc", "SieveCache", "Slice",
     "TransferConfig", "TransferEngine", "TransferError", "TransferOp", "TransferRequest",
     "TransferTimeout", "Transport", "TransportError", "TransportKind", "TransportWrapper",

@@ -20,6 +20,7 @@ from kvcake.transfer import (
     TransferOp,
     TransferRequest,
     Transport,
+    TransportError,
     TransportKind,
     frame,
 )
@@ -173,8 +174,8 @@ class ReorderingPeer:
     """A segment server stand-in on a real socket: takes `count` READ requests, then answers
     them in reverse order, with the reply of `corrupt_id` damaged after its digest was taken."""
 
-    def __init__(self, count: int, corrupt_id: int | None = None) -> None:
-        self.count, self.corrupt_id = count, corrupt_id
+    def __init__(self, count: int, corrupt_id: int | None = None, hang_up: bool = False) -> None:
+        self.count, self.corrupt_id, self.hang_up = count, corrupt_id, hang_up
         self.listener = socket.socket()
         for port in range(20500, 20600):
             try:
@@ -195,6 +196,8 @@ class ReorderingPeer:
         conn, _ = self.listener.accept()
         with conn, self.listener:
             requests = [self._request(conn) for _ in range(self.count)]
+            if self.hang_up:  # with every request unanswered
+                return
             for request in reversed(requests):
                 self._reply(conn, request)
             self._reply(conn, self._request(conn))  # then one more, in order
@@ -245,4 +248,20 @@ def test_replies_out_of_order_are_matched_by_id_and_a_bad_one_fails_alone() -> N
     with pytest.raises(RuntimeError, match="no operation is outstanding"):
         transport.next_completion()
     transport.close()
+    peer.thread.join(timeout=10)
+
+
+def test_a_lost_connection_loses_every_outstanding_read_and_says_so() -> None:
+    peer = ReorderingPeer(count=3, hang_up=True)
+    desc = SegmentDesc("remote", 1, 1 << 20, peer.address, "elsewhere")
+    transport = TcpTransport.connect(peer.address, timeout_s=10)
+    for offset in (0, 10, 20):
+        transport.start_read(desc, offset, memoryview(bytearray(10)), checksum=KIND)
+    with pytest.raises(TransportError, match="peer closed the connection") as info:
+        transport.next_completion()
+    assert info.value.retryable and transport.num_outstanding == 0
+    with pytest.raises(TransportError, match="connection is closed"):
+        transport.next_completion()
+    with pytest.raises(TransportError, match="connection is closed"):
+        transport.start_read(desc, 0, memoryview(bytearray(1)), checksum=None)
     peer.thread.join(timeout=10)
