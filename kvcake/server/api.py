@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -275,6 +276,22 @@ async def _wait_disconnect(request: Request) -> None:
 def create_app(backend: Backend, metrics: ServerMetrics | None = None) -> FastAPI:
     """The app serving `backend`; the caller starts and closes the backend."""
     return ApiFactory(backend, metrics).build()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (0: the OS picks), ready before any URL is printed.
+
+    Raises ValueError naming --port when the address cannot be bound.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"--port: cannot listen on {host}:{port} ({exc})") from None
+    sock.listen(2048)
+    return sock
 
 
 class ApiServer:

@@ -25,7 +25,8 @@ Who calls what:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -84,6 +85,38 @@ class TokenStream(Protocol):
     async def __anext__(self) -> TokenEvent: ...
 
     async def aclose(self) -> None: ...
+
+
+class QueueTokenStream:
+    """A `TokenStream` fed through an asyncio queue by whoever runs the request.
+
+    The producer puts `TokenEvent`s (the last one with a finish reason) or one exception that
+    ends the stream. `aclose()` before the last event calls `abort(request_id)` once; it never
+    suspends, because it may run in a task that is being cancelled (client disconnect).
+    """
+
+    def __init__(self, abort: Callable[[str], None], request_id: str,
+                 sink: asyncio.Queue[TokenEvent | BaseException]) -> None:
+        self._abort, self._request_id, self._sink = abort, request_id, sink
+        self._done = False
+
+    def __aiter__(self) -> QueueTokenStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._sink.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finish_reason is not None
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._abort(self._request_id)
 
 
 class Rejected(Exception):

@@ -12,7 +12,6 @@ Modes (all behind the same HTTP API):
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from dataclasses import dataclass
 from enum import StrEnum
@@ -21,7 +20,7 @@ from typing import Any
 import uvicorn
 
 from kvcake.engine.config import EngineConfig
-from kvcake.server.api import create_app
+from kvcake.server.api import create_app, listen_socket
 from kvcake.server.local_backend import LocalBackend, LocalBackendConfig
 from kvcake.units import parse_size
 
@@ -115,13 +114,7 @@ def serve(args: argparse.Namespace) -> int:
         return serve_disaggregated(args)
     backend = LocalBackend.from_config(backend_config(args))
     # Bind first, so that --port 0 can report the port it got before serving.
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((config.host, config.port))
-    except OSError as exc:
-        raise ValueError(f"--port: cannot listen on {config.host}:{config.port} ({exc})") from None
-    sock.listen(2048)  # accept connections from the moment the URL is printed
+    sock = listen_socket(config.host, config.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(backend), log_level="warning",
                                            lifespan="off"))

@@ -54,7 +54,7 @@ from kvcake.server.model_front import ModelFront
 from kvcake.server.monitor import Monitor, MonitorConfig
 from kvcake.server.store_audit import StoreAudit
 from kvcake.server.worker_link import WorkerLink, connect_workers
-from kvcake.store import StoreClient, StoreError
+from kvcake.store import StoreClient
 
 __all__ = ["STORE_HOLDER", "DisaggBackend", "Stage", "TransferTotals"]
 
@@ -242,24 +242,13 @@ class DisaggBackend(ModelFront):
     def audit_store(self) -> list[int]:
         """One store-audit round (store_audit.py): returns the block keys found gone, which
         the Conductor no longer lists under holder "store"."""
-        audit, store = self.store_audit, self._store
-        if audit is None or store is None:
+        if self.store_audit is None or self._store is None:
             return []
-        with self._lock:
-            batch = audit.take_round()
-        if not batch:
-            return []
-        try:  # the master round trip runs without the lock
-            present = store.exists_batch([audit.store_key(k) for k, _ in batch])
-        except (StoreError, OSError) as exc:
-            log.warning("store audit: the master did not answer (%s); next round", exc)
-            return []
-        with self._lock:
-            gone = audit.settle(batch, present)
-            if gone:
-                assert self.conductor is not None
-                self.conductor.on_blocks_removed(STORE_HOLDER, gone)
-        return gone
+        assert self.conductor is not None
+        conductor = self.conductor
+        return self.store_audit.run_round(
+            self._store.exists_batch, self._lock,
+            lambda gone: conductor.on_blocks_removed(STORE_HOLDER, gone))
 
     # -- dispatch ------------------------------------------------------------------------------
     def _hello(self) -> Hello:
@@ -289,13 +278,13 @@ class DisaggBackend(ModelFront):
         if decode is None or not decode.alive:
             self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
             return True
-        num_blocks = -(-len(request.prompt_token_ids) // self._hello().block_size)
         if not colocated:
-            if num_blocks > decode.hello.num_staging_blocks:
-                self._fail(flight, ValueError("prompt: longer than the decode worker's staging "
-                                              "segment holds; raise --staging-bytes"))
+            num_blocks = -(-len(request.prompt_token_ids) // self._hello().block_size)
+            try:
+                slots = decode.take_slots(num_blocks)
+            except ValueError as exc:
+                self._fail(flight, exc)
                 return True
-            slots = decode.take_slots(num_blocks)
             if slots is None:
                 return False
             flight.slots = slots

@@ -196,22 +196,14 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def serve_disaggregated(args_or_config: argparse.Namespace | ClusterConfig) -> int:
     """Run the cluster and the OpenAI API in the foreground until SIGINT/SIGTERM."""
-    import socket
-
     import uvicorn
 
     from kvcake.conductor import freeze_heap
-    from kvcake.server.api import create_app
+    from kvcake.server.api import create_app, listen_socket
 
     config = args_or_config if isinstance(args_or_config, ClusterConfig) \
         else config_from_args(args_or_config)
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((config.host, config.port))
-    except OSError as exc:
-        raise ValueError(f"--port: cannot listen on {config.host}:{config.port} ({exc})") from None
-    sock.listen(2048)  # accept connections from the moment the URL is printed
+    sock = listen_socket(config.host, config.port)
     cluster = Cluster(config)
     # SIGTERM before uvicorn installs its handlers must still tear the children down.
     signal.signal(signal.SIGTERM, _interrupt)

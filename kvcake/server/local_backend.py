@@ -34,7 +34,14 @@ from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine, RequestOutput
 from kvcake.engine.sampling import SamplingParams
 from kvcake.engine.sequence import FinishReason as EngineFinish
-from kvcake.server.backend import BackendStats, FinishReason, GenerateRequest, Rejected, TokenEvent
+from kvcake.server.backend import (
+    BackendStats,
+    FinishReason,
+    GenerateRequest,
+    QueueTokenStream,
+    Rejected,
+    TokenEvent,
+)
 from kvcake.server.protocol import render_chat_text
 
 _FINISH = {EngineFinish.STOP: FinishReason.STOP, EngineFinish.LENGTH: FinishReason.LENGTH,
@@ -71,34 +78,6 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
-
-
-class _LocalStream:
-    """The token stream of one request; `aclose()` before the end aborts it in the engine."""
-
-    def __init__(self, backend: LocalBackend, request_id: str,
-                 sink: asyncio.Queue[TokenEvent | BaseException]) -> None:
-        self._backend, self._request_id, self._sink = backend, request_id, sink
-        self._done = False
-
-    def __aiter__(self) -> _LocalStream:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._sink.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._done = item.finish_reason is not None
-        return item
-
-    async def aclose(self) -> None:
-        # No await here: this may run in a task that is being cancelled (client disconnect).
-        if not self._done:
-            self._done = True
-            self._backend._inbox.put(_Abort(self._request_id))
 
 
 class LocalBackend:
@@ -154,7 +133,7 @@ class LocalBackend:
                                add_generation_prompt=True, bos_token="", eos_token="")
         return self.encode(text)
 
-    async def generate(self, request: GenerateRequest) -> _LocalStream:
+    async def generate(self, request: GenerateRequest) -> QueueTokenStream:
         """Admit `request` (Rejected when the waiting queue is full; ValueError when the engine
         refuses it) and return its token stream."""
         if self._thread is None:
@@ -171,9 +150,13 @@ class LocalBackend:
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:
-            self._inbox.put(_Abort(request.request_id))
+            self._abort(request.request_id)
             raise
-        return _LocalStream(self, request.request_id, sink)
+        return QueueTokenStream(self._abort, request.request_id, sink)
+
+    def _abort(self, request_id: str) -> None:
+        """Thread-safe: the engine loop aborts the request at its next step."""
+        self._inbox.put(_Abort(request_id))
 
     def stats(self) -> BackendStats:
         return self._stats

@@ -19,18 +19,24 @@ reported removed without asking (a possible miss, never a wrong fetch).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from itertools import count
+from typing import Any
 
 from kvcake.hashing import key_hex
+from kvcake.store import StoreError
 from kvcake.types import BlockKey
+
+log = logging.getLogger(__name__)
 
 ExistsBatch = Callable[[Sequence[str]], list[bool]]
 
 
 class StoreAudit:
-    """Not thread-safe: the backend calls `track`, `suspect`, `take_round` and `settle` under
-    its lock, and `exists_batch` (the master round trip) without it."""
+    """Not thread-safe: the backend calls `track` and `suspect` under its lock; `run_round`
+    takes that lock around the bookkeeping and makes the master round trip without it."""
 
     def __init__(self, namespace: str, max_keys: int, max_tracked: int = 1_000_000) -> None:
         if max_keys < 1:
@@ -88,4 +94,23 @@ class StoreAudit:
                 gone.append(key)
         self.num_checked += len(batch)
         self.num_removed += len(gone)
+        return gone
+
+    def run_round(self, exists_batch: ExistsBatch, lock: AbstractContextManager[Any],
+                  report: Callable[[list[int]], None]) -> list[int]:
+        """One audit round: check a batch with the master, `report(gone)` under `lock`.
+        A master that does not answer skips the round (logged)."""
+        with lock:
+            batch = self.take_round()
+        if not batch:
+            return []
+        try:
+            present = exists_batch([self.store_key(k) for k, _ in batch])
+        except (StoreError, OSError) as exc:
+            log.warning("store audit: the master did not answer (%s); next round", exc)
+            return []
+        with lock:
+            gone = self.settle(batch, present)
+            if gone:
+                report(gone)
         return gone

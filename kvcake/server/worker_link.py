@@ -58,7 +58,11 @@ class WorkerLink:
 
     # -- staging slots -------------------------------------------------------------------------
     def take_slots(self, num_blocks: int) -> list[int] | None:
-        """`num_blocks` free staging slots, or None (nothing taken) when fewer are free."""
+        """`num_blocks` free staging slots, or None (nothing taken) when fewer are free;
+        ValueError when the segment can never hold that many."""
+        if num_blocks > self.hello.num_staging_blocks:
+            raise ValueError("prompt: longer than the decode worker's staging segment holds; "
+                             "raise --staging-bytes")
         if len(self.free_slots) < num_blocks:
             return None
         return [self.free_slots.popleft() for _ in range(num_blocks)]

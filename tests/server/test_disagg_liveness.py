@@ -39,7 +39,11 @@ def test_probe_pings_once_per_interval_and_times_out() -> None:
     view = WorkerLink.of(HELLO, MessageLink(ours))
     try:
         assert list(view.free_slots) == [0, 1, 2]
-        assert view.take_slots(4) is None and view.take_slots(2) == [0, 1]
+        assert view.take_slots(2) == [0, 1] and view.take_slots(2) is None
+        with pytest.raises(ValueError, match="raise --staging-bytes"):
+            view.take_slots(4)
+        view.give_back([1])
+        assert list(view.free_slots) == [2, 1]
         assert view.probe(0.0, config) is False
         assert worker_end.recv() == Ping(1)
         assert view.probe(5.0, config) is False  # outstanding: no second ping

@@ -3,6 +3,7 @@ a node) stop being listed under holder "store", through the frontend's bounded a
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -59,6 +60,26 @@ def test_suspects_go_first_and_tracking_is_bounded() -> None:
     assert audit.store_key(255) == "ns:" + "0" * 14 + "ff"
     with pytest.raises(ValueError, match="max_keys: must be >= 1"):
         StoreAudit("ns", max_keys=0)
+
+
+def test_a_silent_master_skips_the_round_and_loses_nothing() -> None:
+    audit = StoreAudit("ns", max_keys=2)
+    audit.track([1, 2, 3])
+    reported: list[list[int]] = []
+
+    def down(keys: object) -> list[bool]:
+        raise OSError("connection refused")
+
+    assert audit.run_round(down, threading.Lock(), reported.append) == []
+    assert len(audit) == 3 and reported == []
+    asked: list[list[str]] = []
+
+    def answer(keys: list[str]) -> list[bool]:
+        asked.append(list(keys))
+        return [key.endswith("1") for key in keys]
+
+    assert audit.run_round(answer, threading.Lock(), reported.append) == [3]
+    assert asked == [[audit.store_key(3), audit.store_key(1)]] and reported == [[3]]
 
 
 def test_monitor_config_names_the_bad_key() -> None:
