@@ -178,6 +178,64 @@ def _ttft(engine: Engine, prompt: list[int], rid: str, dev: str, hits: set[int])
             return time.perf_counter() - t0
 
 
+def bench_step_breakdown(engine: Engine, hf: Any, num_seqs: int, reps: int) -> dict:
+    """Where one decode step's time goes at batch `num_seqs` (CPU): the bare weight matmuls of
+    one step (every projection and the lm_head on `num_seqs` rows, in F.linear's x @ W^T and
+    in our W @ x^T orientation) vs one step of ours vs one `generate`-style decode forward of
+    transformers on a left-padded batch with a KV cache. Each timing interleaved, median."""
+    import kvcake.engine.model as model_mod
+
+    vocab = engine.model_config.vocab_size
+    lens = [32 + (i * 37) % 129 for i in range(num_seqs)]
+    prompts = [_prompt(n, 100 + i, vocab) for i, n in enumerate(lens)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bd-{i}", p, SamplingParams(max_tokens=4 * reps + 8, ignore_eos=True))
+    engine.step()  # prefill all
+    weights = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: torch.randn(num_seqs, w.shape[1], dtype=w.dtype) for w in weights}
+    width = max(lens)
+    padded = torch.zeros(num_seqs, width, dtype=torch.long)
+    mask = torch.zeros(num_seqs, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        padded[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        out = hf(padded, attention_mask=mask, use_cache=True)
+    hf_state = {"pkv": out.past_key_values, "mask": mask,
+                "next": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+    def hf_step() -> None:
+        hf_state["mask"] = torch.cat([hf_state["mask"], torch.ones(num_seqs, 1, dtype=torch.long)],
+                                     dim=1)
+        o = hf(hf_state["next"], attention_mask=hf_state["mask"], past_key_values=hf_state["pkv"],
+               use_cache=True, logits_to_keep=1)
+        hf_state["pkv"] = o.past_key_values
+        hf_state["next"] = o.logits[:, -1].argmax(-1, keepdim=True)
+
+    def ours_step(rows: int) -> Callable[[], object]:
+        def run() -> None:
+            model_mod.SMALL_BATCH_ROWS = rows
+            engine.step()
+        return run
+
+    default_rows = model_mod.SMALL_BATCH_ROWS
+    fns: dict[str, Callable[[], object]] = {
+        "matmuls_x_Wt": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
+        "matmuls_W_xt": lambda: [torch.mm(w, xs[w.shape[1]].t()) for w in weights],
+        "ours_step": ours_step(default_rows),
+        "ours_step_x_Wt": ours_step(0),
+        "hf_step": hf_step,
+    }
+    try:
+        with torch.inference_mode():
+            t = _medians_s(fns, reps, "cpu")
+    finally:
+        model_mod.SMALL_BATCH_ROWS = default_rows
+        for i in range(num_seqs):
+            engine.abort(f"bd-{i}")
+    return {"batch": num_seqs, **{f"{k}_ms": round(v * 1e3, 1) for k, v in t.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small", help="preset whose dummy weights both load")
@@ -193,6 +251,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="tiny model and sizes (smoke run)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only the decode-step breakdown (matmuls vs our step vs transformers')")
     args = ap.parse_args()
     if args.quick:
         args.model, args.prefill_len, args.num_seqs, args.gen_len = "tiny", 256, 4, 16
@@ -214,6 +274,10 @@ def main() -> None:
     print(f"model={args.model} ({config.num_params() / 1e6:.0f}M params) dtype={args.dtype} "
           f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__} "
           f"transformers={transformers.__version__}", flush=True)
+    if args.breakdown:
+        print(json.dumps({"step_breakdown": bench_step_breakdown(
+            cold, hf, args.num_seqs, max(args.reps, 5))}), flush=True)
+        return
     results = {"prefill": bench_prefill(cold, hf, args.prefill_len, args.reps, args.device)}
     print(json.dumps({"prefill": results["prefill"]}), flush=True)
     results["decode"] = bench_decode(cold, hf, args.num_seqs, args.gen_len, args.decode_reps,

@@ -1,8 +1,9 @@
 """Disaggregated (+ store) vs colocated serving on the same number of workers, in one run.
 
     .venv/bin/python benchmarks/serving_disagg_vs_colocated.py \
-        --trace ../shared/traces/conversation_trace.jsonl --max-requests 300 --speed 2 \
-        --scale-tokens 0.03125 --capacity-requests 60 --capacity-probes 4
+        --trace ../shared/traces/conversation_trace.jsonl --max-requests 100 --speed 1 \
+        --scale-tokens 0.03125 --capacity-requests 100 --capacity-probes 5 \
+        --capacity-start-speed 4      # ~5 minutes on 2 contended cores
 
 Each system is a cluster started by `kvcake.server.launcher` (worker processes, the same
 frontend, the same Conductor code): (a) 1 prefill + 1 decode worker with the store (policy
@@ -98,11 +99,11 @@ def main() -> int:
     parser.add_argument("--scale-tokens", type=float, default=1 / 32)
     parser.add_argument("--ttft-slo-s", type=float, default=30.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=100.0)
-    parser.add_argument("--capacity-requests", type=int, default=60,
+    parser.add_argument("--capacity-requests", type=int, default=100,
                         help="records replayed by each --find-capacity probe")
-    parser.add_argument("--capacity-probes", type=int, default=4,
+    parser.add_argument("--capacity-probes", type=int, default=5,
                         help="probe budget of the capacity search per system (0: skip it)")
-    parser.add_argument("--capacity-start-speed", type=float, default=1.0)
+    parser.add_argument("--capacity-start-speed", type=float, default=4.0)
     parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--streaming-requests", type=int, default=20)

@@ -15,7 +15,12 @@ forward, so a worker can stream a layer of the request's blocks (`export_layer_k
 layers compute. `release(request_id)` frees the blocks once the decode side has them.
 
 Decode role: `add_request_with_kv` admits a request whose prompt KV (and first token) came from
-elsewhere; it joins continuous batching at the next step().
+elsewhere (a staging copy of the bytes); it joins continuous batching at the next step(). The
+copy-free way: `reserve_request` allocates the blocks (cached prefix reused) and says which a
+remote writer must fill (`KVPool.layer_offset_bytes` gives each layer's address), then
+`commit_reserved` joins the request to batching, or `cancel_reserved` frees the blocks.
+Seeded sampling across instances: `sampler_state(rid)` on the prefill side after the first
+token, passed as `sampler_state=` to `add_request_with_kv` / `commit_reserved`.
 
 Prefix cache by block key (keys = `kvcake.hashing.block_keys(ids, block_size, namespace)`):
 `num_cached_tokens`, `export_block_kv` / `import_block_kv` (one block's bytes: its layers'
