@@ -4,7 +4,7 @@ a node) stop being listed under holder "store", through the frontend's bounded a
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -74,7 +74,7 @@ def test_a_silent_master_skips_the_round_and_loses_nothing() -> None:
     assert len(audit) == 3 and reported == []
     asked: list[list[str]] = []
 
-    def answer(keys: list[str]) -> list[bool]:
+    def answer(keys: Sequence[str]) -> list[bool]:
         asked.append(list(keys))
         return [key.endswith("1") for key in keys]
 
