@@ -48,8 +48,15 @@ from kvcake.messages import (
     StoreEvents,
     Tokens,
 )
-from kvcake.server.backend import BackendStats, FinishReason, GenerateRequest, Rejected, TokenEvent
-from kvcake.server.disagg_stream import Flight, Stage, Stream, TransferTotals, sampling_of
+from kvcake.server.backend import (
+    BackendStats,
+    FinishReason,
+    GenerateRequest,
+    QueueTokenStream,
+    Rejected,
+    TokenEvent,
+)
+from kvcake.server.disagg_stream import Flight, Stage, TransferTotals, sampling_of
 from kvcake.server.model_front import ModelFront
 from kvcake.server.monitor import Monitor, MonitorConfig
 from kvcake.server.store_audit import StoreAudit
@@ -148,7 +155,7 @@ class DisaggBackend(ModelFront):
     def max_model_len(self) -> int:
         return self._hello().max_model_len
 
-    async def generate(self, request: GenerateRequest) -> Stream:
+    async def generate(self, request: GenerateRequest) -> QueueTokenStream:
         sampling = sampling_of(request)
         layout = self._hello()
         keys = block_keys(request.prompt_token_ids, layout.block_size, layout.namespace)
@@ -167,7 +174,7 @@ class DisaggBackend(ModelFront):
             self._flights[request.request_id] = flight
             self._queued.append(request.request_id)
             self._dispatch_queued()
-        return Stream(self.abort, request.request_id, sink)
+        return QueueTokenStream(self.abort, request.request_id, sink)
 
     def stats(self) -> BackendStats:
         with self._lock:

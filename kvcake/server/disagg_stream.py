@@ -1,15 +1,15 @@
-"""The per-request objects of the disaggregated backend: a request in flight, its token stream,
-and the KV streaming totals.
+"""The per-request objects of the disaggregated backend: a request in flight and the KV
+streaming totals.
 
 A `Flight` is created by `DisaggBackend.generate` and lives until its `Stage` is DONE; the
-backend mutates it only under its lock. A `Stream` is what the HTTP side iterates: it yields
-`TokenEvent`s from the flight's sink and raises the error a failed flight puts there.
+backend mutates it only under its lock. What the HTTP side iterates is a
+`backend.QueueTokenStream` over the flight's sink: it yields `TokenEvent`s and raises the error
+a failed flight puts there.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, cast
@@ -87,33 +87,6 @@ class TransferTotals:
         self.transfer_bytes += done.transfer_bytes
         self.num_cached_tokens += done.num_cached_tokens
         self.num_fetched_tokens += done.num_fetched_tokens
-
-
-class Stream:
-    """The async iterator `generate` returns; `aclose()` before the end aborts the request."""
-
-    def __init__(self, abort: Callable[[str], None], request_id: str,
-                 sink: asyncio.Queue[TokenEvent | BaseException]) -> None:
-        self._abort, self._request_id, self._sink = abort, request_id, sink
-        self._done = False
-
-    def __aiter__(self) -> Stream:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._sink.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._done = item.finish_reason is not None
-        return item
-
-    async def aclose(self) -> None:
-        if not self._done:  # no await: this may run in a cancelled task
-            self._done = True
-            self._abort(self._request_id)
 
 
 def sampling_of(request: GenerateRequest) -> Sampling:
