@@ -36,15 +36,13 @@ class AttentionBatch:
       queries are flat rows q_start..q_start+q_len at positions ctx_len-q_len..ctx_len-1;
       k_rows [ctx_len] are the K rows of the whole context, or None when there is no cached
       prefix (ctx_len == q_len: attend to the fresh K/V directly).
-    decode_rows: flat rows of single-token sequences, attended in one padded call with
-      `decode_k_rows` [B, max_ctx] and `decode_mask` [B, 1, 1, max_ctx].
+    decode: single-token sequences in groups of similar context length, each attended in one
+      padded call: (rows [B] of the flat batch, k_rows [B, max_ctx], mask [B, 1, 1, max_ctx]).
     k_slots / v_slots: the rows where each flat token's K and V are written.
     """
 
     prefill: list[tuple[int, int, int, Tensor | None]]
-    decode_rows: Tensor | None
-    decode_k_rows: Tensor | None
-    decode_mask: Tensor | None
+    decode: list[tuple[Tensor, Tensor, Tensor]]
     k_slots: Tensor
     v_slots: Tensor
     block_size: int
@@ -153,17 +151,16 @@ class DecoderLayer(nn.Module):
                 qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
             out[q_start:q_start + q_len] = o[0].transpose(0, 1)
-        if batch.decode_rows is not None:
-            assert batch.decode_k_rows is not None and batch.decode_mask is not None
-            b, ctx = batch.decode_k_rows.shape
-            k_rows = batch.decode_k_rows.flatten()
+        for decode_rows, decode_k_rows, decode_mask in batch.decode:
+            b, ctx = decode_k_rows.shape
+            k_rows = decode_k_rows.flatten()
             shape = (b, ctx, self.num_kv_heads, self.head_dim)
             ks = rows.index_select(0, k_rows).view(shape).transpose(1, 2)  # [B, H, ctx, D]
             vs = rows.index_select(0, k_rows + batch.block_size).view(shape).transpose(1, 2)
-            qs = q[batch.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=batch.decode_mask,
+            qs = q[decode_rows].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=decode_mask,
                                                scale=self.scale, enable_gqa=True)
-            out[batch.decode_rows] = o.squeeze(2)
+            out[decode_rows] = o.squeeze(2)
         return out
 
 

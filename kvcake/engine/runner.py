@@ -20,6 +20,11 @@ from kvcake.engine.model import AttentionBatch, LlamaModel
 from kvcake.engine.sequence import Sequence
 from kvcake.types import BlockId
 
+# Decode batches split in two by context length when the shorter half needs at most this share
+# of the longer half's blocks (and each half has at least DECODE_SPLIT_MIN_ROWS rows).
+DECODE_SPLIT_RATIO = 0.75
+DECODE_SPLIT_MIN_ROWS = 4
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, device: torch.device) -> None:
@@ -66,7 +71,7 @@ class ModelRunner:
                 logit_rows.append(row + chunk.num_tokens - 1)
         batch = AttentionBatch(
             prefill=prefill,
-            decode_rows=None, decode_k_rows=None, decode_mask=None,
+            decode=[],
             k_slots=(k := self._long(k_slots)), v_slots=k + bs, block_size=bs)
         if decode_rows:
             self._fill_decode(batch, decode_rows, decode_tables, decode_lens)
@@ -75,12 +80,22 @@ class ModelRunner:
 
     def _fill_decode(self, batch: AttentionBatch, rows: list[int],
                      tables: list[list[BlockId]], lens: list[int]) -> None:
-        max_blocks = max(len(t) for t in tables)
-        padded = [list(t) + [0] * (max_blocks - len(t)) for t in tables]
-        batch.decode_rows = self._long(rows)
-        batch.decode_k_rows = self._k_rows(self._long(padded)).flatten(-2)
-        ctx = torch.arange(max_blocks * self.block_size, device=self.device)
-        batch.decode_mask = (ctx[None, :] < self._long(lens)[:, None])[:, None, None, :]
+        # Split at the median context length when that halves the shorter half's padding
+        # enough: padded attention reads (and gathers) max_ctx positions for every sequence.
+        order = sorted(range(len(rows)), key=lambda i: lens[i])
+        half = len(order) // 2
+        groups = [order]
+        if half >= DECODE_SPLIT_MIN_ROWS and \
+                len(tables[order[half - 1]]) <= DECODE_SPLIT_RATIO * len(tables[order[-1]]):
+            groups = [order[:half], order[half:]]
+        for group in groups:
+            max_blocks = max(len(tables[i]) for i in group)
+            padded = [list(tables[i]) + [0] * (max_blocks - len(tables[i])) for i in group]
+            ctx = torch.arange(max_blocks * self.block_size, device=self.device)
+            mask = ctx[None, :] < self._long([lens[i] for i in group])[:, None]
+            batch.decode.append((self._long([rows[i] for i in group]),
+                                 self._k_rows(self._long(padded)).flatten(-2),
+                                 mask[:, None, None, :]))
 
     def _k_rows(self, block_ids: Tensor) -> Tensor:
         """[..., nb] block ids -> [..., nb, bs] K rows of their positions (see AttentionBatch)."""

@@ -21,7 +21,7 @@ PROMPT = [1, 2, 3]
 def _reference(engine: Engine, prompt: list[int], params: SamplingParams,
                banned: tuple[int, ...]) -> list[int]:
     """Greedy decoding by full re-scoring (prompt_logits), masking `banned` while short."""
-    ids, out = list(prompt), []
+    ids, out = list(prompt), list[int]()
     while len(out) < params.max_tokens:
         row = engine.prompt_logits(ids)[1][-1].clone()
         if len(out) < params.min_tokens:

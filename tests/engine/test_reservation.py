@@ -12,6 +12,7 @@ from kvcake.engine.engine import Engine
 from kvcake.engine.llm import LLM
 from kvcake.engine.sampling import SamplingParams
 from kvcake.engine.sequence import FinishReason
+from kvcake.types import BlockId
 
 from .conftest import SMALL_POOL
 
@@ -81,7 +82,7 @@ def test_bad_sampler_state_is_rejected_and_changes_nothing() -> None:
     assert decode.add_request_with_kv("d", PROMPT, first, blocks, GREEDY)  # id still free
 
 
-def _write_direct(decode: Engine, block_ids: list[int], kv: list[list[bytes]]) -> None:
+def _write_direct(decode: Engine, block_ids: list[BlockId], kv: list[list[bytes]]) -> None:
     """A remote writer: put each layer at the documented byte offset of the pool's memory."""
     flat = decode.pool.kv.view(-1).view(torch.uint8)
     n = decode.pool.layer_nbytes
@@ -176,4 +177,4 @@ def test_reservation_bad_input_is_a_clear_error() -> None:
     decode.commit_reserved("d", 5)  # the reservation survived the bad commit
     assert len(_drain(decode)["d"]) == 9
     with pytest.raises(ValueError, match="kv address: block"):
-        decode.pool.layer_offset_bytes(decode.num_blocks, 0)
+        decode.pool.layer_offset_bytes(BlockId(decode.num_blocks), 0)
