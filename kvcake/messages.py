@@ -49,6 +49,7 @@ class Sampling:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop ids are masked until this many tokens exist
 
 
 @dataclass(frozen=True)

@@ -90,11 +90,9 @@ class TransferTotals:
 
 
 def sampling_of(request: GenerateRequest) -> Sampling:
-    """The request's sampling settings as an order carries them; ValueError for what this
-    backend cannot honour."""
-    if request.min_tokens > 1 and not (request.ignore_eos and not request.stop_token_ids):
-        raise ValueError("min_tokens > 1 is supported only with ignore_eos=true and no "
-                         "stop_token_ids on this backend")
+    """The request's sampling settings as an order carries them (prefill and decode engines get
+    the same: the prefill side masks the first token, the decode side counts it)."""
     return Sampling(max_tokens=request.max_tokens, temperature=request.temperature,
                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                    stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos)
+                    stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,
+                    min_tokens=request.min_tokens)

@@ -279,15 +279,11 @@ def _post(add: _Add, item: TokenEvent | BaseException) -> None:
 
 
 def _sampling_params(request: GenerateRequest) -> SamplingParams:
-    if request.min_tokens > 1 and not (request.ignore_eos and not request.stop_token_ids):
-        # The engine has no min_tokens; with ignore_eos and no stop ids every request runs to
-        # max_tokens >= min_tokens, which is what the benchmark client asks for.
-        raise ValueError("min_tokens > 1 is supported only with ignore_eos=true and no "
-                         "stop_token_ids on this backend")
     return SamplingParams(
         max_tokens=request.max_tokens, temperature=request.temperature,
         top_k=request.top_k or None, top_p=request.top_p, seed=request.seed,
-        stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos)
+        stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens)
 
 
 def _load_chat_template(model: str) -> str | None:

@@ -58,7 +58,7 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
     return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                           top_k=sampling.top_k or None, top_p=sampling.top_p, seed=sampling.seed,
                           stop_token_ids=tuple(sampling.stop_token_ids),
-                          ignore_eos=sampling.ignore_eos)
+                          ignore_eos=sampling.ignore_eos, min_tokens=sampling.min_tokens)
 
 
 @dataclass(frozen=True)

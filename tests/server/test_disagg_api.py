@@ -91,7 +91,7 @@ def test_repeated_long_prompt_reports_cached_tokens(client: openai.OpenAI) -> No
     (b'{"prompt": "a", ', "not valid JSON"),
     ({"prompt": [1, 512]}, "512"),
     ({"prompt": [1] * 2000, "max_tokens": 100}, "maximum model length"),
-    ({"prompt": "a", "max_tokens": 4, "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "a", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
 ])
 def test_bad_input_is_400_and_the_server_keeps_serving(server: Serving,
                                                        body: bytes | dict[str, object],
@@ -137,3 +137,19 @@ def test_conductor_rejection_is_429_with_retry_after(
         assert int(reply.headers["Retry-After"]) >= 1
         assert "ttft_slo" in reply.json()["error"]["message"]
         assert cluster.backend.totals.num_prefills == 0
+
+
+def test_min_tokens_masks_stop_ids_until_reached(server) -> None:  # type: ignore[no-untyped-def]
+    """The greedy first token made a stop id: without min_tokens the request stops at once;
+    with min_tokens=3 that token is masked until three tokens exist."""
+    body = {"prompt": "The cat", "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    first = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    stop_id = first["choices"][0]["token_ids"][0]
+    stopped = httpx.post(server.url + "/v1/completions", timeout=60,
+                         json={**body, "stop_token_ids": [stop_id]}).json()
+    assert stopped["usage"]["completion_tokens"] == 1
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    held = httpx.post(server.url + "/v1/completions", timeout=60,
+                      json={**body, "stop_token_ids": [stop_id], "min_tokens": 3}).json()
+    ids = held["choices"][0]["token_ids"]
+    assert len(ids) >= 3 and stop_id not in ids[:3]
