@@ -91,6 +91,7 @@ class PrefillDone:
     transfer_span_s: float  # first layer submitted -> last layer landed
     transfer_exposed_s: float  # waited after the last step: the part not hidden by compute
     transfer_bytes: int
+    sampler_state: bytes | None = None  # a seeded sampler's state after the first token
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class DecodeOrder:
     first_token_id: int
     sampling: dict[str, Any]
     staging_blocks: list[int]
+    sampler_state: bytes | None = None  # from PrefillDone: seeded sampling continues exactly
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ _CHECKS: dict[str, Any] = {
     "list[int]": lambda v: isinstance(v, list) and all(
         isinstance(x, int) and not isinstance(x, bool) for x in v),
     "dict[str, Any]": lambda v: isinstance(v, dict),
+    "bytes": lambda v: isinstance(v, bytes),
 }
 
 

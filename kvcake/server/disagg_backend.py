@@ -389,7 +389,8 @@ class DisaggBackend(ModelFront):
         if placement.decode_id == placement.prefill_id:  # colocated: it decodes in place
             conductor.on_decode_joined(placement.decode_id, done.request_id, now_s)
             return
-        if not self._send(placement.decode_id, flight.decode_order(done.first_token_id)):
+        if not self._send(placement.decode_id, flight.decode_order(done.first_token_id,
+                                                                  done.sampler_state)):
             self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
 
     def _on_worker_lost(self, worker_id: str, why: str = "its link closed") -> None:

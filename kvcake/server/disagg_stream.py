@@ -48,9 +48,10 @@ class Flight:
                             [cast(int, k) for k in fetch.keys] if fetch is not None else [],
                             staging, self.slots)
 
-    def decode_order(self, first_token_id: int) -> DecodeOrder:
+    def decode_order(self, first_token_id: int,
+                     sampler_state: bytes | None = None) -> DecodeOrder:
         return DecodeOrder(self.request.request_id, list(self.request.prompt_token_ids),
-                           first_token_id, asdict(self.sampling), self.slots)
+                           first_token_id, asdict(self.sampling), self.slots, sampler_state)
 
     def emit(self, item: TokenEvent | BaseException) -> None:
         """Hand an event (or the error that ends the stream) to the HTTP side; any thread."""

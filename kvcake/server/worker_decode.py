@@ -112,7 +112,8 @@ class DecodeRole:
             blocks = [bytes(view[i * n:(i + 1) * n]) for i in order.staging_blocks]
             params = sampling_params(sampling_from_wire(order.sampling))
             ok = self.engine.add_request_with_kv(order.request_id, order.prompt_token_ids,
-                                                 order.first_token_id, blocks, params)
+                                                 order.first_token_id, blocks, params,
+                                                 sampler_state=order.sampler_state)
         except ValueError as exc:
             self.worker.send(RequestFailed(order.request_id, f"decode refused: {exc}"))
             return False

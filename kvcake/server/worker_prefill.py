@@ -283,6 +283,7 @@ class PrefillRole:
         exposed_s = time.perf_counter() - ended
         span_s = time.perf_counter() - (state.first_submit_s or ended)
         self._queue_store_write(state.order.prompt_token_ids)
+        sampler_state = self.engine.sampler_state(rid) if state.staging is not None else None
         if state.staging is not None:
             self.engine.release(rid)
             del self._live[rid]
@@ -297,7 +298,7 @@ class PrefillRole:
         self.worker.send(PrefillDone(
             rid, output.new_token_ids[0], final, output.num_cached_tokens,
             state.num_fetched_tokens, state.compute_s, span_s if had_transfers else 0.0,
-            exposed_s if had_transfers else 0.0, state.transfer_bytes))
+            exposed_s if had_transfers else 0.0, state.transfer_bytes, sampler_state))
         if output.finished:
             self._live.pop(rid, None)
 

@@ -216,3 +216,23 @@ def test_a_worker_started_elsewhere_joins_by_address(tmp_path_factory: pytest.Te
             assert running.backend.live_worker_ids() == ["prefill-0", "remote-d"]
             prompt = ids(70, 45)
             assert tokens(run(running.backend, prompt, 6)) == offline(llm, [prompt], 6)[0]
+
+
+def test_seeded_sampling_continues_exactly_on_the_decode_worker(backend: DisaggBackend,
+                                                                llm: LLM) -> None:
+    """temperature > 0 with a seed: the prefill worker hands its sampler state to the decode
+    worker, so the tokens equal one engine's run with the same seed."""
+    prompt = ids(40, 70)
+
+    async def go() -> list[int]:
+        stream = await backend.generate(GenerateRequest(
+            RequestId("seeded"), tuple(prompt), 12, temperature=0.9, seed=1234,
+            ignore_eos=True))
+        return [t async for e in stream for t in e.token_ids]
+
+    expected = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.9, seed=1234,
+                                                     ignore_eos=True))[0].token_ids
+    unseeded = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.9, seed=99,
+                                                     ignore_eos=True))[0].token_ids
+    assert expected != unseeded  # the seed matters, so equality below means something
+    assert asyncio.run(go()) == expected
