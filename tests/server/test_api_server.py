@@ -20,6 +20,7 @@ from kvcake.engine.config import EngineConfig
 from kvcake.server.api import ApiServer, create_app
 from kvcake.server.local_backend import LocalBackend, LocalBackendConfig
 from kvcake.server.protocol import render_chat_text
+from tests.server.checks import check_min_tokens_masks_stop_ids
 
 ENGINE = EngineConfig(kv_cache_bytes=16 * 2**20)
 
@@ -267,16 +268,4 @@ def _metric(server: Running, name: str) -> float:
 
 
 def test_min_tokens_masks_stop_ids_until_reached(server) -> None:  # type: ignore[no-untyped-def]
-    """The greedy first token made a stop id: without min_tokens the request stops at once;
-    with min_tokens=3 that token is masked until three tokens exist."""
-    body = {"prompt": "The cat", "max_tokens": 5, "temperature": 0, "return_token_ids": True}
-    first = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
-    stop_id = first["choices"][0]["token_ids"][0]
-    stopped = httpx.post(server.url + "/v1/completions", timeout=60,
-                         json={**body, "stop_token_ids": [stop_id]}).json()
-    assert stopped["usage"]["completion_tokens"] == 1
-    assert stopped["choices"][0]["finish_reason"] == "stop"
-    held = httpx.post(server.url + "/v1/completions", timeout=60,
-                      json={**body, "stop_token_ids": [stop_id], "min_tokens": 3}).json()
-    ids = held["choices"][0]["token_ids"]
-    assert len(ids) >= 3 and stop_id not in ids[:3]
+    check_min_tokens_masks_stop_ids(server.url)
