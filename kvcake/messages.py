@@ -9,10 +9,12 @@ of sync and is closed by its reader.
 
 Direction and meaning (F = frontend, P = prefill worker, D = decode worker):
   P/D -> F  Hello          the worker's identity, KV layout and staging segment (on connect)
-  F -> P    PrefillOrder   fetch the planned prefix, prefill, stream KV into D's staging blocks
+  F -> D    ReserveKv      reserve the request's KV blocks in D's engine (direct path)
+  D -> F    KvReserved     D's pool segment and the reserved block ids (or RequestFailed)
+  F -> P    PrefillOrder   fetch the planned prefix, prefill, stream KV into D's blocks
   P -> F    PrefillDone    first token, cached/fetched tokens, overlap figures (or an error)
-  F -> D    DecodeOrder    import the staged KV and join continuous batching
-  D -> F    DecodeAdmitted the staging blocks may be reused
+  F -> D    DecodeOrder    commit the reserved blocks (or import staged KV), join batching
+  D -> F    DecodeAdmitted the request decodes (staging blocks, if any, may be reused)
   D -> F    Tokens         new tokens of a decoding request (finish_reason on the last)
   P/D -> F  RequestFailed  the request cannot continue on this worker
   P/D -> F  KvEvents       blocks stored in / removed from the worker's prefix cache
@@ -77,7 +79,10 @@ class PrefillOrder:
     sampling: dict[str, Any]  # Sampling as a map
     fetch_keys: list[int]  # block keys to fetch from the store before prefill (may be empty)
     staging: dict[str, Any]  # the decode worker's staging SegmentDesc
-    staging_blocks: list[int]  # staging block index of each prompt block, in order
+    staging_blocks: list[int]  # target block of each prompt block, in order; -1: skip it
+    # 0: `staging` is a staging segment (slot i at i * block_nbytes). N > 0: it is the decode
+    # engine's KV pool of N blocks (`KVPool` layout: layer l of block b at (l*N + b) * layer).
+    num_pool_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,23 @@ class DecodeOrder:
     prompt_token_ids: list[int]
     first_token_id: int
     sampling: dict[str, Any]
-    staging_blocks: list[int]
+    staging_blocks: list[int]  # empty: the KV is in the blocks reserved by ReserveKv
     sampler_state: bytes | None = None  # from PrefillDone: seeded sampling continues exactly
+
+
+@dataclass(frozen=True)
+class ReserveKv:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class KvReserved:
+    request_id: str
+    kv_pool: dict[str, Any]  # SegmentDesc.to_dict() of the decode engine's KV pool
+    num_pool_blocks: int
+    block_ids: list[int]  # prompt blocks P-n..P-1 (leading cached blocks are not listed)
 
 
 @dataclass(frozen=True)
@@ -160,11 +180,13 @@ class Shutdown:
     pass
 
 
-Message = (Hello | PrefillOrder | PrefillDone | DecodeOrder | DecodeAdmitted | Tokens
+Message = (Hello | PrefillOrder | PrefillDone | DecodeOrder | ReserveKv | KvReserved
+           | DecodeAdmitted | Tokens
            | RequestFailed | KvEvents | StoreEvents | LoadReport | Ping | Pong | Abort | Shutdown)
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    Hello, PrefillOrder, PrefillDone, DecodeOrder, DecodeAdmitted, Tokens, RequestFailed,
+    Hello, PrefillOrder, PrefillDone, DecodeOrder, ReserveKv, KvReserved, DecodeAdmitted,
+    Tokens, RequestFailed,
     KvEvents, StoreEvents, LoadReport, Ping, Pong, Abort, Shutdown)}
 
 _CHECKS: dict[str, Any] = {

@@ -3,10 +3,13 @@
 Lifecycle of one request (the `Backend` contract of backend.py on the outside):
   generate()   block keys of the prompt (the workers' namespace and block size) ->
                `Conductor.schedule` with the live view -> Rejection: `Rejected` (HTTP 429) |
-               Placement (p, d, fetch plan): reserve staging slots on d (queued while d has
-               none free) -> `PrefillOrder` to p;
+               Placement (p, d, fetch plan): `ReserveKv` to d (d's engine reserves the KV
+               blocks, waiting while its pool is full) -> `KvReserved` -> `PrefillOrder` to p,
+               which writes the KV straight into those blocks of d's pool;
   PrefillDone  first token to the client (TTFT), `DecodeOrder` to d (colocated: p decodes);
-  DecodeAdmitted  the staging slots are free again;  Tokens  stream to the client.
+  DecodeAdmitted  d committed the reservation;  Tokens  stream to the client.
+  An aborted request's reservation is cancelled (`Abort` to d) only once p acked, so nothing
+  writes blocks d may hand out again.
   A worker whose link drops, or that leaves a ping unanswered for `worker_timeout_s` (a hung
   engine loop), is removed from the Conductor; its requests end with an error event, later
   requests go to the survivors.
@@ -17,7 +20,7 @@ blocks the store no longer has; dispatches and completions feed its queue and de
 Threads: one reader per worker link and the monitor (monitor.py: pings, store audit); every
 shared structure is guarded by `_lock`; tokens reach the HTTP side through
 `loop.call_soon_threadsafe`. Nouns elsewhere: disagg_stream.py (flights, streams, totals),
-worker_link.py (a worker's link, staging slots and liveness).
+worker_link.py (a worker's link and liveness).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import cast
 
 from kvcake.clock import Clock, SystemClock
@@ -38,6 +42,7 @@ from kvcake.messages import (
     DecodeAdmitted,
     Hello,
     KvEvents,
+    KvReserved,
     LoadReport,
     Message,
     MessageError,
@@ -45,6 +50,7 @@ from kvcake.messages import (
     Pong,
     PrefillDone,
     RequestFailed,
+    ReserveKv,
     StoreEvents,
     Tokens,
 )
@@ -178,7 +184,7 @@ class DisaggBackend(ModelFront):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            waiting = sum(f.stage in (Stage.QUEUED, Stage.PREFILLING)
+            waiting = sum(f.stage in (Stage.QUEUED, Stage.RESERVING, Stage.PREFILLING)
                           for f in self._flights.values())
             running = sum(f.stage is Stage.DECODING for f in self._flights.values())
             usage = [1 - v.load.num_free_blocks / v.hello.num_blocks
@@ -192,7 +198,8 @@ class DisaggBackend(ModelFront):
                        "live_workers": float(sum(v.alive for v in self._workers.values()))})
 
     def abort(self, request_id: str) -> None:
-        """Stop a request (client gone); its staging slots come back once the prefill acks."""
+        """Stop a request (client gone); its reserved decode blocks are cancelled once the
+        prefill acks (nothing writes them any more)."""
         with self._lock:
             flight = self._flights.get(request_id)
             if flight is None or flight.stage is Stage.DONE:
@@ -200,9 +207,10 @@ class DisaggBackend(ModelFront):
             flight.aborted = True
             placement = flight.placement
             self._send(placement.prefill_id, Abort(request_id))
-            if placement.decode_id != placement.prefill_id:
-                self._send(placement.decode_id, Abort(request_id))
-            if flight.stage is not Stage.PREFILLING:  # nothing may still write its slots
+            if flight.stage is not Stage.PREFILLING:  # nothing may still write its blocks
+                if placement.decode_id != placement.prefill_id:
+                    flight.reserved = False
+                    self._send(placement.decode_id, Abort(request_id))
                 self._finish(flight)
             else:
                 flight.stage = Stage.DONE
@@ -264,8 +272,8 @@ class DisaggBackend(ModelFront):
         return self._layout
 
     def _dispatch_queued(self) -> None:
-        """Send every queued request whose decode worker has slots (in arrival order per
-        decode worker)."""
+        """Send every queued request on (in arrival order per decode worker); a decode
+        worker queues reservations its pool has no room for."""
         blocked: set[str] = set()
         for _ in range(len(self._queued)):
             rid = self._queued.popleft()
@@ -286,23 +294,43 @@ class DisaggBackend(ModelFront):
             self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
             return True
         if not colocated:
-            num_blocks = -(-len(request.prompt_token_ids) // self._hello().block_size)
-            try:
-                slots = decode.take_slots(num_blocks)
-            except ValueError as exc:
-                self._fail(flight, exc)
-                return True
-            if slots is None:
-                return False
-            flight.slots = slots
-        order = flight.prefill_order({} if colocated else dict(decode.hello.staging or {}))
+            flight.stage = Stage.RESERVING
+            flight.reserved = True
+            # A one-token request ends at the prefill; its reservation (the engine wants
+            # max_tokens >= 2) is cancelled once the prefill acks, as an aborted one's.
+            sampling = asdict(flight.sampling)
+            sampling["max_tokens"] = max(2, sampling["max_tokens"])
+            if not self._send(placement.decode_id, ReserveKv(
+                    request.request_id, list(request.prompt_token_ids), sampling)):
+                self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
+            return True
+        self._send_prefill(flight)
+        return True
+
+    def _on_reserved(self, flight: Flight, reserved: KvReserved) -> None:
+        if flight.stage is not Stage.RESERVING:
+            return
+        num_blocks = -(-len(flight.request.prompt_token_ids) // self._hello().block_size)
+        num_cached = num_blocks - len(reserved.block_ids)
+        if num_cached < 0:
+            self._fail(flight, RuntimeError("decode worker reserved more blocks than the "
+                                            "prompt has"))
+            return
+        flight.targets = [-1] * num_cached + list(reserved.block_ids)
+        flight.kv_pool = dict(reserved.kv_pool)
+        flight.num_pool_blocks = reserved.num_pool_blocks
+        self._send_prefill(flight)
+
+    def _send_prefill(self, flight: Flight) -> None:
+        placement = flight.placement
+        request = flight.request
+        order = flight.prefill_order()
         flight.stage = Stage.PREFILLING
         assert self.conductor is not None
         self.conductor.on_prefill_started(placement.prefill_id, request.request_id,
                                           self.clock.now_s())
         if not self._send(placement.prefill_id, order):
             self._fail(flight, RuntimeError(f"prefill worker {placement.prefill_id} is gone"))
-        return True
 
     def _send(self, worker_id: str, message: Message) -> bool:
         view = self._workers.get(worker_id)
@@ -346,8 +374,10 @@ class DisaggBackend(ModelFront):
             return
         if isinstance(message, PrefillDone):
             self._on_prefill_done(flight, message)
+        elif isinstance(message, KvReserved):
+            self._on_reserved(flight, message)
         elif isinstance(message, DecodeAdmitted):
-            self._free_slots(flight)
+            flight.reserved = False  # the decode engine owns the blocks now
             conductor.on_decode_joined(flight.placement.decode_id, message.request_id,
                                        self.clock.now_s())
             self._dispatch_queued()
@@ -408,6 +438,11 @@ class DisaggBackend(ModelFront):
                 p = flight.placement
                 if worker_id not in (p.prefill_id, p.decode_id):
                     continue
+                if worker_id == p.prefill_id and flight.stage is Stage.PREFILLING:
+                    # A lost prefill worker may be hung rather than dead, and might still write
+                    # into the blocks reserved on d: never hand them back (a bounded leak on d
+                    # per lost worker is the price of never serving overwritten KV).
+                    flight.reserved = False
                 if flight.aborted:  # nothing will ack the abort now
                     self._finish(flight)
                     continue
@@ -428,15 +463,15 @@ class DisaggBackend(ModelFront):
     def _finish(self, flight: Flight) -> None:
         rid = flight.request.request_id
         flight.stage = Stage.DONE
-        self._free_slots(flight)
+        self._cancel_reservation(flight)
         self._flights.pop(rid, None)
         assert self.conductor is not None
         self.conductor.on_request_aborted(rid)  # forgets whatever is still booked
         self._dispatch_queued()
 
-    def _free_slots(self, flight: Flight) -> None:
-        view = self._workers.get(flight.placement.decode_id)
-        if view is not None and flight.slots:
-            view.give_back(flight.slots)
-        flight.slots = []
+    def _cancel_reservation(self, flight: Flight) -> None:
+        """Called once nothing writes the reserved blocks any more."""
+        if flight.reserved:
+            flight.reserved = False
+            self._send(flight.placement.decode_id, Abort(flight.request.request_id))
 

@@ -20,7 +20,8 @@ from kvcake.server.backend import GenerateRequest, TokenEvent
 
 
 class Stage(Enum):
-    QUEUED = "queued"  # placed, waiting for staging slots on its decode worker
+    QUEUED = "queued"  # placed, not yet sent anywhere
+    RESERVING = "reserving"  # waiting for its decode worker to reserve KV blocks
     PREFILLING = "prefilling"
     DECODING = "decoding"
     DONE = "done"
@@ -33,25 +34,29 @@ class Flight:
     loop: asyncio.AbstractEventLoop
     placement: Placement
     sampling: Sampling
-    slots: list[int] = field(default_factory=list)  # staging slots held on the decode worker
+    # The decode engine's KV blocks each prompt block is written to (-1: cached there already).
+    targets: list[int] = field(default_factory=list)
+    kv_pool: dict[str, Any] = field(default_factory=dict)  # the decode worker's pool segment
+    num_pool_blocks: int = 0
+    reserved: bool = False  # the decode worker holds (or is making) an uncommitted reservation
     stage: Stage = Stage.QUEUED
     num_cached_tokens: int = 0
     aborted: bool = False
 
-    def prefill_order(self, staging: dict[str, Any]) -> PrefillOrder:
-        """The order for the prefill worker; `staging` is the decode worker's segment ({} when
-        the request decodes where it prefills)."""
+    def prefill_order(self) -> PrefillOrder:
+        """The order for the prefill worker: write into `targets` of the decode worker's pool
+        (no targets: the request decodes where it prefills)."""
         fetch = self.placement.fetch
         request = self.request
         return PrefillOrder(request.request_id, list(request.prompt_token_ids),
                             asdict(self.sampling),
                             [cast(int, k) for k in fetch.keys] if fetch is not None else [],
-                            staging, self.slots)
+                            self.kv_pool, self.targets, self.num_pool_blocks)
 
     def decode_order(self, first_token_id: int,
                      sampler_state: bytes | None = None) -> DecodeOrder:
         return DecodeOrder(self.request.request_id, list(self.request.prompt_token_ids),
-                           first_token_id, asdict(self.sampling), self.slots, sampler_state)
+                           first_token_id, asdict(self.sampling), [], sampler_state)
 
     def emit(self, item: TokenEvent | BaseException) -> None:
         """Hand an event (or the error that ends the stream) to the HTTP side; any thread."""

@@ -1,5 +1,15 @@
 """The decode side of a worker: step 4 of the four (continuous batching of prefilled requests).
 
+Direct path (the default): the worker registers its engine's KV pool as transfer segment
+`kv-pool-<id>`. On `ReserveKv` (engine-loop thread) it calls `engine.reserve_request` and
+answers `KvReserved` (the pool segment and the reserved block ids); prefill workers write each
+layer of each prompt block straight into those blocks; `DecodeOrder` without staging blocks
+commits the reservation (`commit_reserved`: no copy); `Abort` cancels it (the frontend sends it
+only once nothing writes the blocks any more). A reservation the pool has no room for waits,
+like an order, until running requests free blocks.
+
+Staging path (kept for orders that name staging blocks):
+
 The worker registers a staging segment of `staging_bytes` with its transfer engine; prefill
 workers write each request's prompt KV into it, layer by layer, at block slots the frontend
 assigned (`DecodeOrder.staging_blocks`: slot i holds prompt block i, laid out like the engine's
@@ -23,8 +33,10 @@ from kvcake.messages import (
     Abort,
     DecodeAdmitted,
     DecodeOrder,
+    KvReserved,
     Message,
     RequestFailed,
+    ReserveKv,
     Tokens,
     sampling_from_wire,
 )
@@ -50,8 +62,11 @@ class DecodeRole:
         self._segment_name = f"kv-staging-{worker.worker_id}"
         self._staging = self.transfer.allocate_segment(self._segment_name,
                                                        self._num_slots * self._block_nbytes)
-        self._pending: deque[DecodeOrder] = deque()
+        self._pool_name = f"kv-pool-{worker.worker_id}"
+        self.transfer.register_segment(self._pool_name, self.engine.pool.kv)
+        self._pending: deque[DecodeOrder | ReserveKv] = deque()
         self._live: set[str] = set()
+        self._reserved: set[str] = set()  # reserved, not yet committed
 
     def start(self) -> None:
         pass
@@ -69,12 +84,17 @@ class DecodeRole:
         return len(self._pending)
 
     def handle(self, message: Message) -> None:
-        if isinstance(message, DecodeOrder):
+        if isinstance(message, DecodeOrder) and not message.staging_blocks:
+            self._commit(message)
+        elif isinstance(message, DecodeOrder | ReserveKv):
             self._pending.append(message)
             self._admit_pending()
         elif isinstance(message, Abort):
             rid = message.request_id
             self._pending = deque(o for o in self._pending if o.request_id != rid)
+            if rid in self._reserved:
+                self._reserved.discard(rid)
+                self.engine.cancel_reserved(rid)
             if rid in self._live:
                 self._live.discard(rid)
                 self.engine.abort(rid)
@@ -94,15 +114,49 @@ class DecodeRole:
     def _admit_pending(self) -> None:
         while self._pending:
             order = self._pending[0]
-            admitted = self._admit(order)
+            admitted = self._reserve(order) if isinstance(order, ReserveKv) \
+                else self._admit(order)
             if admitted is None:  # no room now: wait for running requests to free blocks
-                if not self.engine.has_unfinished():
+                if not self.engine.has_unfinished() and not self._reserved:
                     self._pending.popleft()
                     self.worker.send(RequestFailed(order.request_id, "decode worker: the KV "
                                                    "pool cannot hold this request"))
                     continue
                 return
             self._pending.popleft()
+
+    def _reserve(self, order: ReserveKv) -> bool | None:
+        """True: reserved (KvReserved sent); False: refused (reported); None: no room now."""
+        try:
+            params = sampling_params(sampling_from_wire(order.sampling))
+            block_ids = self.engine.reserve_request(order.request_id, order.prompt_token_ids,
+                                                    params)
+        except ValueError as exc:
+            self.worker.send(RequestFailed(order.request_id, f"decode refused: {exc}"))
+            return False
+        if block_ids is None:
+            return None
+        self._reserved.add(order.request_id)
+        pool = self.transfer.describe(self._pool_name)
+        self.worker.send(KvReserved(order.request_id, pool.to_dict(),
+                                    self.engine.pool.num_blocks, [int(b) for b in block_ids]))
+        return True
+
+    def _commit(self, order: DecodeOrder) -> None:
+        rid = order.request_id
+        if rid not in self._reserved:
+            self.worker.send(RequestFailed(rid, "decode refused: no reserved KV blocks"))
+            return
+        try:
+            self.engine.commit_reserved(rid, order.first_token_id, order.sampler_state)
+        except ValueError as exc:
+            self._reserved.discard(rid)
+            self.engine.cancel_reserved(rid)
+            self.worker.send(RequestFailed(rid, f"decode refused: {exc}"))
+            return
+        self._reserved.discard(rid)
+        self._live.add(rid)
+        self.worker.send(DecodeAdmitted(rid))
 
     def _admit(self, order: DecodeOrder) -> bool | None:
         """True: admitted; False: refused (reported); None: no room now."""

@@ -2,7 +2,9 @@
 
 Staging slots: a decode worker's staging segment holds `num_staging_blocks` prompt blocks; the
 frontend hands a request the slots its prompt needs before the prefill starts and takes them
-back when the decode worker admitted the request (or the request ended).
+back when the decode worker admitted the request (or the request ended). `DisaggBackend` no
+longer uses them (prefill writes into blocks the decode engine reserves: `ReserveKv`); they
+serve a caller of the older staging-copy path.
 
 Liveness: `probe(now_s)` sends a `Ping` when none is outstanding and `ping_interval_s` has
 passed, and says the worker is hung when the outstanding ping is older than

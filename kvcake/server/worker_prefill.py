@@ -9,7 +9,8 @@ Lifecycle of one `PrefillOrder` on the engine-loop thread:
   2. `add_request(prefill_only=True)`: the engine reuses the cached prefix and prefills the
      rest, in chunks of max_num_batched_tokens;
   3. during each step, `layer_hook(l)` submits an asynchronous write of layer l of the
-     request's blocks straight into the decode worker's staging segment while layer l+1
+     request's blocks straight into the blocks the decode engine reserved (its KV pool
+     segment; or, for an order with `num_pool_blocks` 0, a staging segment) while layer l+1
      computes; after the step that sampled the first token the loop waits for what is still in
      flight (the exposed transfer time), reports `PrefillDone`, frees the blocks, and hands the
      prompt's full blocks to the store-writer thread, which puts them into the store
@@ -242,11 +243,13 @@ class PrefillRole:
         assert staging is not None
         block_ids = self.engine.request_block_ids(state.order.request_id)
         staging_blocks = state.order.staging_blocks
+        num_pool_blocks = state.order.num_pool_blocks
         requests = [
             TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], staging,
-                            staging_blocks[i] * pool.block_nbytes + layer_idx * pool.layer_nbytes)
+                            _target_offset(staging_blocks[i], layer_idx, num_pool_blocks,
+                                           pool.block_nbytes, pool.layer_nbytes))
             for i, block_id in enumerate(block_ids[:min(end_block, len(staging_blocks))])
-            if i >= first_block]
+            if i >= first_block and staging_blocks[i] >= 0]
         if not requests:
             return
         if state.first_submit_s is None:
@@ -350,3 +353,12 @@ class PrefillRole:
                 continue
             # Written now, or already there (put returns False): either way the store has them.
             self.worker.send(StoreEvents([int(k) for k in keys]))
+
+
+def _target_offset(target: int, layer_idx: int, num_pool_blocks: int, block_nbytes: int,
+                   layer_nbytes: int) -> int:
+    """Byte offset of (block `target`, layer) in the decode side's segment: its KV pool's
+    layout (`KVPool.layer_offset_bytes`) when `num_pool_blocks` > 0, else a staging slot."""
+    if num_pool_blocks > 0:
+        return (layer_idx * num_pool_blocks + target) * layer_nbytes
+    return target * block_nbytes + layer_idx * layer_nbytes

@@ -159,13 +159,15 @@ def test_one_token_request_ends_at_the_prefill(backend: DisaggBackend, llm: LLM)
     assert tokens(events) == offline(llm, [prompt], 1)[0]
 
 
-def test_closing_a_stream_early_frees_the_staging_slots(backend: DisaggBackend,
+def test_closing_a_stream_early_frees_the_decode_blocks(cluster: Cluster, backend: DisaggBackend,
                                                        llm: LLM) -> None:
-    decode = backend._workers["decode-2"]
-    total = decode.hello.num_staging_blocks
+    engine = cluster.workers["decode-2"].engine
+    assert engine is not None
+    total = engine.pool.num_blocks
     events = run(backend, ids(40, 100), 200, close_after=2)
     assert len(events) == 2
-    wait_until(lambda: len(decode.free_slots) == total and not backend._flights)
+    # Freed blocks keep their prefix-cache keys but are all free again (nothing pinned).
+    wait_until(lambda: engine.block_manager.num_free_blocks == total and not backend._flights)
     prompt = ids(41, 33)
     assert tokens(run(backend, prompt, 5)) == offline(llm, [prompt], 5)[0]
 
