@@ -3,6 +3,9 @@ server."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import httpx
 
 
@@ -20,3 +23,17 @@ def check_min_tokens_masks_stop_ids(url: str) -> None:
                       json={**body, "stop_token_ids": [stop_id], "min_tokens": 3}).json()
     ids = held["choices"][0]["token_ids"]
     assert len(ids) >= 3 and stop_id not in ids[:3]
+
+
+def check_curl_stream(url: str) -> list[dict[str, object]]:
+    """A streamed completion through `curl -sN`: SSE events ending in [DONE], the last chunk
+    finished by length. Returns the chunks."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True, "ignore_eos": True})
+    out = subprocess.run(["curl", "-sN", url + "/v1/completions", "-H",
+                          "Content-Type: application/json", "-d", body],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    return chunks

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 
@@ -20,7 +19,7 @@ from kvcake.engine.config import EngineConfig
 from kvcake.server.api import ApiServer, create_app
 from kvcake.server.local_backend import LocalBackend, LocalBackendConfig
 from kvcake.server.protocol import render_chat_text
-from tests.server.checks import check_min_tokens_masks_stop_ids
+from tests.server.checks import check_curl_stream, check_min_tokens_masks_stop_ids
 
 ENGINE = EngineConfig(kv_cache_bytes=16 * 2**20)
 
@@ -250,14 +249,8 @@ def test_metrics_exposition(server: Running, client: openai.OpenAI) -> None:
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl_stream(server: Running) -> None:
-    body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True, "ignore_eos": True})
-    out = subprocess.run(["curl", "-sN", server.url + "/v1/completions", "-H",
-                          "Content-Type: application/json", "-d", body],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]] == [
-        None, None, "length"]
+    chunks = check_curl_stream(server.url)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
 
 
 def _metric(server: Running, name: str) -> float:

@@ -16,7 +16,7 @@ import pytest
 from kvcake import LLM, SamplingParams
 from kvcake.server.api import ApiServer, create_app
 from kvcake.server.launcher import Cluster
-from tests.server.checks import check_min_tokens_masks_stop_ids
+from tests.server.checks import check_curl_stream, check_min_tokens_masks_stop_ids
 from tests.server.test_disagg import ENGINE, cluster_config
 
 
@@ -108,13 +108,7 @@ def test_bad_input_is_400_and_the_server_keeps_serving(server: Serving,
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl(server: Serving) -> None:
-    body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True, "ignore_eos": True})
-    out = subprocess.run(["curl", "-sN", server.url + "/v1/completions", "-H",
-                          "Content-Type: application/json", "-d", body],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    check_curl_stream(server.url)
     plain = subprocess.run(["curl", "-s", server.url + "/v1/completions", "-H",
                             "Content-Type: application/json", "-d",
                             json.dumps({"prompt": "hi", "max_tokens": 2})],

@@ -7,7 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvcake.clock import ManualClock
+from kvcake.store import StoreClient
 from kvcake.store.config import MasterConfig
+from kvcake.store.errors import StoreError
 from kvcake.store.master import MasterServer, MasterService
 
 
@@ -23,3 +25,23 @@ def master(clock: ManualClock) -> Iterator[MasterServer]:
     server = MasterServer(service, "127.0.0.1", 0, tick_interval_s=None).start()
     yield server
     server.close()
+
+
+def put_then_get_all(client: StoreClient, values: dict[str, bytes]) -> tuple[int, int]:
+    """Put every value (a put may fail under faults), then get each back: (served, failed).
+    A get either serves exactly the bytes put or fails with a StoreError, never wrong bytes."""
+    for key, value in values.items():
+        try:
+            client.put(key, value)
+        except StoreError:
+            pass
+    served = failed = 0
+    for key, value in values.items():
+        try:
+            got = client.get(key)
+        except StoreError:
+            failed += 1
+            continue
+        assert got == value
+        served += 1
+    return served, failed

@@ -13,7 +13,6 @@ import pytest
 from kvcake.store import StoreClient
 from kvcake.store.config import NodeConfig
 from kvcake.store.direct import DirectPath
-from kvcake.store.errors import StoreError
 from kvcake.store.master import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.transfer import (
@@ -27,6 +26,7 @@ from kvcake.transfer import (
     TransportError,
 )
 from kvcake.transfer import Transport as TransportT
+from tests.store.conftest import put_then_get_all
 
 TCP = TransferConfig(serve=False, use_shared_memory=False, num_rails=2, slice_bytes=1 << 20)
 
@@ -150,21 +150,8 @@ def test_faults_on_the_direct_path_never_yield_wrong_bytes(master: MasterServer,
         return faulty[-1]
 
     values = {f"k{i}": os.urandom(3_000 + 1_009 * i) for i in range(30)}
-    served = failed = 0
     with StoreClient(master.address, transfer_config=TCP, wrap_transport=wrap) as client:
-        for key, value in values.items():
-            try:
-                client.put(key, value)
-            except StoreError:
-                pass
-        for key, value in values.items():
-            try:
-                got = client.get(key)
-            except StoreError:
-                failed += 1
-                continue
-            assert got == value
-            served += 1
+        served, failed = put_then_get_all(client, values)
     assert sum(f.num_corrupted for f in faulty) > 0 and sum(f.num_dropped for f in faulty) > 0
     assert served > 0 and served + failed == len(values)
 

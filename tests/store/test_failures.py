@@ -24,6 +24,7 @@ from kvcake.transfer import (
     TransferEngine,
 )
 from kvcake.transfer import Transport as TransportT
+from tests.store.conftest import put_then_get_all
 
 
 class KillOnFirstRead:
@@ -107,22 +108,9 @@ def test_faulty_transport_never_yields_corrupted_bytes(seed: int) -> None:
         return faulty[-1]
 
     values = {f"k{i}": os.urandom(5_000 + 997 * i) for i in range(40)}
-    served = failed = 0
     with EmbeddedStore(EmbeddedConfig(4 << 20, num_nodes=2), wrap_transport=wrap) as store:
         client = store.client(num_replicas=2)
-        for key, value in values.items():
-            try:
-                client.put(key, value)
-            except StoreError:
-                pass
-        for key, value in values.items():
-            try:
-                got = client.get(key)
-            except StoreError:
-                failed += 1
-                continue
-            assert got == value
-            served += 1
+        served, failed = put_then_get_all(client, values)
         keys = list(values)
         buffers = [bytearray(len(values[k])) for k in keys]
         try:
