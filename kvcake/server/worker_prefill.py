@@ -43,7 +43,13 @@ from kvcake.messages import (
     sampling_from_wire,
 )
 from kvcake.store import StoreError
-from kvcake.transfer import SegmentDesc, TransferError, TransferOp, TransferRequest
+from kvcake.transfer import (
+    SegmentDesc,
+    TransferError,
+    TransferOp,
+    TransferRequest,
+    via_shared_memory,
+)
 from kvcake.types import BlockKey
 
 if TYPE_CHECKING:
@@ -244,10 +250,15 @@ class PrefillRole:
         block_ids = self.engine.request_block_ids(state.order.request_id)
         staging_blocks = state.order.staging_blocks
         num_pool_blocks = state.order.num_pool_blocks
+        # KV written into a decode engine's blocks has no end-to-end check (a store object has):
+        # where it crosses TCP, each slice carries a digest the decode side verifies.
+        checksum = None if via_shared_memory(staging, self.transfer.config.use_shared_memory) \
+            else True
         requests = [
             TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], staging,
                             _target_offset(staging_blocks[i], layer_idx, num_pool_blocks,
-                                           pool.block_nbytes, pool.layer_nbytes))
+                                           pool.block_nbytes, pool.layer_nbytes),
+                            checksum=checksum)
             for i, block_id in enumerate(block_ids[:min(end_block, len(staging_blocks))])
             if i >= first_block and staging_blocks[i] >= 0]
         if not requests:

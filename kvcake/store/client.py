@@ -39,7 +39,13 @@ from kvcake.store.errors import (
 )
 from kvcake.store.layout import HEADER_BYTES, pack_header, payload_checksum
 from kvcake.store.remote import RemoteMaster
-from kvcake.store.replica_io import check_room, read_requests, valid, write_requests
+from kvcake.store.replica_io import (
+    check_room,
+    read_requests,
+    valid,
+    write_checksum,
+    write_requests,
+)
 from kvcake.transfer import (
     SegmentDesc,
     TransferConfig,
@@ -153,6 +159,12 @@ class StoreClient:
         assert self._engine is not None
         return self._engine
 
+    @property
+    def _use_shared_memory(self) -> bool:
+        """The `use_shared_memory` of the engine this client moves bytes with."""
+        engine = self._engine if not self._own_engine else None
+        return (engine.config if engine is not None else self._transfer_config).use_shared_memory
+
     def close(self) -> None:
         if self._direct is not None:
             self._direct.close()
@@ -234,13 +246,15 @@ class StoreClient:
             _, view, checksum, (desc,) = allocated[0]
             segment = SegmentDesc.from_dict(desc["segment"])
             header = pack_header(checksum, desc["version"], len(view))
-            requests = [TransferRequest(TransferOp.WRITE, header, segment, desc["offset"])]
+            digest = write_checksum(segment, self._use_shared_memory)
+            requests = [TransferRequest(TransferOp.WRITE, header, segment, desc["offset"],
+                                        checksum=digest)]
             if len(view):
                 requests.append(TransferRequest(TransferOp.WRITE, view, segment,
-                                                desc["offset"] + HEADER_BYTES))
+                                                desc["offset"] + HEADER_BYTES, checksum=digest))
             return requests, [None, checksum]
         return [r for _, view, checksum, descs in allocated
-                for r in write_requests(view, checksum, descs)], []
+                for r in write_requests(view, checksum, descs, self._use_shared_memory)], []
 
     def _transfer(self, requests: list[TransferRequest],
                   xxh3_digests: list[int | None] | None = None) -> None:
@@ -429,7 +443,8 @@ class StoreClient:
         versions = [t["version"] for t in targets]
         try:
             self._read(key, source, memoryview(data))
-            requests = write_requests(memoryview(data), source["checksum"], targets)
+            requests = write_requests(memoryview(data), source["checksum"], targets,
+                                      self._use_shared_memory)
             self._transfer(requests)
         except (StoreError, TransferError) as exc:
             self.master.replicas_done(key, versions, False)

@@ -28,7 +28,13 @@ from kvcake.transfer.request import (
     TransferOp,
     TransferRequest,
 )
-from kvcake.transfer.segment import Segment, SegmentDesc, buffer_view, local_host_id
+from kvcake.transfer.segment import (
+    Segment,
+    SegmentDesc,
+    buffer_view,
+    local_host_id,
+    via_shared_memory,
+)
 from kvcake.transfer.sieve import SieveCache
 from kvcake.transfer.transport import (
     Completion,
@@ -45,5 +51,5 @@ __all__ = [
     "RequestState", "RequestStatus", "Segment", "SegmentDesc", "SieveCache", "Slice",
     "TransferConfig", "TransferEngine", "TransferError", "TransferOp", "TransferRequest",
     "TransferTimeout", "Transport", "TransportError", "TransportKind", "TransportWrapper",
-    "buffer_view", "local_host_id", "plan_slices", "retry_rail",
+    "buffer_view", "local_host_id", "plan_slices", "retry_rail", "via_shared_memory",
 ]

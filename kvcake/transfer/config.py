@@ -37,19 +37,26 @@ class TransferConfig:
     max_retries: how many times one slice may be retried on another rail before its request fails.
     checksum: the per-slice digest: "auto" (xxh3 when the xxhash package is installed, else
       crc32), "crc32" or "xxh3".
-    checksum_tcp / checksum_shm: carry and verify a digest per slice on that transport. TCP crosses
-      NICs and kernels and is checked by default; shared memory is one memcpy in one host's RAM,
-      and the store checks every object end to end, so it is off by default there. The TCP default
-      stays on although it costs ~0.15 CPU s/GB (about a quarter of a read's CPU on loopback):
-      a raw user of the engine has no other check, and TCP's own 16-bit sum misses what a bad NIC,
-      switch or kernel copy does to a slice. A caller that verifies its data end to end (the
-      store's client on its one-thread path does) may turn it off.
+    checksum_tcp / checksum_shm: carry and verify a digest per slice on that transport. Off by
+      default on both, as in Mooncake's transfer engine, NCCL and NIXL: TCP checks every segment
+      (a NIC offloads it) and Ethernet every frame, and a digest here costs a full extra pass over
+      cold memory at each end: xxh3 at ~8 GB/s out of DRAM, ~0.25-0.3 CPU s/GB for the two ends
+      together on loopback here, against ~0.55 for the whole transfer without it (and 0.48 for
+      iperf3; see docs/benchmarks.md). Turn it on where nothing checks the bytes end to end and a
+      bad NIC or kernel copy must not go unnoticed: the serving workers do, for the KV they stream
+      into a decode engine's blocks. The store needs neither: every object carries its own
+      checksum, a node verifies the bytes of a put that crosses TCP against it as they land, and
+      every read is verified before it is trusted.
     use_shared_memory: map a peer's shared-memory segment when it lives on this host.
     host, port, port_search: where the segment server listens (`serve=True`); it tries `port`,
       `port + 1`, ... `port + port_search - 1` and keeps the first free one (0 = any port).
       `host` is also the address written into segment descriptors: give one peers can reach.
     io_timeout_s: a socket call that blocks longer than this fails the slice (then it is retried).
-    socket_buffer_bytes: SO_SNDBUF / SO_RCVBUF asked of the kernel for every data connection.
+    socket_buffer_bytes: SO_SNDBUF / SO_RCVBUF asked of the kernel for every data connection;
+      0 (the default) leaves them to the kernel's autotuning, which sizes them to the path (as
+      iperf3 does). Fixed 8 MiB buffers cost ~10-15% of the GB/s on loopback here (0.60-0.63 CPU
+      s/GB against 0.54-0.56 autotuned, 4 rails): the more bytes sit in socket buffers, the
+      colder the kernel's copies into and out of them.
     """
 
     slice_bytes: int = 4 * MIB
@@ -60,7 +67,7 @@ class TransferConfig:
     inline_max_slices: int = 2
     max_retries: int = 3
     checksum: str = "auto"
-    checksum_tcp: bool = True
+    checksum_tcp: bool = False
     checksum_shm: bool = False
     use_shared_memory: bool = True
     serve: bool = True
@@ -68,15 +75,19 @@ class TransferConfig:
     port: int = 0
     port_search: int = 1
     io_timeout_s: float = 30.0
-    socket_buffer_bytes: int = 8 * MIB
+    socket_buffer_bytes: int = 0
 
     def __post_init__(self) -> None:
         positive = ("slice_bytes", "num_rails", "max_endpoints_per_rail", "pipeline_depth",
-                    "port_search", "socket_buffer_bytes")
+                    "port_search")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"TransferConfig.{name} must be a positive integer, got {value!r}")
+        if (not isinstance(self.socket_buffer_bytes, int) or isinstance(self.socket_buffer_bytes, bool)
+                or self.socket_buffer_bytes < 0):
+            raise ValueError(f"TransferConfig.socket_buffer_bytes must be an integer >= 0 (0 = the "
+                             f"kernel's autotuning), got {self.socket_buffer_bytes!r}")
         if self.slice_bytes < 4096:
             raise ValueError(f"TransferConfig.slice_bytes must be >= 4096, got {self.slice_bytes}")
         if not isinstance(self.inline_max_slices, int) or self.inline_max_slices < 0:

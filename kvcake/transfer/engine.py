@@ -18,8 +18,6 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-import numpy as np
-
 from kvcake.transfer import checksum
 from kvcake.transfer.batch import Batch
 from kvcake.transfer.config import TransferConfig
@@ -32,7 +30,8 @@ from kvcake.transfer.segment import (
     SegmentDesc,
     SharedBlock,
     buffer_view,
-    local_host_id,
+    private_block,
+    via_shared_memory,
 )
 from kvcake.transfer.server import SegmentServer
 from kvcake.transfer.shm import ShmTransport
@@ -134,7 +133,10 @@ class TransferEngine:
         return segment.desc(self.address)
 
     def allocate_segment(self, name: str, length_bytes: int, *, shared: bool = True) -> SegmentDesc:
-        """Allocate zeroed memory and register it; shared memory lets same-host peers map it.
+        """Allocate zeroed, page-aligned memory and register it; shared memory lets same-host
+        peers map it. Page-aligned because the kernel copies a TCP payload fastest between buffers
+        aligned alike (a numpy array starts 16 bytes into a page: writes out of one cost ~1.5x
+        the CPU per GB here with several rails; see docs/benchmarks.md).
 
         The engine owns this memory: it is freed (and unlinked) on unregister or close.
         """
@@ -147,7 +149,7 @@ class TransferEngine:
                 shm = SharedBlock(length_bytes)
                 segment = Segment(name, next(self._segment_ids), shm.mapping, owned_shm=shm)
             else:
-                segment = Segment(name, next(self._segment_ids), np.zeros(length_bytes, np.uint8))
+                segment = Segment(name, next(self._segment_ids), private_block(length_bytes))
             self._segments[segment.segment_id] = segment
         return segment.desc(self.address)
 
@@ -304,15 +306,16 @@ class TransferEngine:
                              f"{request.remote_offset + length}) is outside segment "
                              f"{segment.name!r} of {segment.length_bytes} bytes")
         endpoint = self._endpoint_for(segment, where)
-        on = (self.config.checksum_shm if endpoint.kind is TransportKind.SHM
-              else self.config.checksum_tcp)
+        on = request.checksum
+        if on is None:
+            on = (self.config.checksum_shm if endpoint.kind is TransportKind.SHM
+                  else self.config.checksum_tcp)
         checksum = self._checksum_kind if on else None
         pref = self._preferences.get(segment.name, self._default_pref)
         return Resolved(request.op, view[:length], segment, endpoint, checksum, pref)
 
     def _endpoint_for(self, segment: SegmentDesc, where: str) -> EndpointKey:
-        if (self.config.use_shared_memory and segment.shm_name
-                and segment.host_id == local_host_id()):
+        if segment.shm_name and via_shared_memory(segment, self.config.use_shared_memory):
             return EndpointKey(TransportKind.SHM, segment.shm_name)
         if not segment.address:
             raise ValueError(f"{where}: segment {segment.name!r} has no server address and is not "

@@ -31,6 +31,12 @@ def local_host_id() -> str:
     return f"{socket.gethostname()}/{boot_id}"
 
 
+def via_shared_memory(segment: SegmentDesc, use_shared_memory: bool) -> bool:
+    """Whether an engine with this `use_shared_memory` setting reaches `segment` by mapping its
+    shared memory (same host) rather than over TCP."""
+    return bool(use_shared_memory and segment.shm_name and segment.host_id == local_host_id())
+
+
 @dataclass(frozen=True)
 class SegmentDesc:
     """Where a segment lives. Plain data: `to_dict()` / `from_dict()` survive msgpack and JSON.
@@ -121,6 +127,7 @@ class Segment:
         self.shm_name: str | None = None
         if owned_shm is not None:
             self.shm_name = owned_shm.name
+
         elif isinstance(memory, shared_memory.SharedMemory):
             self.shm_name = memory.name
 
@@ -142,6 +149,20 @@ class Segment:
         """Unlink the shared memory this segment created (mappings stay valid until dropped)."""
         if self._owned_shm is not None:
             self._owned_shm.unlink()
+
+
+def private_block(length_bytes: int) -> mmap.mmap:
+    """Zeroed, page-aligned memory private to this process (anonymous mmap), with transparent
+    huge pages asked for where the kernel offers them."""
+    if length_bytes <= 0:
+        raise ValueError(f"length_bytes must be positive, got {length_bytes}")
+    block = mmap.mmap(-1, length_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            block.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # not offered by this kernel: plain pages
+            pass
+    return block
 
 
 class SharedBlock:

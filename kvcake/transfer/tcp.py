@@ -31,8 +31,9 @@ def parse_address(address: str) -> tuple[str, int]:
 
 def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
     """Large kernel buffers (fewer wake-ups per slice) and no Nagle delay on the small headers."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+    if buffer_bytes:  # 0: leave the sizes to the kernel's autotuning
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
@@ -146,7 +147,7 @@ class TcpTransport:
 
     @classmethod
     def connect(cls, address: str, *, bind_host: str | None = None, timeout_s: float = 30.0,
-                buffer_bytes: int = 8 << 20) -> TcpTransport:
+                buffer_bytes: int = 0) -> TcpTransport:
         host, port = parse_address(address)
         try:
             sock = socket.create_connection(

@@ -140,3 +140,33 @@ def test_removed_key_is_not_found_even_with_an_old_descriptor() -> None:
         with pytest.raises(ObjectNotFound):  # the stale descriptor is refused, then re-asked
             client._read("old", stale, memoryview(buffer))
         assert client.get("new") == b"B" * 1000
+
+
+def test_a_put_corrupted_on_its_way_over_tcp_fails_instead_of_committing(
+        master: MasterServer) -> None:
+    """The engine's default carries no digest on TCP; the store's puts still do (their object
+    checksum), so the node refuses bytes that changed on the way and nothing wrong is committed."""
+    nodes = _start_nodes(master, 1)
+    faulty: list[FaultyTransport] = []
+
+    def corrupt_all(inner: TransportT, key: EndpointKey, rail: int) -> TransportT:
+        faulty.append(FaultyTransport(inner, FaultSpec(corrupt_rate=1.0), seed=len(faulty)))
+        return faulty[-1]
+
+    config = TransferConfig(serve=False, use_shared_memory=False, num_rails=1, max_retries=1)
+    assert config.checksum_tcp is False
+    try:
+        with StoreClient(master.address, transfer_config=config,
+                         wrap_transport=corrupt_all) as client:
+            with pytest.raises(StoreError, match="checksum mismatch"):
+                client.put("k", os.urandom(300_000))
+            assert not client.exists("k")
+            with pytest.raises(KeyError):
+                client.get("k")
+        assert sum(f.num_corrupted for f in faulty) > 0
+        with StoreClient(master.address, transfer_config=config) as client:
+            data = os.urandom(300_000)
+            client.put("k", data)  # the failed put left nothing behind
+            assert client.get("k") == data
+    finally:
+        nodes[0].close()

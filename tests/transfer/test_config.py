@@ -18,6 +18,7 @@ from kvcake.transfer.checksum import ChecksumKind, available, parse
     ({"port": 70000}, "port"),
     ({"io_timeout_s": 0}, "io_timeout_s"),
     ({"checksum": "md5"}, "checksum"),
+    ({"socket_buffer_bytes": -1}, "socket_buffer_bytes"),
 ])
 def test_bad_values_name_the_field(values: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=f"TransferConfig.{field}"):
@@ -35,3 +36,8 @@ def test_checksum_names() -> None:
     assert parse("crc32") is ChecksumKind.CRC32
     assert parse("auto") is available()[-1]
     assert ChecksumKind.CRC32.compute(b"hello") == 0x3610A686
+
+
+def test_defaults_leave_digests_off_and_socket_buffers_to_the_kernel() -> None:
+    config = TransferConfig()
+    assert (config.checksum_tcp, config.checksum_shm, config.socket_buffer_bytes) == (False, False, 0)

@@ -84,7 +84,7 @@ def owner() -> Iterator[tuple[TransferEngine, SegmentDesc]]:
 def client_config(**changes: object) -> TransferConfig:
     values: dict[str, object] = dict(serve=False, use_shared_memory=False, num_rails=2,
                                      slice_bytes=SLICE, pipeline_depth=8, inline_max_slices=0,
-                                     checksum="crc32", io_timeout_s=10.0)
+                                     checksum="crc32", checksum_tcp=True, io_timeout_s=10.0)
     values.update(changes)
     return TransferConfig(**values)  # type: ignore[arg-type]
 
@@ -265,3 +265,21 @@ def test_a_lost_connection_loses_every_outstanding_read_and_says_so() -> None:
     with pytest.raises(TransportError, match="connection is closed"):
         transport.start_read(desc, 0, memoryview(bytearray(1)), checksum=None)
     peer.thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("op", [TransferOp.READ, TransferOp.WRITE])
+def test_a_request_that_asks_for_a_checksum_gets_one_whatever_the_default(
+        owner: tuple[TransferEngine, SegmentDesc], op: TransferOp) -> None:
+    engine, desc = owner
+    source = pattern(64 * SLICE, seed=4)
+    for checksum, intact in ((True, True), (None, False)):
+        engine.segment("dram").array[:] = source if op is TransferOp.READ else 0
+        injected: dict[int, list[FaultyTransport]] = {}
+        with TransferEngine(client_config(checksum_tcp=False), wrap_transport=faulty_rail_zero(
+                FaultSpec(corrupt_rate=0.3), injected)) as client:
+            buffer = np.zeros_like(source) if op is TransferOp.READ else source.copy()
+            client.transfer([TransferRequest(op, buffer, desc, checksum=checksum)], timeout_s=30)
+        landed = buffer if op is TransferOp.READ else engine.segment("dram").array
+        # with the engine's default (off on TCP) the flipped bytes land: nothing checks them
+        assert np.array_equal(landed, source) is intact
+        assert injected[0][0].num_corrupted > 0
