@@ -15,6 +15,8 @@ PURE = [
     "engine/block_manager.py",
     "engine/batcher.py",
     "store/index.py",
+    "store/space.py",
+    "store/tiering.py",
     "store/eviction.py",
 ]
 BANNED = {"torch", "socket", "threading", "asyncio", "time", "datetime", "multiprocessing", "zmq",

@@ -6,10 +6,12 @@
     with StoreClient.embedded(1 << 30) as store:   # everything in this process (EmbeddedConfig)
         ...
 
-Modules: index (pure metadata and policy), eviction (LRU order), allocator (segment ranges),
+Modules: index (pure metadata and lifecycle), space (replica ranges, versions, deferred frees),
+tiering (eviction, demote / promote plans), eviction (LRU order), allocator (segment ranges),
 placement (strategies), layout (object header + checksum), protocol / rpc_server (control frames),
-master, node, disk (SSD tier), client, direct (small transfers on the caller's thread), remote,
-embedded, cli.
+master, node, disk (SSD tier), client, master_api (what the client needs of a master), writer
+(put path), reader (checked get path), tensors, direct (small transfers on the caller's thread),
+remote, embedded, cli.
 """
 
 from kvcake.store.client import StoreClient

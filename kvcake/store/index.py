@@ -2,6 +2,8 @@
 
 Pure: the caller passes `now_s` and carries out the `TierAction`s this index queues (copies
 between a node's DRAM segment and its disk, which only that node can do). Bytes never pass here.
+The space replicas take lives in `space.py` (`NodeSpace`), eviction and DRAM<->disk moves in
+`tiering.py` (`Tiering`); this module keeps the objects and their lifecycle.
 
 Object lifecycle:
     put_start -> PENDING (replicas allocated) -> put_commit -> COMPLETE -> remove / evict / lost
@@ -17,23 +19,17 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcake.store.allocator import OffsetAllocator, OutOfSpace
+from kvcake.store.allocator import OffsetAllocator
 from kvcake.store.config import MasterConfig
-from kvcake.store.errors import InvalidRequest, NoNodes, NoSpace, ObjectExists, ObjectNotFound
+from kvcake.store.errors import InvalidRequest, ObjectExists, ObjectNotFound
 from kvcake.store.eviction import LruOrder
 from kvcake.store.layout import HEADER_BYTES
 from kvcake.store.objects import ActionKind, ObjectMeta, Replica, Tier, TierAction
 from kvcake.store.placement import NodeInfo, order_nodes
+from kvcake.store.space import NodeSpace
+from kvcake.store.tiering import Tiering
 
-
-@dataclass
-class _Deferred:
-    """A DRAM range of a removed replica, freed when its readers' leases end or are released."""
-
-    node_id: str
-    offset: int
-    release_s: float
-    lease_ids: set[int]
+__all__ = ["ActionKind", "ObjectMeta", "Replica", "StoreIndex", "Tier", "TierAction"]
 
 
 @dataclass
@@ -44,22 +40,31 @@ class StoreIndex:
     lru: LruOrder = field(default_factory=LruOrder)  # objects with a DRAM replica
     disk_lru: LruOrder = field(default_factory=LruOrder)  # objects with a disk copy
     actions: list[TierAction] = field(default_factory=list)
-    num_evicted: int = 0
-    num_demoted: int = 0
-    num_disk_evicted: int = 0
-    _deferred: list[_Deferred] = field(default_factory=list)
-    _next_version: int = 1
     _next_lease: int = 1
-    _now_s: float = 0.0  # time of the public call in progress (passed in, never read here)
     _rng: random.Random = field(default_factory=random.Random)
+    space: NodeSpace = field(init=False, repr=False, compare=False)  # shares nodes, actions
+    tiers: Tiering = field(init=False, repr=False, compare=False)  # shares objects, lru orders
 
     def __post_init__(self) -> None:
         self._rng.seed(self.config.seed)
+        self.space = NodeSpace(self.nodes, self.actions)
+        self.tiers = Tiering(self.config, self.objects, self.space, self.lru, self.disk_lru)
+
+    @property
+    def num_evicted(self) -> int:
+        return self.tiers.num_evicted
+
+    @property
+    def num_demoted(self) -> int:
+        return self.tiers.num_demoted
+
+    @property
+    def num_disk_evicted(self) -> int:
+        return self.tiers.num_disk_evicted
 
     # ---- nodes -------------------------------------------------------------------------------
     def register_node(self, node_id: str, dram_bytes: int, disk_bytes: int,
                       endpoint: dict[str, Any], now_s: float) -> None:
-        self._now_s = now_s
         if not node_id:
             raise InvalidRequest("node_id: must be a non-empty string")
         if dram_bytes <= 0 or disk_bytes < 0:
@@ -71,7 +76,6 @@ class StoreIndex:
 
     def heartbeat(self, node_id: str, now_s: float, stats: dict[str, Any] | None = None) -> bool:
         """False if the node is unknown (declared dead): it must register again."""
-        self._now_s = now_s
         node = self.nodes.get(node_id)
         if node is None:
             return False
@@ -83,7 +87,7 @@ class StoreIndex:
         """Forget a node and every replica on it; returns the keys lost entirely."""
         if self.nodes.pop(node_id, None) is None:
             return []
-        self._deferred = [d for d in self._deferred if d.node_id != node_id]
+        self.space.forget_node(node_id)
         lost = []
         for meta in list(self.objects.values()):
             kept = [r for r in meta.replicas if r.node_id != node_id]
@@ -102,7 +106,6 @@ class StoreIndex:
                   local_node: str | None, now_s: float) -> list[Replica]:
         """Allocate up to `num_replicas` DRAM replicas on distinct nodes (at least one). The
         payload's checksum may come now or with the commit (a writer computes it meanwhile)."""
-        self._now_s = now_s
         self._check_key(key)
         if size_bytes < 0 or num_replicas < 1:
             raise InvalidRequest(f"size_bytes >= 0 and num_replicas >= 1, got {size_bytes}, "
@@ -110,16 +113,15 @@ class StoreIndex:
         if key in self.objects:
             raise ObjectExists(f"key {key!r} is already stored or being written")
         alloc = size_bytes + HEADER_BYTES
-        self._check_fits(alloc)
+        self.space.check_fits(alloc)
         order = order_nodes(list(self.nodes.values()), self.config.strategy, self._rng, local_node)
-        replicas = self._allocate_on(order, alloc, num_replicas)
+        replicas = self.tiers.allocate_on(order, alloc, num_replicas, now_s)
         meta = ObjectMeta(key, size_bytes, checksum, replicas, deadline_s=now_s + self.config.put_timeout_s)
         self.objects[key] = meta
-        self._evict_to_watermark(now_s)
+        self.tiers.evict_to_watermark(now_s)
         return replicas
 
     def put_commit(self, key: str, now_s: float, checksum: int | None = None) -> None:
-        self._now_s = now_s
         meta = self._pending(key)
         if checksum is not None:
             meta.checksum = checksum
@@ -130,7 +132,7 @@ class StoreIndex:
             replica.complete = True
         meta.committed = True
         self.lru.touch(key)
-        self._evict_to_watermark(now_s)
+        self.tiers.evict_to_watermark(now_s)
 
     def put_revoke(self, key: str) -> None:
         self._pending(key)
@@ -146,7 +148,6 @@ class StoreIndex:
         protects them from eviction and reuse until `release` or `lease_s` from now. If it
         lives only on disk, a PROMOTE action is queued and the result has no DRAM replica yet:
         the caller runs the action, calls `promote_done`, then `get` again."""
-        self._now_s = now_s
         meta = self.objects.get(key)
         if meta is None or not meta.committed:
             raise ObjectNotFound(f"key {key!r} is not in the store")
@@ -159,7 +160,7 @@ class StoreIndex:
         if meta.dram():
             self.lru.touch(key)
         elif not any(r.tier is Tier.DRAM for r in meta.replicas):
-            self._plan_promote(meta)
+            self.tiers.plan_promote(meta, now_s)
         return meta, lease_id
 
     def release(self, key: str, lease_id: int) -> None:
@@ -169,16 +170,9 @@ class StoreIndex:
         meta = self.objects.get(key)
         if meta is not None:
             meta.leases.pop(lease_id, None)
-        for deferred in [d for d in self._deferred if lease_id in d.lease_ids]:
-            deferred.lease_ids.discard(lease_id)
-            if not deferred.lease_ids:
-                self._deferred.remove(deferred)
-                node = self.nodes.get(deferred.node_id)
-                if node is not None:
-                    node.allocator.free(deferred.offset)
+        self.space.release(lease_id)
 
     def promote_done(self, key: str, version: int, ok: bool, now_s: float) -> None:
-        self._now_s = now_s
         meta = self.objects.get(key)
         replica = next((r for r in meta.replicas if r.version == version), None) if meta else None
         if meta is None or replica is None:
@@ -188,7 +182,7 @@ class StoreIndex:
             self.lru.touch(key)
         else:
             meta.replicas.remove(replica)
-            self._free_range(key, replica, 0.0)
+            self.space.free_range(key, replica)
 
     def disk_lost(self, key: str, disk_version: int) -> None:
         """A demote failed: forget that disk copy (and the object, if it was the last one)."""
@@ -208,11 +202,11 @@ class StoreIndex:
         return meta is not None and meta.committed
 
     def remove(self, key: str, now_s: float) -> None:
-        self._now_s = now_s
         meta = self.objects.get(key)
         if meta is None or not meta.committed:
             raise ObjectNotFound(f"key {key!r} is not in the store")
-        self._forget(key, release_s=meta.lease_until_s if meta.lease_until_s > now_s else 0.0)
+        self._forget(key, release_s=meta.lease_until_s if meta.lease_until_s > now_s else 0.0,
+                     now_s=now_s)
 
     def set_pin(self, key: str, pinned: bool) -> None:
         meta = self.objects.get(key)
@@ -224,7 +218,6 @@ class StoreIndex:
     def add_replicas(self, key: str, num_replicas: int, now_s: float) -> list[Replica]:
         """New pending DRAM replicas that bring `key` up to `num_replicas` (the caller copies the
         bytes into them, then `replicas_done`)."""
-        self._now_s = now_s
         meta = self.get(key, now_s)
         have = {r.node_id for r in meta.replicas if r.tier is Tier.DRAM}
         missing = num_replicas - len(have)
@@ -234,12 +227,11 @@ class StoreIndex:
                                         self._rng, None) if n.node_id not in have]
         if not order:
             return []
-        new = self._allocate_on(order, meta.size_bytes + HEADER_BYTES, missing)
+        new = self.tiers.allocate_on(order, meta.size_bytes + HEADER_BYTES, missing, now_s)
         meta.replicas.extend(new)
         return new
 
     def replicas_done(self, key: str, versions: list[int], ok: bool, now_s: float) -> None:
-        self._now_s = now_s
         meta = self.objects.get(key)
         if meta is None:
             return
@@ -248,11 +240,10 @@ class StoreIndex:
                 replica.complete = True
             else:
                 meta.replicas.remove(replica)
-                self._free_range(key, replica, 0.0)
+                self.space.free_range(key, replica)
 
     def drop_replicas(self, key: str, num_replicas: int, now_s: float) -> int:
         """Keep at most `num_replicas` (>= 1) DRAM replicas; returns how many were dropped."""
-        self._now_s = now_s
         if num_replicas < 1:
             raise InvalidRequest(f"num_replicas: must be >= 1, got {num_replicas}")
         meta = self.get(key, now_s)
@@ -260,22 +251,17 @@ class StoreIndex:
         release = meta.lease_until_s if meta.lease_until_s > now_s else 0.0
         for replica in extra:
             meta.replicas.remove(replica)
-            self._free_range(key, replica, release, meta)
+            self.space.free_range(key, replica, release, _readers(meta, now_s))
         return len(extra)
 
     # ---- time ----------------------------------------------------------------------------------
     def expire(self, now_s: float) -> list[str]:
         """Reclaim timed-out puts and expired deferred frees; drop silent nodes. Returns the ids
         of the nodes declared dead."""
-        self._now_s = now_s
         for meta in [m for m in self.objects.values() if not m.committed]:
             if meta.deadline_s <= now_s:
                 self._forget(meta.key)
-        due = [d for d in self._deferred if d.release_s <= now_s]
-        self._deferred = [d for d in self._deferred if d.release_s > now_s]
-        for d in due:
-            if d.node_id in self.nodes:
-                self.nodes[d.node_id].allocator.free(d.offset)
+        self.space.expire(now_s)
         dead = [n.node_id for n in self.nodes.values()
                 if now_s - n.last_heartbeat_s > self.config.heartbeat_timeout_s]
         for node_id in dead:
@@ -283,7 +269,8 @@ class StoreIndex:
         return dead
 
     def take_actions(self) -> list[TierAction]:
-        actions, self.actions = self.actions, []
+        actions = list(self.actions)
+        self.actions.clear()  # cleared, not rebound: `space` and `tiers` queue onto this list
         return actions
 
     def stats(self) -> dict[str, Any]:
@@ -302,173 +289,23 @@ class StoreIndex:
         if len(key) > self.config.max_key_len:
             raise InvalidRequest(f"key: longer than max_key_len={self.config.max_key_len}")
 
-    def _check_fits(self, alloc_bytes: int) -> None:
-        if not self.nodes:
-            raise NoNodes("no store node is registered: start `kvcake store node`")
-        largest = max(n.allocator.capacity_bytes for n in self.nodes.values())
-        if alloc_bytes > largest:
-            raise InvalidRequest(
-                f"object of {alloc_bytes - HEADER_BYTES} bytes is larger than any segment "
-                f"(largest {largest} bytes, {HEADER_BYTES} of them per-object header): split it "
-                "or give a node more DRAM")
-
-    def _new_version(self) -> int:
-        self._next_version += 1
-        return self._next_version - 1
-
-    def _allocate_on(self, order: list[NodeInfo], alloc: int, count: int) -> list[Replica]:
-        """One replica on each of the first `count` nodes of `order` that can hold `alloc`
-        bytes: first without evicting, then evicting LRU objects from the remaining nodes."""
-        replicas: list[Replica] = []
-        for evict in (False, True):
-            for node in order:
-                if len(replicas) == count:
-                    return replicas
-                if any(r.node_id == node.node_id for r in replicas):
-                    continue
-                offset = self._try_allocate(node, alloc, evict)
-                if offset is not None:
-                    replicas.append(Replica(node.node_id, Tier.DRAM, offset, alloc,
-                                            self._new_version()))
-        if not replicas:
-            raise NoSpace(f"no segment can hold {alloc} bytes, even after eviction (the rest is "
-                          "leased or being written)")
-        return replicas
-
-    def _try_allocate(self, node: NodeInfo, alloc: int, evict: bool) -> int | None:
-        while True:
-            try:
-                return node.allocator.allocate(alloc)
-            except OutOfSpace:
-                if not evict:
-                    return None
-            if not self._evict(alloc, node.node_id):
-                return None
-
-    def _evict_to_watermark(self, now_s: float) -> None:
-        capacity = sum(n.allocator.capacity_bytes for n in self.nodes.values())
-        used = sum(n.allocator.used_bytes for n in self.nodes.values())
-        if used > self.config.high_watermark * capacity:
-            self._evict(int(used - self.config.low_watermark * capacity), None)
-
-    def _evict(self, bytes_to_free: int, node_id: str | None) -> bool:
-        """Evict LRU objects (with a DRAM replica on `node_id`, if given); True if any went.
-        A leased object is never chosen; a pinned one only after every unpinned one."""
-        def blocked(key: str) -> bool:
-            meta = self.objects[key]
-            if meta.lease_until_s > self._now_s:
-                return True
-            return node_id is not None and all(r.node_id != node_id for r in meta.dram())
-
-        victims = self.lru.choose_victims(
-            bytes_to_free, self._dram_bytes,
-            blocked, lambda k: self.objects[k].pinned)
-        for key in victims:
-            self._evict_one(self.objects[key])
-        return bool(victims)
-
-    def _dram_bytes(self, key: str) -> int:
-        """Bytes of DRAM the object's replicas take, alignment included."""
-        return sum(self.nodes[r.node_id].allocator.aligned(r.alloc_bytes)
-                   for r in self.objects[key].dram())
-
-    def _evict_one(self, meta: ObjectMeta) -> None:
-        self.num_evicted += 1
-        dram = meta.dram()
-        if not meta.disk():
-            self._plan_demote(meta, dram)
-        for replica in dram:
-            meta.replicas.remove(replica)
-            self._free_range(meta.key, replica, 0.0)
-        self.lru.discard(meta.key)
-        if not meta.replicas:
-            del self.objects[meta.key]
-
-    def _plan_demote(self, meta: ObjectMeta, dram: list[Replica]) -> None:
-        for replica in dram:
-            node = self.nodes[replica.node_id]
-            if node.disk_free_bytes < replica.alloc_bytes:
-                self._evict_disk(node, replica.alloc_bytes - node.disk_free_bytes)
-            if node.disk_free_bytes >= replica.alloc_bytes:
-                self.disk_lru.touch(meta.key)
-                node.disk_used_bytes += replica.alloc_bytes
-                disk = Replica(node.node_id, Tier.DISK, 0, replica.alloc_bytes,
-                               self._new_version(), complete=True)
-                meta.replicas.append(disk)
-                self.actions.append(TierAction(ActionKind.DEMOTE, node.node_id, meta.key,
-                                               replica.offset, replica.alloc_bytes,
-                                               replica.version, disk.version))
-                self.num_demoted += 1
-                return
-
-    def _evict_disk(self, node: NodeInfo, bytes_to_free: int) -> None:
-        """Make room on `node`'s disk by dropping the disk copies of its least recently used
-        objects (an object whose only copy that was is gone). Nothing is dropped unless enough
-        room can be made: the object being demoted would be lost anyway."""
-        victims: list[tuple[ObjectMeta, Replica]] = []
-        freed = 0
-        for key in self.disk_lru.oldest_first():
-            if freed >= bytes_to_free:
-                break
-            meta = self.objects.get(key)
-            if meta is None or not meta.disk():
-                self.disk_lru.discard(key)  # gone since (this order is cleaned lazily)
-                continue
-            disk = next((r for r in meta.disk() if r.node_id == node.node_id), None)
-            if disk is None or meta.lease_until_s > self._now_s:
-                continue
-            victims.append((meta, disk))
-            freed += disk.alloc_bytes
-        if freed < bytes_to_free:
-            return
-        for meta, disk in victims:
-            self.num_disk_evicted += 1
-            meta.replicas.remove(disk)
-            self._free_range(meta.key, disk, 0.0)
-            if not meta.disk():
-                self.disk_lru.discard(meta.key)
-            if not meta.replicas:
-                self._forget(meta.key)
-
-    def _plan_promote(self, meta: ObjectMeta) -> None:
-        for disk in meta.disk():
-            node = self.nodes[disk.node_id]
-            offset = self._try_allocate(node, disk.alloc_bytes, evict=True)
-            if offset is not None:
-                replica = Replica(node.node_id, Tier.DRAM, offset, disk.alloc_bytes,
-                                  self._new_version())
-                meta.replicas.append(replica)
-                self.actions.append(TierAction(ActionKind.PROMOTE, node.node_id, meta.key,
-                                               offset, disk.alloc_bytes, replica.version,
-                                               disk.version))
-                return
-
     def _pending(self, key: str) -> ObjectMeta:
         meta = self.objects.get(key)
         if meta is None or meta.committed:
             raise ObjectNotFound(f"key {key!r} has no put in progress (timed out or revoked?)")
         return meta
 
-    def _forget(self, key: str, release_s: float = 0.0) -> None:
+    def _forget(self, key: str, release_s: float = 0.0, now_s: float = 0.0) -> None:
+        """Drop the object and free its replicas (DRAM ranges its readers at `now_s` still hold
+        are freed when they finish or at `release_s`, if that is > 0)."""
         meta = self.objects.pop(key)
         self.lru.discard(key)
         self.disk_lru.discard(key)
+        readers = _readers(meta, now_s)
         for replica in meta.replicas:
-            self._free_range(key, replica, release_s, meta)
+            self.space.free_range(key, replica, release_s, readers)
 
-    def _free_range(self, key: str, replica: Replica, release_s: float,
-                    meta: ObjectMeta | None = None) -> None:
-        """Free a replica's space now, or (DRAM, `release_s` > 0) once the leases of `meta`'s
-        current readers are released or `release_s` passes, whichever comes first."""
-        node = self.nodes.get(replica.node_id)
-        if node is None:
-            return
-        if replica.tier is Tier.DISK:
-            node.disk_used_bytes -= replica.alloc_bytes
-            self.actions.append(TierAction(ActionKind.DROP_DISK, node.node_id, key,
-                                           disk_version=replica.version))
-        elif release_s > 0:
-            readers = {i for i, end in meta.leases.items() if end > self._now_s} if meta else set()
-            self._deferred.append(_Deferred(node.node_id, replica.offset, release_s, readers))
-        else:
-            node.allocator.free(replica.offset)
+
+def _readers(meta: ObjectMeta, now_s: float) -> frozenset[int]:
+    """The ids of the read leases on `meta` still running at `now_s`."""
+    return frozenset(i for i, end in meta.leases.items() if end > now_s)

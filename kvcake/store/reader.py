@@ -1,0 +1,191 @@
+"""`ObjectReader`: the client's get path, from the master's descriptors to checked bytes.
+
+Every read is checked: the replica's header must carry the version the master handed out (so a
+range reused by another object is never served) and the payload's checksum (xxh3-64) must match
+the object's. A replica that fails the check, or whose node is gone, is skipped for the next;
+after every replica failed the reader asks the master again, which may say the object is gone
+(ObjectNotFound, a KeyError). On any error the contents of a caller's destination are undefined.
+
+Each descriptor the master hands out comes with a read lease (the object is neither evicted nor
+its range reused while it is held); the reader releases it, in a one-way message, as soon as the
+read is over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from kvcake.store.errors import (
+    InvalidRequest,
+    ObjectNotFound,
+    ObjectUnavailable,
+    StoreError,
+    TransferFailed,
+)
+from kvcake.store.layout import HEADER_BYTES
+from kvcake.store.master_api import Master, unwrap
+from kvcake.store.replica_io import check_room, read_requests, valid
+from kvcake.transfer import (
+    SegmentDesc,
+    TransferError,
+    TransferOp,
+    TransferRequest,
+    buffer_view,
+)
+
+log = logging.getLogger(__name__)
+
+_READ_ROUNDS = 3  # how many times the reader asks the master again after every replica failed
+
+Leased = list[tuple[str, dict[str, Any]]]  # (key, descriptor with its "lease_id") to release
+
+
+class Transfer(Protocol):
+    """How the client moves a batch of requests (`StoreClient._transfer`): TransferError (or
+    ValueError for a bad request) if it cannot. `xxh3_digests`, where known, are the xxh3-64
+    digests of the requests' bytes (a write's payload digest is its object checksum)."""
+
+    def __call__(self, requests: list[TransferRequest],
+                 xxh3_digests: list[int | None] | None = None) -> None: ...
+
+
+class ObjectReader:
+    """Reads objects for one client through `transfer`. `recheck` is the engine's checked path
+    (a transport checksum on every slice), given when `transfer` may take the direct path, which
+    reads without one: a replica that fails the end-to-end check is read once more through
+    `recheck` before it is called corrupt."""
+
+    def __init__(self, master: Master, transfer: Transfer,
+                 recheck: Callable[[list[TransferRequest]], None] | None) -> None:
+        self.master = master
+        self._transfer = transfer
+        self._recheck = recheck
+        self._local = threading.local()
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes; ObjectNotFound (a KeyError) if the key is not stored."""
+        meta = self.master.get(key)
+        size = int(meta["size_bytes"])
+        # One contiguous read (header + payload: one request, fewer slices) into a reused buffer
+        # whose pages are already mapped; the only copy is the final bytes().
+        scratch = self._buffer("scratch", HEADER_BYTES + size)
+        self.read(key, meta, scratch[HEADER_BYTES:HEADER_BYTES + size], whole=scratch)
+        return bytes(scratch[HEADER_BYTES:HEADER_BYTES + size])
+
+    def get_into(self, key: str, buffer: Any) -> int:
+        """Read the object into the start of `buffer` (writable, large enough); returns its
+        size in bytes."""
+        dest = buffer_view(buffer, writable=True, field="buffer")
+        meta = self.master.get(key)
+        return self.read(key, meta, dest)
+
+    def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
+        """Read each key into its buffer; returns each size, None for a key that is not stored.
+        One master round trip and one transfer batch; a replica that fails its check is retried
+        alone. Raises TransferFailed if a stored object cannot be read intact at all."""
+        if len(keys) != len(buffers):
+            raise InvalidRequest(f"get_batch_into: {len(keys)} keys but {len(buffers)} buffers")
+        dests = [buffer_view(b, writable=True, field=f"buffer of {k!r}")
+                 for k, b in zip(keys, buffers, strict=True)]
+        metas: list[dict[str, Any] | None] = []
+        for item in self.master.get_batch(list(keys)):
+            try:
+                metas.append(unwrap(item))
+            except ObjectNotFound:
+                metas.append(None)
+        jobs = [(k, m, d) for k, m, d in zip(keys, metas, dests, strict=True) if m is not None]
+        try:
+            self._read_batch(jobs)
+        finally:
+            self.release([(key, meta) for key, meta, _ in jobs])
+        sizes: list[int | None] = [None if m is None else int(m["size_bytes"]) for m in metas]
+        return sizes
+
+    def read(self, key: str, meta: dict[str, Any], dest: memoryview,
+             whole: memoryview | None = None) -> int:
+        """Read a replica of descriptor `meta` into `dest`, checked; returns the object's size.
+        With `whole` (header + payload bytes, `dest` being its payload part), the object is read
+        in one request. Releases the read lease of `meta` and of every descriptor it asks for
+        again, when done."""
+        leased = [(key, meta)]
+        try:
+            return self._read_replicas(key, meta, dest, whole, leased)
+        finally:
+            self.release(leased)
+
+    def release(self, leased: Leased) -> None:
+        """Tell the master these reads are over (one message, no round trip), so the objects
+        may be evicted again without waiting out `lease_s`."""
+        leases = [[key, meta["lease_id"]] for key, meta in leased if "lease_id" in meta]
+        if not leases:
+            return
+        try:
+            self.master.release_leases(leases)
+        except StoreError as exc:  # the leases then just run out
+            log.warning("releasing %d read leases failed: %s", len(leases), exc)
+
+    def _buffer(self, name: str, num_bytes: int) -> memoryview:
+        """This thread's reused buffer `name`, at least `num_bytes` long (grown, never shrunk)."""
+        buffer: bytearray | None = getattr(self._local, name, None)
+        if buffer is None or len(buffer) < num_bytes:
+            buffer = bytearray(num_bytes)
+            setattr(self._local, name, buffer)
+        return memoryview(buffer)[:num_bytes]
+
+    def _read_batch(self, jobs: list[tuple[str, dict[str, Any], memoryview]]) -> None:
+        for key, meta, dest in jobs:
+            check_room(key, meta, dest)
+        headers = [bytearray(HEADER_BYTES) for _ in jobs]
+        requests = []
+        for (_, meta, dest), header in zip(jobs, headers, strict=True):
+            requests.extend(read_requests(meta["replicas"][0], meta, header, dest))
+        batch_ok = True
+        try:
+            if requests:
+                self._transfer(requests)
+        except TransferError:
+            batch_ok = False
+        for (key, meta, dest), header in zip(jobs, headers, strict=True):
+            if not batch_ok or not valid(meta["replicas"][0], meta, header, dest):
+                self.read(key, meta, dest)  # replica by replica, asking the master again
+
+    def _read_replicas(self, key: str, meta: dict[str, Any], dest: memoryview,
+                       whole: memoryview | None, leased: Leased) -> int:
+        check_room(key, meta, dest)
+        header: bytearray | memoryview = bytearray(HEADER_BYTES)
+        errors: list[str] = []
+        num_corrupt = 0
+        for _ in range(_READ_ROUNDS):
+            for replica in meta["replicas"]:
+                if whole is not None:
+                    header = whole[:HEADER_BYTES]
+                    requests = [TransferRequest(TransferOp.READ, whole, SegmentDesc.from_dict(
+                        replica["segment"]), replica["offset"])]
+                else:
+                    requests = read_requests(replica, meta, header, dest)
+                try:
+                    self._transfer(requests)
+                    if valid(replica, meta, header, dest):
+                        return int(meta["size_bytes"])
+                    if self._recheck is not None:
+                        # The direct path reads without a transport checksum (the check above
+                        # is end to end): once more through the engine's checked path before
+                        # this replica is called corrupt.
+                        self._recheck(requests)
+                        if valid(replica, meta, header, dest):
+                            return int(meta["size_bytes"])
+                except (TransferError, ValueError) as exc:
+                    errors.append(f"{replica['node_id']}: {exc}")
+                    continue
+                num_corrupt += 1
+                errors.append(f"{replica['node_id']}: bad bytes")
+            meta = self.master.get(key)  # ObjectNotFound if the object went with its nodes
+            leased.append((key, meta))
+            check_room(key, meta, dest)
+        if num_corrupt == 0:
+            raise ObjectUnavailable(f"no replica of {key!r} is reachable (nodes down?): "
+                                    f"{errors[-2:]}")
+        raise TransferFailed(f"no replica of {key!r} could be read intact: {errors[-3:]}")
