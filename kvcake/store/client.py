@@ -214,14 +214,14 @@ class StoreClient:
             self.master.drop_replicas(key, num_replicas)
             return num_replicas
         plan = self.master.add_replicas(key, num_replicas)
-        targets = plan["targets"]
+        targets, source = plan["targets"], plan["source"]
         if not targets:
+            self._reader.release([(key, source)])
             return current
-        source = plan["source"]
         data = bytearray(source["size_bytes"])
         versions = [t["version"] for t in targets]
         try:
-            self._reader.read(key, source, memoryview(data))
+            self._reader.read(key, source, memoryview(data))  # releases the source's lease
             requests = write_requests(memoryview(data), source["checksum"], targets,
                                       self._use_shared_memory)
             self._transfer(requests)

@@ -148,9 +148,7 @@ class StoreIndex:
         protects them from eviction and reuse until `release` or `lease_s` from now. If it
         lives only on disk, a PROMOTE action is queued and the result has no DRAM replica yet:
         the caller runs the action, calls `promote_done`, then `get` again."""
-        meta = self.objects.get(key)
-        if meta is None or not meta.committed:
-            raise ObjectNotFound(f"key {key!r} is not in the store")
+        meta = self._committed(key)
         lease_id = self._next_lease
         self._next_lease += 1
         meta.leases = {i: end for i, end in meta.leases.items() if end > now_s}
@@ -162,6 +160,13 @@ class StoreIndex:
         elif not any(r.tier is Tier.DRAM for r in meta.replicas):
             self.tiers.plan_promote(meta, now_s)
         return meta, lease_id
+
+    def _committed(self, key: str) -> ObjectMeta:
+        """The committed object `key`, without touching leases or LRU order."""
+        meta = self.objects.get(key)
+        if meta is None or not meta.committed:
+            raise ObjectNotFound(f"key {key!r} is not in the store")
+        return meta
 
     def release(self, key: str, lease_id: int) -> None:
         """The read under `lease_id` is over: the object may be evicted again, and a range of
@@ -217,8 +222,9 @@ class StoreIndex:
     # ---- replicas ----------------------------------------------------------------------------
     def add_replicas(self, key: str, num_replicas: int, now_s: float) -> list[Replica]:
         """New pending DRAM replicas that bring `key` up to `num_replicas` (the caller copies the
-        bytes into them, then `replicas_done`)."""
-        meta = self.get(key, now_s)
+        bytes into them, then `replicas_done`). Takes no lease: the caller leases the source it
+        copies from (`get_leased`)."""
+        meta = self._committed(key)
         have = {r.node_id for r in meta.replicas if r.tier is Tier.DRAM}
         missing = num_replicas - len(have)
         if missing <= 0:
@@ -246,7 +252,7 @@ class StoreIndex:
         """Keep at most `num_replicas` (>= 1) DRAM replicas; returns how many were dropped."""
         if num_replicas < 1:
             raise InvalidRequest(f"num_replicas: must be >= 1, got {num_replicas}")
-        meta = self.get(key, now_s)
+        meta = self._committed(key)  # no lease of its own: it would hold back the free below
         extra = meta.dram()[num_replicas:]
         release = meta.lease_until_s if meta.lease_until_s > now_s else 0.0
         for replica in extra:

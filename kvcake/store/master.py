@@ -179,12 +179,14 @@ class MasterService:
             self.index.set_pin(key, pinned)
 
     def add_replicas(self, key: str, num_replicas: int) -> dict[str, Any]:
-        """{"source": get result, "targets": [new pending descriptors]}."""
+        """{"source": get result with its "lease_id", "targets": [new pending descriptors]}: the
+        source replicas are leased for the copy; the caller releases the lease when it is done."""
         with self._lock:
             now_s = self.clock.now_s()
             new = self.index.add_replicas(key, num_replicas, now_s)
             self._run_actions()
-            source = self._describe(self.index.get(key, now_s))
+            meta, lease_id = self.index.get_leased(key, now_s)
+            source = {**self._describe(meta), "lease_id": lease_id}
             source["replicas"] = [d for d in source["replicas"]
                                   if d["version"] not in {r.version for r in new}]
             return {"source": source, "targets": [replica_desc(self.index, r) for r in new]}

@@ -74,7 +74,10 @@ def test_replicas_live_on_distinct_nodes_and_change(
         assert sorted(d["node_id"] for d in client.master.get("r")["replicas"]) == ["n0", "n1"]
         assert client.change_replica("r", 1) == 1
         assert len(client.master.get("r")["replicas"]) == 1
+        held = set(master.service.index.objects["r"].leases)  # the raw master.get calls above
         assert client.change_replica("r", 2) == 2  # copied by the client from the survivor
+        client.exists("r")  # a round trip after the one-way lease releases
+        assert set(master.service.index.objects["r"].leases) == held  # it released what it took
         replicas = client.master.get("r")["replicas"]
         assert sorted(d["node_id"] for d in replicas) == ["n0", "n1"]
         assert client.get("r") == data

@@ -284,3 +284,28 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="strategy|'fastest'"):
         MasterConfig(strategy="fastest")  # type: ignore[arg-type]
     assert MasterConfig.from_dict({"strategy": "random"}).strategy is Strategy.RANDOM
+
+
+def test_dropped_replicas_are_freed_at_once_when_no_reader_holds_them() -> None:
+    index = make(num_nodes=3, lease_s=5.0)
+    put(index, "a", replicas=3)
+    assert index.stats()["used_bytes"] == 3 * 256
+    assert index.drop_replicas("a", 1, 1.0) == 2
+    assert index.stats()["used_bytes"] == 256  # not held back by a lease of its own
+
+
+def test_dropped_replicas_under_a_read_lease_are_freed_when_it_is_released() -> None:
+    index = make(num_nodes=3, lease_s=5.0)
+    put(index, "a", replicas=3)
+    _, lease_id = index.get_leased("a", 1.0)
+    assert index.drop_replicas("a", 1, 1.0) == 2
+    assert index.stats()["used_bytes"] == 3 * 256  # a reader may still be reading them
+    index.release("a", lease_id)
+    assert index.stats()["used_bytes"] == 256
+
+
+def test_add_replicas_takes_no_lease() -> None:
+    index = make(num_nodes=3, lease_s=5.0)
+    put(index, "a", replicas=1)
+    index.add_replicas("a", 2, 1.0)
+    assert index.objects["a"].leases == {}
