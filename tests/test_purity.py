@@ -18,6 +18,9 @@ PURE = [
     "store/space.py",
     "store/tiering.py",
     "store/eviction.py",
+    "store/objects.py",
+    "store/placement.py",
+    "store/allocator.py",
 ]
 BANNED = {"torch", "socket", "threading", "asyncio", "time", "datetime", "multiprocessing", "zmq",
           "subprocess"}
