@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 
 from kvcake.server.cluster_config import ClusterConfig, WorkerSpec
-from kvcake.server.disagg_backend import DisaggBackend
+from kvcake.server.disagg_backend import DisaggBackend, DisaggConfig
 from kvcake.server.profiler import load_or_profile
 from kvcake.server.worker import Role, Worker, WorkerConfig
 from kvcake.store import MasterServer, MasterService
@@ -60,10 +60,11 @@ class Cluster:
             profile = load_or_profile(cfg.model, cfg.engine,
                                       Path(cfg.profile_dir) if cfg.profile_dir else None,
                                       num_threads=threads)
-            self.backend = DisaggBackend(cfg.model, list(self.addresses.values()), cfg.conductor,
-                                         profile.prefill, profile.decode,
-                                         monitor=cfg.monitor,
-                                         store_master=self.master_address).start()
+            backend_config = DisaggConfig(
+                model=cfg.model, worker_addresses=tuple(self.addresses.values()),
+                conductor=cfg.conductor, monitor=cfg.monitor, store_master=self.master_address)
+            self.backend = DisaggBackend(backend_config, profile.prefill,
+                                         profile.decode).start()
         except BaseException:
             self.close()
             raise

@@ -121,9 +121,8 @@ class StoreMachine(RuleBasedStateMachine):
             have = self.client.change_replica(key, num)
         except NoSpace:
             return
-        finally:  # the copy reads the object: an access and a lease
+        finally:  # the copy reads the object: an access; its lease is released when done
             self._touch(key)
-            self.lease_until[key] = self.clock.now_s() + LEASE_S
         assert have == len(self.store.master.index.objects[key].dram())
         assert have == min(num, 2) or (num > 1 and have >= 1)
 
