@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/serving_disagg_vs_colocated.py \
         --trace ../shared/traces/conversation_trace.jsonl --max-requests 100 --speed 1 \
         --scale-tokens 0.03125 --capacity-requests 100 --capacity-probes 5 \
-        --capacity-start-speed 4      # ~5 minutes on 2 contended cores
+        --capacity-start-speed 4      # ~6 minutes on 2 contended cores
 
 Each system is a cluster started by `kvcake.server.launcher` (worker processes, the same
 frontend, the same Conductor code): (a) 1 prefill + 1 decode worker with the store (policy
@@ -18,6 +18,13 @@ per pass, the capacity found, the ratios disaggregated / colocated, and the KV s
 measured by the prefill workers.
 Admission control is off in both (every request is served), so the capacity compares the
 systems and not the Conductor's rejections.
+
+Then the direct path's two same-host transports side by side (`--transport-requests`, 0 skips
+it): one decode worker process (its KV pool in shared memory) and, in this process, prefill
+workers that write into its reserved blocks by memcpy through the shared memory ("shm") or over
+loopback TCP with per-slice digests ("tcp": `shared_memory=False`, the path every same-host
+write took while the pool was private memory), layer by layer and after the prefill, requests
+alternating between them: exposed transfer time per request and the decode process's CPU time.
 """
 
 from __future__ import annotations
@@ -108,8 +115,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--streaming-requests", type=int, default=20)
     parser.add_argument("--streaming-prompt-len", type=int, default=1500)
+    parser.add_argument("--transport-requests", type=int, default=20,
+                        help="requests per transport and mode in the shm / tcp comparison")
     parser.add_argument("--skip-systems", action="store_true",
-                        help="run only the layer-wise streaming comparison")
+                        help="run only the streaming and transport comparisons")
     args = parser.parse_args()
     if not args.trace.is_file():
         raise SystemExit(f"--trace: {args.trace} not found")
@@ -131,6 +140,9 @@ def main() -> int:
     results["streaming"] = {mode: streaming_run(layerwise, engine, args)
                             for mode, layerwise in (("layerwise", True), ("after_prefill", False))}
     print_streaming(results["streaming"])
+    if args.transport_requests > 0:
+        results["transport"] = transport_run(engine, args)
+        print_transport(results["transport"])
     if args.out is not None:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                         "results": results}, indent=2) + "\n")
@@ -181,6 +193,122 @@ def print_streaming(runs: dict[str, dict[str, float]]) -> None:
               f"{r['exposed_ms_per_request']:.2f} ms of {r['mib_per_request']:.2f} MiB per request"
               f" (prefill compute {r['compute_ms_per_request']:.1f} ms, hidden share "
               f"{r['hidden_share']:.1%})")
+
+
+def transport_run(engine: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """See the module docstring: per (mode, transport), mean exposed transfer, transfer window
+    and prefill compute per request, and the decode process's CPU per request (one warm-up
+    request per prefill worker is not counted)."""
+    import os
+
+    import numpy as np
+
+    from kvcake.messages import MessageLink
+    from kvcake.server.launcher import worker_argv
+    from kvcake.server.worker import Role, Worker, WorkerConfig
+
+    decode_cfg = WorkerConfig(role=Role.DECODE, engine=engine, worker_id="bench-d",
+                              num_threads=1)
+    decode = subprocess.Popen(worker_argv(decode_cfg, os.getpid()), stdout=subprocess.PIPE,
+                              text=True)
+    assert decode.stdout is not None
+    ready = decode.stdout.readline().split()
+    if ready[:3] != ["kvcake", "worker", "ready"]:
+        decode.kill()
+        raise SystemExit(f"decode worker did not start: {ready}")
+    d_link = MessageLink.connect(ready[4])  # a worker serves one link: shared by all runs
+    runs = {(mode, kind): _Prefiller(Worker(WorkerConfig(
+                role=Role.PREFILL, engine=engine, worker_id=f"bench-p-{mode}-{kind}",
+                num_threads=1, layerwise=mode == "layerwise", shared_memory=kind == "shm"))
+                .start(), d_link, decode.pid)
+            for mode in ("layerwise", "after_prefill") for kind in ("shm", "tcp")}
+    rng = np.random.default_rng(11)
+    try:
+        for i in range(args.transport_requests + 1):
+            for run in runs.values():
+                run.one(f"t{i}", rng.integers(0, 256, args.streaming_prompt_len).tolist(), i > 0)
+        return {f"{mode}/{kind}": run.summary() for (mode, kind), run in runs.items()}
+    finally:
+        for run in runs.values():
+            run.close()
+        d_link.close()
+        decode.terminate()
+        decode.wait(timeout=30)
+
+
+class _Prefiller:
+    """One in-process prefill worker, its link, and the link to the decode worker process."""
+
+    SAMPLING = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+
+    def __init__(self, worker: Any, decode_link: Any, decode_pid: int) -> None:
+        from kvcake.messages import MessageLink
+
+        self.worker, self.d, self.decode_pid = worker, decode_link, decode_pid
+        self.p = MessageLink.connect(worker.address)
+        self.done: list[Any] = []
+        self.decode_cpu_s = 0.0
+
+    def one(self, rid: str, prompt: list[int], counted: bool) -> None:
+        from kvcake.messages import Abort, KvReserved, PrefillDone, PrefillOrder, ReserveKv
+
+        rid = f"{self.worker.worker_id}-{rid}"
+        cpu_before = _cpu_s(self.decode_pid)
+        self.d.send(ReserveKv(rid, prompt, self.SAMPLING))
+        reserved = _next_of(self.d, KvReserved)
+        self.p.send(PrefillOrder(rid, prompt, self.SAMPLING, [], reserved.kv_pool,
+                                 reserved.block_ids, reserved.num_pool_blocks))
+        done = _next_of(self.p, PrefillDone)
+        self.d.send(Abort(rid))  # the prefill waited for its writes: nothing writes them now
+        if counted:
+            self.done.append(done)
+            self.decode_cpu_s += _cpu_s(self.decode_pid) - cpu_before
+
+    def summary(self) -> dict[str, float]:
+        n = len(self.done)
+        return {"requests": n,
+                "exposed_ms": 1000 * sum(d.transfer_exposed_s for d in self.done) / n,
+                "span_ms": 1000 * sum(d.transfer_span_s for d in self.done) / n,
+                "compute_ms": 1000 * sum(d.compute_s for d in self.done) / n,
+                "mib": sum(d.transfer_bytes for d in self.done) / n / 2**20,
+                "decode_cpu_ms": 1000 * self.decode_cpu_s / n}
+
+    def close(self) -> None:
+        self.p.close()
+        self.worker.close()
+
+
+def _next_of(link: Any, kind: type) -> Any:
+    """The next message of `kind` on `link` (reports in between skipped); exits on a failure."""
+    from kvcake.messages import RequestFailed
+
+    while True:
+        message = link.recv()
+        if message is None or isinstance(message, RequestFailed):
+            raise SystemExit(f"transport comparison: {message!r}")
+        if isinstance(message, kind):
+            return message
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (all its threads)."""
+    import os
+
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def print_transport(runs: dict[str, dict[str, float]]) -> None:
+    for name, r in runs.items():
+        print(f"transport {name:19s}: exposed {r['exposed_ms']:.2f} ms, window "
+              f"{r['span_ms']:.1f} ms, prefill compute {r['compute_ms']:.1f} ms, decode CPU "
+              f"{r['decode_cpu_ms']:.1f} ms per request of {r['mib']:.2f} MiB "
+              f"({r['requests']:.0f} requests)")
+    for mode in ("layerwise", "after_prefill"):
+        shm, tcp = runs[f"{mode}/shm"], runs[f"{mode}/tcp"]
+        ratio = tcp["exposed_ms"] / shm["exposed_ms"] if shm["exposed_ms"] else float("inf")
+        print(f"{mode}: exposed transfer tcp / shm = {ratio:.2f}")
 
 
 def print_table(results: dict[str, Any]) -> None:

@@ -41,7 +41,7 @@ from kvcake.clock import Clock, SystemClock
 from kvcake.engine.batcher import Batcher, BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager, KvEvent
 from kvcake.engine.config import EngineConfig, ModelConfig
-from kvcake.engine.kv_pool import KVPool
+from kvcake.engine.kv_pool import KvAllocator, KVPool
 from kvcake.engine.loader import load_weights, resolve
 from kvcake.engine.model import LlamaModel
 from kvcake.engine.runner import ModelRunner
@@ -71,10 +71,14 @@ class RequestOutput:
 
 class Engine:
     def __init__(self, model: str = "tiny", config: EngineConfig | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, *, kv_allocator: KvAllocator | None = None) -> None:
         """Load `model` (a preset name or a Hugging Face directory) and allocate the KV pool.
 
-        Raises ValueError for an unknown preset, a cost-model-only preset or a bad directory.
+        `kv_allocator`: where the pool's memory comes from (see `KVPool`; e.g. a transfer
+        engine's shared-memory segment, so that peers write the pool directly); None: private
+        memory. It is called once, with the pool's size, and only for a CPU engine.
+        Raises ValueError for an unknown preset, a cost-model-only preset or a bad directory,
+        and for a `kv_allocator` on a non-CPU device.
         """
         self.config = config or EngineConfig()
         self.clock = clock or SystemClock()
@@ -96,10 +100,16 @@ class Engine:
             raise ValueError(f"model: weight {exc.args[0]!r} is missing from {model!r}") from None
         except (RuntimeError, ValueError) as exc:  # weights and config.json disagree
             raise ValueError("model: " + " ".join(str(exc).split())) from None
+        if kv_allocator is not None and self.device.type != "cpu":
+            raise ValueError(f"kv_allocator: the KV pool of an engine on {self.device} lives in "
+                             f"device memory; use device cpu, or no allocator")
         self.model.to(device=self.device, dtype=self.dtype).eval()
         num_blocks = self.config.num_blocks or max(
             1, self.config.kv_cache_bytes // KVPool.bytes_per_block(mc, self.block_size, self.dtype))
-        self.pool = KVPool(mc, num_blocks, self.block_size, self.dtype, self.device)
+        memory = None if kv_allocator is None else \
+            kv_allocator(KVPool.nbytes(mc, num_blocks, self.block_size, self.dtype))
+        self.pool = KVPool(mc, num_blocks, self.block_size, self.dtype, self.device,
+                           memory=memory)
         self.block_manager = BlockManager(num_blocks, self.block_size,
                                           self.config.enable_prefix_caching)
         self.batcher = Batcher(self.block_manager, self.config.max_num_batched_tokens,

@@ -8,9 +8,19 @@ layers' slices concatenated in layer order (the unit the store keeps as one obje
 The pool is zero-filled at start: attention over padded block tables reads blocks that were
 never written, and masked zeros (unlike uninitialised memory, which may hold NaN) contribute
 exactly nothing.
+
+Backing memory: private to the engine by default. A caller that lets other processes write the
+pool directly (a decode worker: its transfer engine serves the pool as a segment, in shared
+memory so that same-host prefill workers write it by memcpy) passes `memory`, a writable CPU
+byte buffer of exactly `nbytes(...)` bytes; `kv` is then a tensor view of that buffer (no copy),
+which keeps the buffer alive, and whoever allocated it decides when its name goes away.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,16 +28,28 @@ from torch import Tensor
 from kvcake.engine.config import ModelConfig
 from kvcake.types import BlockId
 
+KvAllocator = Callable[[int], Any]
+"""`allocate(nbytes) -> memory`: the backing buffer of a `KVPool` of `nbytes` bytes (a writable,
+contiguous CPU buffer of exactly that length: mmap, memoryview, bytearray, numpy array). Called
+once, by the engine, after it sized its pool."""
+
 
 class KVPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, *, memory: Any | None = None) -> None:
+        """ValueError when `memory` is given for a non-CPU device, or is not a writable buffer
+        of exactly `nbytes(config, num_blocks, block_size, dtype)` bytes."""
         self.num_layers = config.num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        self.kv = torch.zeros(config.num_layers, num_blocks, 2, block_size, config.num_kv_heads,
-                              config.head_size, dtype=dtype, device=device)
+        shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads,
+                 config.head_size)
+        if memory is None:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            self.kv = _view_of(memory, shape, dtype, device)
+            self.kv.zero_()  # the invariant above, whatever the allocator handed over
         self.layer_shape = tuple(self.kv.shape[2:])
         self.layer_nbytes = self.kv[0, 0].numel() * self.kv.element_size()
         self.block_nbytes = self.layer_nbytes * config.num_layers
@@ -36,6 +58,11 @@ class KVPool:
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return block_size * config.kv_bytes_per_token(itemsize)
+
+    @staticmethod
+    def nbytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
+        """Size of the whole pool: what a `KvAllocator` is asked for."""
+        return num_blocks * KVPool.bytes_per_block(config, block_size, dtype)
 
     def layer(self, layer_idx: int) -> Tensor:
         """[num_blocks, 2, block_size, num_kv_heads, head_dim] view of one layer."""
@@ -71,3 +98,26 @@ class KVPool:
             raise ValueError(f"kv address: block {block_id} / layer {layer_idx} is outside the "
                              f"pool ({self.num_blocks} blocks, {self.num_layers} layers)")
         return (layer_idx * self.num_blocks + block_id) * self.layer_nbytes
+
+
+def _view_of(memory: Any, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> Tensor:
+    """`memory` as a tensor of `shape` and `dtype`, sharing its bytes."""
+    if device.type != "cpu":
+        raise ValueError(f"kv pool memory: a backing buffer is host memory, but the engine runs "
+                         f"on {device}; use device cpu, or no KV allocator")
+    try:
+        view = memoryview(memory)
+    except TypeError:
+        raise ValueError(f"kv pool memory: {type(memory).__name__} is not a buffer; pass mmap, "
+                         f"memoryview, bytearray or a numpy array") from None
+    if view.readonly or not view.c_contiguous:
+        raise ValueError("kv pool memory: the buffer must be writable and contiguous")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    if view.nbytes != expected:
+        raise ValueError(f"kv pool memory: the pool needs exactly {expected} bytes, the buffer "
+                         f"holds {view.nbytes}; allocate KVPool.nbytes(...) bytes")
+    flat = torch.frombuffer(view if view.format == "B" and view.ndim == 1 else view.cast("B"),
+                           dtype=torch.uint8)
+    return flat.view(dtype).view(shape)

@@ -2,11 +2,12 @@
 
 Lifecycle:
   Worker(config)  builds nothing that runs;
-  start()         loads the engine, starts the transfer engine, mounts a DRAM segment into the
-                  store pool (a store node in this process, when a master is configured), opens
-                  the control port and starts two threads: the accept loop (one reader per
-                  frontend connection) and the engine loop, the only thread that touches the
-                  engine;
+  start()         loads the engine (a decode worker's KV pool is a segment of its transfer
+                  engine: shared memory unless `shared_memory` is off), starts the transfer
+                  engine, mounts a DRAM segment into the store pool (a store node in this
+                  process, when a master is configured), opens the control port and starts
+                  two threads: the accept loop (one reader per frontend connection) and the
+                  engine loop, the only thread that touches the engine;
   close()         stops both, closes the node (unregistering it) and the transfer engine.
 
 The engine loop takes messages from an inbox (filled by the reader), lets the role act on
@@ -46,7 +47,7 @@ from kvcake.messages import (
     Shutdown,
 )
 from kvcake.store import NodeConfig, StoreClient, StoreNode
-from kvcake.transfer import TransferConfig, TransferEngine
+from kvcake.transfer import TransferConfig, TransferEngine, TransportWrapper
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ class WorkerConfig:
     staging_bytes: int = 32 * 2**20  # decode: the segment prefill workers stream KV into
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     layerwise: bool = True  # prefill: stream layer by layer during compute (else after it)
+    # Same-host KV by memcpy: a decode worker's KV pool is a shared-memory segment, and this
+    # worker's transfer engine maps same-host segments. False: private pool, TCP only.
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", _role(self.role))
@@ -95,8 +99,11 @@ def _role(value: object) -> Role:
 class Worker:
     """See the module docstring."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, *,
+                 wrap_transport: TransportWrapper | None = None) -> None:
+        """`wrap_transport`: the transfer engine's hook around every endpoint (tests)."""
         self.config = config
+        self._wrap_transport = wrap_transport
         self.worker_id = config.worker_id or f"{config.role.value}-{uuid.uuid4().hex[:6]}"
         self.engine: Engine | None = None
         self.transfer: TransferEngine | None = None
@@ -130,7 +137,7 @@ class Worker:
             raise
 
     def _start(self) -> Worker:
-        from kvcake.server.worker_decode import DecodeRole
+        from kvcake.server.worker_decode import DecodeRole, pool_allocator
         from kvcake.server.worker_prefill import PrefillRole
 
         cfg = self.config
@@ -138,8 +145,12 @@ class Worker:
             import torch
 
             torch.set_num_threads(cfg.num_threads)
-        self.engine = Engine(cfg.model, cfg.engine)
-        self.transfer = TransferEngine(TransferConfig(host=cfg.host, num_rails=2))
+        self.transfer = TransferEngine(TransferConfig(host=cfg.host, num_rails=2,
+                                                      use_shared_memory=cfg.shared_memory),
+                                       wrap_transport=self._wrap_transport)
+        kv_allocator = pool_allocator(self.transfer, self.worker_id, shared=cfg.shared_memory) \
+            if cfg.role is Role.DECODE else None
+        self.engine = Engine(cfg.model, cfg.engine, kv_allocator=kv_allocator)
         self.transfer.start()
         if cfg.master is not None:
             self.store_node = StoreNode(NodeConfig(cfg.store_dram_bytes), cfg.master,

@@ -1,12 +1,18 @@
 """The decode side of a worker: step 4 of the four (continuous batching of prefilled requests).
 
-Direct path (the default): the worker registers its engine's KV pool as transfer segment
-`kv-pool-<id>`. On `ReserveKv` (engine-loop thread) it calls `engine.reserve_request` and
-answers `KvReserved` (the pool segment and the reserved block ids); prefill workers write each
-layer of each prompt block straight into those blocks; `DecodeOrder` without staging blocks
-commits the reservation (`commit_reserved`: no copy); `Abort` cancels it (the frontend sends it
-only once nothing writes the blocks any more). A reservation the pool has no room for waits,
-like an order, until running requests free blocks.
+Direct path (the default): the engine's KV pool is a transfer segment, `kv-pool-<id>`, which the
+worker's transfer engine allocates (`pool_allocator`, handed to the `Engine`) and the engine
+views as its pool tensor. In shared memory (`WorkerConfig.shared_memory`, the default), so a
+prefill worker on this host writes it by memcpy through its own mapping (without per-slice
+digests: the transfer engine's `checksum_shm`, off) and one on another host over TCP (each slice
+with a digest); private memory otherwise (TCP only). The transfer engine unlinks the block when
+the worker closes (the resource tracker does if the process dies); a restarted worker gets a new
+block, so nothing written for the old one lands in the new pool. On `ReserveKv` (engine-loop
+thread) it calls `engine.reserve_request` and answers `KvReserved` (the pool segment and the
+reserved block ids); prefill workers write each layer of each prompt block straight into those
+blocks; `DecodeOrder` without staging blocks commits the reservation (`commit_reserved`: no
+copy); `Abort` cancels it (the frontend sends it only once nothing writes the blocks any more).
+A reservation the pool has no room for waits, like an order, until running requests free blocks.
 
 Staging path (kept for orders that name staging blocks):
 
@@ -29,6 +35,7 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from kvcake.engine.kv_pool import KvAllocator
 from kvcake.messages import (
     Abort,
     DecodeAdmitted,
@@ -41,11 +48,29 @@ from kvcake.messages import (
     sampling_from_wire,
 )
 from kvcake.server.worker_prefill import sampling_params
+from kvcake.transfer import TransferEngine
 
 if TYPE_CHECKING:
     from kvcake.server.worker import Worker
 
 log = logging.getLogger(__name__)
+
+
+def pool_segment_name(worker_id: str) -> str:
+    """The transfer segment that is decode worker `worker_id`'s KV pool."""
+    return f"kv-pool-{worker_id}"
+
+
+def pool_allocator(transfer: TransferEngine, worker_id: str, *, shared: bool) -> KvAllocator:
+    """The engine's KV pool allocated as segment `pool_segment_name(worker_id)` of `transfer`
+    (zeroed; shared memory when `shared`), so prefill workers can write it directly. The
+    transfer engine owns the memory: it unlinks a shared block on close; the engine's tensor
+    view keeps the mapping itself alive."""
+    def allocate(length_bytes: int) -> memoryview:
+        name = pool_segment_name(worker_id)
+        transfer.allocate_segment(name, length_bytes, shared=shared)
+        return transfer.segment(name).view
+    return allocate
 
 
 class DecodeRole:
@@ -62,8 +87,15 @@ class DecodeRole:
         self._segment_name = f"kv-staging-{worker.worker_id}"
         self._staging = self.transfer.allocate_segment(self._segment_name,
                                                        self._num_slots * self._block_nbytes)
-        self._pool_name = f"kv-pool-{worker.worker_id}"
-        self.transfer.register_segment(self._pool_name, self.engine.pool.kv)
+        self._pool_name = pool_segment_name(worker.worker_id)
+        try:
+            pool = self.transfer.segment(self._pool_name)
+        except KeyError:
+            raise ValueError("decode worker: its engine's KV pool must be allocated by its "
+                             "transfer engine (Engine(kv_allocator=pool_allocator(...)))") from None
+        if pool.array.ctypes.data != self.engine.pool.kv.data_ptr():
+            raise ValueError(f"decode worker: segment {self._pool_name!r} is not the memory of "
+                             f"its engine's KV pool")
         self._pending: deque[DecodeOrder | ReserveKv] = deque()
         self._live: set[str] = set()
         self._reserved: set[str] = set()  # reserved, not yet committed

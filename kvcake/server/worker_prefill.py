@@ -251,7 +251,8 @@ class PrefillRole:
         staging_blocks = state.order.staging_blocks
         num_pool_blocks = state.order.num_pool_blocks
         # KV written into a decode engine's blocks has no end-to-end check (a store object has):
-        # where it crosses TCP, each slice carries a digest the decode side verifies.
+        # where it crosses TCP, each slice carries a digest the decode side verifies; a memcpy
+        # into a same-host pool's shared memory follows the engine's `checksum_shm` (off).
         checksum = None if via_shared_memory(staging, self.transfer.config.use_shared_memory) \
             else True
         requests = [
