@@ -11,8 +11,10 @@ Life of one flight (its `Stage`, disagg_stream.py), p its prefill and d its deco
               `Tokens` stream to the client until one carries a finish reason.
   DONE        finished, failed or aborted; the Conductor forgets it.
 A reservation on d is cancelled (`Abort` to d) only once nothing writes its blocks: an aborted
-request's once p acked; a request whose prefill worker was lost mid-prefill never (p may be
-hung, not dead: a bounded leak on d is the price of never serving overwritten KV).
+request's once p acked; a request whose prefill worker was lost while it might still write
+(its order out, no answer yet) never: d gets `Abort(keep_reserved=True)` and keeps the blocks
+out of use for good (p may be hung, not dead: a bounded leak on d is the price of never
+serving overwritten KV).
 
 Not thread-safe: the backend calls every method under its lock. Events reach the HTTP side
 through `Flight.emit` (any thread).
@@ -104,6 +106,8 @@ class Flights:
             if reason is not None:
                 self._finish(flight)
         elif isinstance(message, RequestFailed):
+            if worker_id == flight.placement.prefill_id:
+                flight.prefill_writing = False
             if flight.aborted:
                 self._finish(flight)
             else:
@@ -115,12 +119,15 @@ class Flights:
             p = flight.placement
             if worker_id not in (p.prefill_id, p.decode_id):
                 continue
-            if worker_id == p.prefill_id and flight.stage is Stage.PREFILLING:
+            if worker_id == p.prefill_id and flight.prefill_writing and flight.reserved:
                 # p may be hung rather than dead and still write into the blocks reserved on
-                # d: never hand them back (see the module docstring). Known gap: `_fail` below
-                # still sends `Abort` to d, and d cancels a reservation on `Abort`.
+                # d: never hand them back (see the module docstring)
                 flight.reserved = False
+                flight.kv_kept = True
             if flight.aborted:  # nothing will ack the abort now
+                if flight.kv_kept:
+                    self._workers.send(p.decode_id, Abort(flight.request.request_id,
+                                                          keep_reserved=True))
                 self._finish(flight)
                 continue
             role = "decode" if worker_id == p.decode_id else "prefill"
@@ -165,6 +172,7 @@ class Flights:
         placement = flight.placement
         order = flight.prefill_order()
         flight.stage = Stage.PREFILLING
+        flight.prefill_writing = True
         self._router.prefill_started(placement, flight.request.request_id, self._clock.now_s())
         if not self._workers.send(placement.prefill_id, order):
             self._fail(flight, RuntimeError(f"prefill worker {placement.prefill_id} is gone"))
@@ -172,6 +180,7 @@ class Flights:
     def _on_prefill_done(self, flight: Flight, done: PrefillDone) -> None:
         placement = flight.placement
         now_s = self._clock.now_s()
+        flight.prefill_writing = False
         self._router.prefill_done(placement, done, now_s)
         self.totals.add(done)
         if flight.aborted:
@@ -197,7 +206,8 @@ class Flights:
             flight.emit(error)
         placement = flight.placement
         for worker_id in {placement.prefill_id, placement.decode_id}:
-            self._workers.send(worker_id, Abort(flight.request.request_id))
+            keep = flight.kv_kept and worker_id == placement.decode_id
+            self._workers.send(worker_id, Abort(flight.request.request_id, keep_reserved=keep))
         self._finish(flight)
 
     def _finish(self, flight: Flight) -> None:

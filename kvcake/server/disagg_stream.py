@@ -39,6 +39,8 @@ class Flight:
     kv_pool: dict[str, Any] = field(default_factory=dict)  # the decode worker's pool segment
     num_pool_blocks: int = 0
     reserved: bool = False  # the decode worker holds (or is making) an uncommitted reservation
+    prefill_writing: bool = False  # the prefill order is out and its worker has not answered
+    kv_kept: bool = False  # the reservation is never handed back (its writer was lost mid-write)
     stage: Stage = Stage.QUEUED
     num_cached_tokens: int = 0
     aborted: bool = False

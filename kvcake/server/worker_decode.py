@@ -126,7 +126,11 @@ class DecodeRole:
             self._pending = deque(o for o in self._pending if o.request_id != rid)
             if rid in self._reserved:
                 self._reserved.discard(rid)
-                self.engine.cancel_reserved(rid)
+                if message.keep_reserved:  # its writer may be hung, not dead: never reuse them
+                    log.warning("request %s: keeping its reserved KV blocks out of use for good "
+                                "(its prefill worker was lost while writing them)", rid)
+                else:
+                    self.engine.cancel_reserved(rid)
             if rid in self._live:
                 self._live.discard(rid)
                 self.engine.abort(rid)

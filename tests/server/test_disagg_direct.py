@@ -104,3 +104,22 @@ def test_an_aborted_reservation_frees_its_blocks() -> None:
             assert decode.engine.block_manager.num_free_blocks == free
         finally:
             link.close()
+
+
+def test_a_reservation_kept_for_a_lost_writer_is_never_freed() -> None:
+    with Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="d2")) as decode:
+        assert decode.engine is not None
+        link = MessageLink.connect(decode.address)
+        try:
+            assert isinstance(next_of(link, Hello), Hello)
+            free = decode.engine.block_manager.num_free_blocks
+            link.send(ReserveKv("a", list(range(50)), SAMPLING))
+            reserved = next_of(link, KvReserved)
+            assert isinstance(reserved, KvReserved) and len(reserved.block_ids) == 4
+            link.send(Abort("a", keep_reserved=True))
+            link.send(Abort("a"))  # a later plain abort of the same request frees nothing
+            link.send(ReserveKv("c", list(range(50)), {"max_tokens": 1}))  # a round trip
+            assert isinstance(next_of(link, RequestFailed), RequestFailed)
+            assert decode.engine.block_manager.num_free_blocks == free - 4
+        finally:
+            link.close()

@@ -189,3 +189,41 @@ def test_shutdown_fails_every_flight(bench: Bench) -> None:
     errors = [bench.events(sink) for sink in sinks]
     assert [[str(e) for e in batch] for batch in errors] == [["the server is shutting down"]] * 2
     assert bench.flights.by_id == {}
+
+
+def test_a_prefill_worker_lost_mid_prefill_leaves_its_reservation_out_of_use(
+        bench: Bench) -> None:
+    sink = bench.admit()
+    bench.reserve([1, 2, 3])
+    assert bench.workers.mark_lost("prefill-0")
+    bench.flights.on_worker_lost("prefill-0")  # it may be hung, still writing blocks 1-3
+    [error] = bench.events(sink)
+    assert str(error) == "prefill worker prefill-0 failed while serving this request; retry it"
+    assert bench.d.next() == Abort("r", keep_reserved=True)  # never a plain (cancelling) Abort
+    assert isinstance(bench.d.probe(bench.workers), Ping)
+    assert bench.flights.by_id == {}
+
+
+def test_an_abort_mid_prefill_then_a_lost_prefill_worker_keeps_the_reservation(
+        bench: Bench) -> None:
+    sink = bench.admit()
+    bench.reserve([1, 2, 3])
+    bench.flights.abort("r")
+    assert bench.p.next() == Abort("r")
+    assert bench.workers.mark_lost("prefill-0")
+    bench.flights.on_worker_lost("prefill-0")  # the abort was never acked
+    assert bench.d.next() == Abort("r", keep_reserved=True)
+    assert isinstance(bench.d.probe(bench.workers), Ping)
+    assert bench.flights.by_id == {} and bench.events(sink) == []
+
+
+def test_a_prefill_worker_lost_after_its_prefill_cancels_nothing_it_could_write(
+        bench: Bench) -> None:
+    bench.admit()
+    bench.reserve([1, 2, 3])
+    bench.flights.on_message("prefill-0", done())  # p answered: it writes nothing more
+    assert isinstance(bench.d.next(), DecodeOrder)
+    assert bench.workers.mark_lost("prefill-0")
+    bench.flights.on_worker_lost("prefill-0")
+    assert bench.d.next() == Abort("r")  # the request is stopped; its blocks may be freed
+    assert bench.flights.by_id == {}
