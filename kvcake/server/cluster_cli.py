@@ -38,6 +38,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--num-threads", type=int, default=w.num_threads)
     p.add_argument("--no-layerwise", action="store_true",
                    help="prefill: send the KV after the prefill, not layer by layer during it")
+    p.add_argument("--no-shared-memory", action="store_true",
+                   help="move KV and store bytes over TCP even to workers on this host")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--host", default=w.host)
     p.add_argument("--port", type=int, default=w.port)
@@ -82,7 +84,8 @@ def run_worker(args: argparse.Namespace) -> int:
         port=args.port, worker_id=args.worker_id, master=args.master,
         store_dram_bytes=parse_size(args.store_dram_bytes, "--store-dram-bytes"),
         staging_bytes=parse_size(args.staging_bytes, "--staging-bytes"),
-        num_threads=args.num_threads, layerwise=not args.no_layerwise)
+        num_threads=args.num_threads, layerwise=not args.no_layerwise,
+        shared_memory=not args.no_shared_memory)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -41,6 +41,7 @@ class WorkerSpec:
     staging_bytes: int = 32 * 2**20
     num_threads: int | None = 1
     layerwise: bool = True  # prefill: stream KV layer by layer during compute (else after)
+    shared_memory: bool = True  # same-host KV and store bytes through shared memory (else TCP)
 
     def __post_init__(self) -> None:
         try:

@@ -81,7 +81,7 @@ class Cluster:
                             else None,
                             store_dram_bytes=spec.store_dram_bytes,
                             staging_bytes=spec.staging_bytes, num_threads=spec.num_threads,
-                            layerwise=spec.layerwise)
+                            layerwise=spec.layerwise, shared_memory=spec.shared_memory)
 
     def _launch(self, worker_id: str, spec: WorkerSpec) -> None:
         config = self._worker_config(worker_id, spec)
@@ -151,6 +151,8 @@ def worker_argv(config: WorkerConfig, parent_pid: int | None) -> list[str]:
         argv += ["--num-threads", str(config.num_threads)]
     if not config.layerwise:
         argv.append("--no-layerwise")
+    if not config.shared_memory:
+        argv.append("--no-shared-memory")
     if parent_pid is not None:
         argv += ["--parent-pid", str(parent_pid)]
     return argv

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
 from kvcake.conductor import Policy
+from kvcake.server import cluster_cli
 from kvcake.server.cluster_config import ClusterConfig, WorkerSpec
-from kvcake.server.worker import Role
+from kvcake.server.launcher import worker_argv
+from kvcake.server.worker import Role, WorkerConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "cluster.example.toml"
 
@@ -69,3 +72,16 @@ def test_serve_arguments_become_a_cluster() -> None:
     assert (config.engine.kv_cache_bytes, config.port) == (8 * 2**20, 24050)
     args.config = str(EXAMPLE)
     assert config_from_args(args) == ClusterConfig.from_toml(EXAMPLE)
+
+
+def test_shared_memory_can_be_turned_off_from_the_file_to_the_worker_process() -> None:
+    config = ClusterConfig.from_dict({"workers": [{"role": "prefill"},
+                                                  {"role": "decode", "shared_memory": False}]})
+    assert [w.shared_memory for w in config.workers] == [True, False]
+    argv = worker_argv(WorkerConfig(role=Role.DECODE, shared_memory=False), None)
+    assert "--no-shared-memory" in argv
+    assert "--no-shared-memory" not in worker_argv(WorkerConfig(role=Role.DECODE), None)
+    parser = argparse.ArgumentParser()
+    cluster_cli.register(parser.add_subparsers())
+    args = parser.parse_args(argv[argv.index("worker"):])
+    assert args.no_shared_memory is True
