@@ -28,6 +28,7 @@ Direction and meaning (F = frontend, P = prefill worker, D = decode worker):
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -284,8 +285,19 @@ class MessageLink:
     def closed(self) -> bool:
         return self._closed
 
+    def set_send_timeout(self, timeout_s: float) -> None:
+        """Fail a `send` (OSError) that cannot hand its bytes to the kernel within `timeout_s`:
+        a peer that stops reading fills the socket buffer, and a send to it would otherwise
+        block forever. Enforced by the kernel (SO_SNDTIMEO), so `recv` stays blocking. A send
+        that fails this way may have sent part of its frame: the link must then be closed."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        seconds = int(timeout_s)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                              struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6)))
+
     def send(self, message: Message) -> None:
-        """Send one message; OSError when the peer is gone."""
+        """Send one message; OSError when the peer is gone (or, with a send timeout, stalled)."""
         frame = encode(to_wire(message))
         with self._send_lock:
             self._sock.sendall(frame)

@@ -92,8 +92,17 @@ class DisaggBackend(ModelFront):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> DisaggBackend:
+        """Connect to the workers and start reading them; on any failure, everything opened so
+        far is closed again before the error propagates."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> DisaggBackend:
         cfg = self.config
-        hellos = self._workers.connect(cfg.worker_addresses)
+        hellos = self._workers.connect(cfg.worker_addresses, cfg.monitor.worker_timeout_s)
         self._layout = hellos[0]
         audit: StoreAudit | None = None  # made before the readers start: it sees every StoreEvents
         if cfg.store_master is not None and cfg.monitor.store_audit_max_keys > 0:

@@ -30,10 +30,12 @@ class WorkerSet:
         self._links: dict[str, WorkerLink] = {}
         self._readers: list[threading.Thread] = []
 
-    def connect(self, addresses: Sequence[str]) -> list[Hello]:
+    def connect(self, addresses: Sequence[str],
+                send_timeout_s: float | None = None) -> list[Hello]:
         """Connect to every worker; returns their `Hello`s in address order (ValueError naming
-        the worker when one does not share the first one's layout)."""
-        views = connect_workers(addresses)
+        the worker when one does not share the first one's layout). A send to a worker that
+        cannot go out within `send_timeout_s` fails and closes its link (`WorkerLink.send`)."""
+        views = connect_workers(addresses, send_timeout_s)
         self._links = {v.worker_id: v for v in views}
         return [v.hello for v in views]
 

@@ -42,12 +42,15 @@ class WorkerLink:
         return self.hello.worker_id
 
     def send(self, message: Message) -> bool:
-        """False when the worker is gone (or was declared so)."""
+        """False when the worker is gone (or was declared so). A send that fails (peer gone, or
+        stalled past the link's send timeout, maybe mid-frame) closes the link: the reader then
+        sees its end and the worker is declared lost the usual way."""
         if not self.alive:
             return False
         try:
             self.link.send(message)
         except OSError:
+            self.link.close()
             return False
         return True
 
@@ -89,14 +92,18 @@ class WorkerLink:
             self.ping_sent_s = None
 
 
-def connect_workers(addresses: Sequence[str]) -> list[WorkerLink]:
+def connect_workers(addresses: Sequence[str],
+                    send_timeout_s: float | None = None) -> list[WorkerLink]:
     """Connect to every worker and read its `Hello`; every worker must share the first one's KV
     layout (namespace, block size). ValueError naming the worker otherwise, with every link
-    opened so far closed again."""
+    opened so far closed again. `send_timeout_s`: see `MessageLink.set_send_timeout` (the
+    frontend sends under its one lock, so one stalled worker must not block it for good)."""
     links: list[WorkerLink] = []
     try:
         for address in addresses:
             link = MessageLink.connect(address)
+            if send_timeout_s is not None:
+                link.set_send_timeout(send_timeout_s)
             first = link.recv()
             if not isinstance(first, Hello):
                 link.close()

@@ -74,6 +74,11 @@ class FakeWorker:
                 pass
         return first
 
+    def wait_disconnected(self, timeout_s: float = 10.0) -> bool:
+        """True once the frontend closed its link to this worker (this side saw the end)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def close(self) -> None:
         """Drop the link (the frontend's reader sees its end) and stop serving."""
         if self._link is not None:

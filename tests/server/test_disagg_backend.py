@@ -5,6 +5,7 @@ workers. The full path with real engines is in test_disagg.py."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -26,6 +27,7 @@ from kvcake.messages import (
 from kvcake.server.backend import BackendStats, FinishReason, GenerateRequest, Rejected, TokenEvent
 from kvcake.server.disagg_backend import DisaggBackend, DisaggConfig
 from kvcake.server.monitor import MonitorConfig
+from kvcake.store.errors import MasterUnavailable
 from kvcake.types import RequestId
 from tests.server.disagg_fakes import BLOCK_SIZE, DECODE, NUM_BLOCKS, PREFILL, FakeWorker
 
@@ -137,3 +139,21 @@ def test_workers_that_leave_pings_unanswered_are_failed_as_hung(
 
     asyncio.run(serve())
     assert backend.live_worker_ids() == [] and backend.stats().extra["live_workers"] == 0.0
+
+
+def test_a_start_that_fails_after_connecting_closes_every_link() -> None:
+    p, d = FakeWorker("prefill-0", "prefill").start(), FakeWorker("decode-1", "decode").start()
+    free = socket.create_server(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there now: the store master is unreachable
+    config = DisaggConfig("tiny", (p.address, d.address), store_master=f"127.0.0.1:{port}",
+                          run_monitor=False)
+    backend = DisaggBackend(config, PREFILL, DECODE)
+    try:
+        with pytest.raises(MasterUnavailable, match="cannot connect to 127.0.0.1"):
+            backend.start()
+        assert p.wait_disconnected() and d.wait_disconnected()
+        assert backend.live_worker_ids() == []
+    finally:
+        p.close()
+        d.close()

@@ -4,14 +4,16 @@ order and report a lost link once, load and pong reports, hung-worker probing, l
 from __future__ import annotations
 
 import queue
+import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
 
-from kvcake.messages import KvEvents, LoadReport, Message, Ping, Pong
+from kvcake.messages import KvEvents, LoadReport, Message, MessageLink, Ping, Pong, ReserveKv
 from kvcake.server.disagg_workers import WorkerSet
 from kvcake.server.monitor import MonitorConfig
-from tests.server.disagg_fakes import NUM_BLOCKS, FakeWorker
+from tests.server.disagg_fakes import NUM_BLOCKS, FakeWorker, hello
 
 MONITOR = MonitorConfig(worker_timeout_s=5.0, ping_interval_s=1.0)
 
@@ -76,3 +78,49 @@ def test_an_unanswered_ping_marks_the_worker_hung_after_the_timeout(
     assert workers.hung(5.5, MONITOR) == ["prefill-0"]
     workers.mark_lost("prefill-0")
     assert workers.hung(100.0, MONITOR) == ["decode-1"]  # a lost worker is not probed again
+
+
+class DeafWorker:
+    """Says `Hello`, then never reads: whatever the frontend sends it piles up in the socket
+    buffers until a send can no longer go out (a stopped or wedged worker process)."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def start(self) -> DeafWorker:
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        conn, _ = self._server.accept()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        self._conns.append(conn)
+        MessageLink(conn).send(hello("decode-9", "decode"))
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        self._server.close()
+        self._thread.join(timeout=10)
+
+
+def test_a_worker_that_stops_reading_fails_a_send_and_is_reported_lost() -> None:
+    deaf = DeafWorker().start()
+    workers = WorkerSet()
+    try:
+        workers.connect([deaf.address], send_timeout_s=0.5)
+        lost: queue.Queue[str] = queue.Queue()
+        workers.start_readers(lambda worker_id, message: None, lost.put)
+        order = ReserveKv("r", list(range(200_000)), {"max_tokens": 2})  # ~600 KB a frame
+        sends = [workers.send("decode-9", order)]
+        while sends[-1] and len(sends) < 64:  # 64 frames: far beyond the socket buffers
+            sends.append(workers.send("decode-9", order))
+        assert sends[0] and not sends[-1]  # the sender was never stuck: a send failed instead
+        assert lost.get(timeout=10) == "decode-9"  # its link was closed: the reader says so
+        assert workers.mark_lost("decode-9") and not workers.is_live("decode-9")
+    finally:
+        workers.close()
+        deaf.close()
