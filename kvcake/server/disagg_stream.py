@@ -1,8 +1,8 @@
 """The per-request objects of the disaggregated backend: a request in flight and the KV
 streaming totals.
 
-A `Flight` is created by `DisaggBackend.generate` and lives until its `Stage` is DONE; the
-backend mutates it only under its lock. What the HTTP side iterates is a
+A `Flight` is created by `DisaggBackend.generate` and lives until its `Stage` is DONE; only
+`Flights` (disagg_flights.py) mutates it, under the backend's lock. What the HTTP side iterates is a
 `backend.QueueTokenStream` over the flight's sink: it yields `TokenEvent`s and raises the error
 a failed flight puts there.
 """
