@@ -46,7 +46,8 @@ class NodeSpace:
         if not self.nodes:
             raise NoNodes("no store node is registered: start `kvcake store node`")
         largest = max(n.allocator.capacity_bytes for n in self.nodes.values())
-        if alloc_bytes > largest:
+        if not any(n.allocator.aligned(alloc_bytes) <= n.allocator.capacity_bytes
+                   for n in self.nodes.values()):
             raise InvalidRequest(
                 f"object of {alloc_bytes - HEADER_BYTES} bytes is larger than any segment "
                 f"(largest {largest} bytes, {HEADER_BYTES} of them per-object header): split it "

@@ -91,7 +91,10 @@ class Tiering:
 
     def _evict(self, bytes_to_free: int, node_id: str | None, now_s: float) -> bool:
         """Evict LRU objects (with a DRAM replica on `node_id`, if given); True if any went.
-        A leased object is never chosen; a pinned one only after every unpinned one."""
+        A leased object is never chosen; a pinned one only after every unpinned one. For a
+        node: nothing goes when even every candidate and the node's free bytes together could
+        not hold `bytes_to_free` (the allocation would fail anyway, its victims lost for
+        nothing)."""
         def blocked(key: str) -> bool:
             meta = self.objects[key]
             if meta.lease_until_s > now_s:
@@ -101,6 +104,12 @@ class Tiering:
         victims = self.lru.choose_victims(
             bytes_to_free, self._dram_bytes,
             blocked, lambda k: self.objects[k].pinned)
+        if node_id is not None:
+            node = self.space.nodes[node_id]
+            on_node = sum(node.allocator.aligned(r.alloc_bytes) for key in victims
+                          for r in self.objects[key].dram() if r.node_id == node_id)
+            if on_node + node.allocator.free_bytes < node.allocator.aligned(bytes_to_free):
+                return False
         for key in victims:
             self._evict_one(self.objects[key], now_s)
         return bool(victims)

@@ -74,11 +74,6 @@ def test_check_fits_sees_nodes_added_to_the_shared_dict() -> None:
     assert space.nodes is nodes and space.actions is actions
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "check_fits compares the unaligned size with the capacity: on a segment whose capacity is "
-    "not a multiple of the alignment (dram_bytes=1000, alignment 64) an object of 1000 bytes "
-    "passes the check although its 1024 aligned bytes can never be allocated, so put_start "
-    "evicts the whole pool and then raises NoSpace instead of InvalidRequest"))
 def test_check_fits_rejects_an_object_whose_aligned_size_no_segment_holds() -> None:
     space = make(node("n0", dram=1000))
     with pytest.raises(OutOfSpace):  # even the empty segment cannot hold it

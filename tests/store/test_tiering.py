@@ -186,11 +186,6 @@ def test_pinned_objects_go_only_after_every_unpinned_one() -> None:
     assert second[0].offset == 0 and list(pool.objects) == ["c"]  # then the oldest pinned
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "allocate_on evicts (and so loses, without a disk) unleased objects even when evicting "
-    "everything it may cannot make room: the put fails with NoSpace and the pool is emptier "
-    "for nothing (_evict_disk avoids exactly this for the disk: it drops nothing unless enough "
-    "room can be made)"))
 def test_an_allocation_that_cannot_succeed_evicts_nothing() -> None:
     pool = make(512)
     pool.put("a")
