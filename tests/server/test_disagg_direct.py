@@ -14,7 +14,6 @@ from kvcake.messages import (
     DecodeOrder,
     Hello,
     KvReserved,
-    Message,
     MessageLink,
     PrefillDone,
     PrefillOrder,
@@ -23,18 +22,10 @@ from kvcake.messages import (
     Tokens,
 )
 from kvcake.server.worker import Role, Worker, WorkerConfig
+from tests.server.worker_links import next_of
 
 ENGINE = EngineConfig(kv_cache_bytes=4 * 2**20)
 SAMPLING = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-
-
-def next_of(link: MessageLink, *kinds: type) -> Message:
-    """The next message of one of `kinds` (load and KV reports in between are skipped)."""
-    while True:
-        message = link.recv()
-        assert message is not None, "the worker closed the link"
-        if isinstance(message, kinds):
-            return message
 
 
 def test_prefill_writes_into_the_reserved_decode_blocks_without_staging() -> None:
@@ -82,16 +73,23 @@ def test_prefill_writes_into_the_reserved_decode_blocks_without_staging() -> Non
     assert generated == offline[0].token_ids
 
 
+def reserve_four_blocks(decode: Worker, link: MessageLink) -> int:
+    """After the worker's Hello, reserve request "a" (50 tokens: 4 blocks); returns the number
+    of free blocks before the reservation."""
+    assert isinstance(next_of(link, Hello), Hello) and decode.engine is not None
+    free = decode.engine.block_manager.num_free_blocks
+    link.send(ReserveKv("a", list(range(50)), SAMPLING))
+    reserved = next_of(link, KvReserved)
+    assert isinstance(reserved, KvReserved) and len(reserved.block_ids) == 4
+    return free
+
+
 def test_an_aborted_reservation_frees_its_blocks() -> None:
     with Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="d1")) as decode:
         assert decode.engine is not None
         link = MessageLink.connect(decode.address)
         try:
-            assert isinstance(next_of(link, Hello), Hello)
-            free = decode.engine.block_manager.num_free_blocks
-            link.send(ReserveKv("a", list(range(50)), SAMPLING))
-            reserved = next_of(link, KvReserved)
-            assert isinstance(reserved, KvReserved) and len(reserved.block_ids) == 4
+            free = reserve_four_blocks(decode, link)
             link.send(DecodeOrder("b", list(range(5)), 1, SAMPLING, []))
             failed = next_of(link, RequestFailed)
             assert isinstance(failed, RequestFailed)
@@ -111,11 +109,7 @@ def test_a_reservation_kept_for_a_lost_writer_is_never_freed() -> None:
         assert decode.engine is not None
         link = MessageLink.connect(decode.address)
         try:
-            assert isinstance(next_of(link, Hello), Hello)
-            free = decode.engine.block_manager.num_free_blocks
-            link.send(ReserveKv("a", list(range(50)), SAMPLING))
-            reserved = next_of(link, KvReserved)
-            assert isinstance(reserved, KvReserved) and len(reserved.block_ids) == 4
+            free = reserve_four_blocks(decode, link)
             link.send(Abort("a", keep_reserved=True))
             link.send(Abort("a"))  # a later plain abort of the same request frees nothing
             link.send(ReserveKv("c", list(range(50)), {"max_tokens": 1}))  # a round trip

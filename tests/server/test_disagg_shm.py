@@ -23,7 +23,6 @@ from kvcake.messages import (
     DecodeOrder,
     Hello,
     KvReserved,
-    Message,
     MessageLink,
     PrefillDone,
     PrefillOrder,
@@ -42,6 +41,7 @@ from kvcake.transfer import (
     TransportKind,
 )
 from kvcake.transfer.segment import SHM_DIR
+from tests.server.worker_links import next_of
 
 ENGINE = EngineConfig(kv_cache_bytes=4 * 2**20)
 SAMPLING = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -77,15 +77,6 @@ class Recording:
 
     def close(self) -> None:
         self.inner.close()
-
-
-def next_of(link: MessageLink, *kinds: type) -> Message:
-    """The next message of one of `kinds` (load and KV reports in between are skipped)."""
-    while True:
-        message = link.recv()
-        assert message is not None, "the worker closed the link"
-        if isinstance(message, kinds):
-            return message
 
 
 def serve_one(decode: Worker, prefill: Worker) -> tuple[KvReserved, list[int]]:

@@ -13,7 +13,6 @@ from kvcake.messages import (
     DecodeOrder,
     Hello,
     LoadReport,
-    Message,
     MessageLink,
     PrefillDone,
     PrefillOrder,
@@ -22,17 +21,9 @@ from kvcake.messages import (
     Tokens,
 )
 from kvcake.server.worker import Role, Worker, WorkerConfig
+from tests.server.worker_links import next_of
 
 ENGINE = EngineConfig(kv_cache_bytes=4 * 2**20)
-
-
-def next_of(link: MessageLink, *kinds: type) -> Message:
-    """The next message of one of `kinds` (load and KV reports in between are skipped)."""
-    while True:
-        message = link.recv()
-        assert message is not None, "the worker closed the link"
-        if isinstance(message, kinds):
-            return message
 
 
 @pytest.fixture(scope="module")
