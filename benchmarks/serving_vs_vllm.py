@@ -1,0 +1,446 @@
+r"""`kvcake serve` vs vLLM's CPU build on this machine: the same weights, the same workload.
+
+    bash ../shared/tools/peers/vllm_cpu_setup.sh        # once: /tmp/vllmcpu-venv, tokenizer dir
+    .venv/bin/python benchmarks/serving_vs_vllm.py       # defaults: a few minutes on 2 cores
+    .venv/bin/python benchmarks/serving_vs_vllm.py --systems kvcake-single,kvcake-disagg,vllm \
+        --trace-requests 24 --rate 0.25 --out /tmp/serving_vs_vllm.json
+    .venv/bin/python benchmarks/serving_vs_vllm.py --systems vllm:float32,vllm:bfloat16 \
+        --trace-requests 1       # which dtype vLLM runs best in here (KIND:DTYPE)
+
+One model directory serves both: the peer setup's config.json and WordLevel tokenizer (vocab
+32000) plus seeded random weights that this script writes as `model.safetensors` (vLLM loads
+them with `--load-format safetensors`, not dummy weights). The systems run one at a time on
+127.0.0.1 (never two at once: 2 cores), each started, waited for on /health, given the same
+warm-up, measured, then stopped:
+
+- `kvcake-single`: `kvcake serve --mode single` (one engine in the frontend process), the fair
+  match for one vLLM server; `--kvcake-threads` torch threads (2: vLLM's worker gets both cores).
+- `kvcake-disagg`: `kvcake serve --config` with 1 prefill + 1 decode worker (one thread each).
+- `vllm`: `vllm_cpu_serve.sh start` (the peer launcher: OpenMP bound to cores 0-1, tcmalloc,
+  prefix caching, chunked prefill at 2048 tokens).
+
+Every system runs in `--kvcake-dtype` / `--vllm-dtype` unless its entry says `KIND:DTYPE`; ratios
+are against the first vLLM entry.
+
+Workload, identical for every system (token-id prompts, `ignore_eos` + `min_tokens` so every
+request yields exactly the asked number of tokens; checked):
+1. probe: per trial a fresh random `--probe-prompt-len` prompt with `--probe-max-tokens` out, sent
+   cold, then the same prompt again (prefix hit); TTFT cold/repeat, mean TBT (gaps of the cold
+   request), e2e cold; medians over `--probe-trials`.
+2. trace: the first `--trace-requests` records of the conversation trace, lengths scaled by
+   `--scale-tokens` (prefix sharing kept, `kvcake/bench/prompts.py`), sent at a fixed `--rate`;
+   TTFT and the paper's TBT (mean of a request's slowest 10% of gaps) p50/p90, output tokens/s.
+Prefix-cache hit tokens are the delta of each server's `prefix_cache_hits_total` counter.
+Printed: one column per system and ours / vLLM ratios (lower is better for times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+from kvcake.bench.prompts import PromptBuilder
+from kvcake.bench.replay import PlannedRequest, ReplayConfig, plan, replay
+from kvcake.bench.stats import Outcome, RequestResult, summarize
+from kvcake.engine.config import ModelConfig
+from kvcake.engine.loader import dummy_weights
+from kvcake.sim.trace import load_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "tools" / "peers"
+KINDS = ("kvcake-single", "kvcake-disagg", "vllm")
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class System:
+    """One column of the table: `KIND[:DTYPE]` on the command line."""
+
+    kind: str
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{self.dtype}"
+
+
+def parse_systems(spec: str, kvcake_dtype: str, vllm_dtype: str) -> list[System]:
+    systems = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        kind, _, dtype = item.partition(":")
+        if kind not in KINDS:
+            raise ValueError(f"--systems: unknown system {kind!r}; choose from {', '.join(KINDS)}")
+        default = vllm_dtype if kind == "vllm" else kvcake_dtype
+        systems.append(System(kind, dtype or default))
+    if not systems or len({s.label for s in systems}) != len(systems):
+        raise ValueError(f"--systems: give each system once, got {spec!r}")
+    return systems
+
+
+@dataclass(frozen=True)
+class Server:
+    """A started system: how to reach it and how to stop it."""
+
+    system: System
+    url: str
+    proc: subprocess.Popen[bytes] | None  # None: the peer launcher owns the process
+    startup_s: float
+
+
+def prepare_model(src: Path, dst: Path, seed: int) -> ModelConfig:
+    """dst = src's config and tokenizer + seeded random weights (bf16) both systems load."""
+    if not (src / "config.json").is_file() or not (src / "tokenizer.json").is_file():
+        raise SystemExit(f"--tokenizer-dir: {src} lacks config.json / tokenizer.json; run "
+                         f"bash {PEERS / 'vllm_cpu_setup.sh'} first")
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in MODEL_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    config = ModelConfig.from_hf_dict(json.loads((src / "config.json").read_text()), dst.name)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in dummy_weights(config, seed).items()}
+    save_file(state, str(dst / "model.safetensors"))
+    return config
+
+
+def kvcake_command(system: System, args: argparse.Namespace, port: int,
+                   run_dir: Path) -> list[str]:
+    base = [sys.executable, "-m", "kvcake", "serve", "--host", "127.0.0.1"]
+    if system.kind == "kvcake-single":
+        return base + ["--mode", "single", "--model", str(args.model_dir), "--port", str(port),
+                       "--dtype", system.dtype, "--num-threads", str(args.kvcake_threads),
+                       "--max-model-len", str(args.max_model_len)]
+    # --num-threads is not forwarded to launched workers, so the cluster comes from a TOML file
+    toml = run_dir / "disagg.toml"
+    toml.write_text(
+        f'model = "{args.model_dir}"\nmode = "disaggregated"\n'
+        f'[frontend]\nhost = "127.0.0.1"\nport = {port}\n'
+        f'[store]\nmaster_host = "127.0.0.1"\nmaster_port = {port + 1}\n'
+        f'[engine]\ndtype = "{system.dtype}"\nmax_model_len = {args.max_model_len}\n'
+        f'[conductor]\nadmission = "none"\n'
+        f'[[workers]]\nrole = "prefill"\nport = {port + 2}\nnum_threads = 1\n'
+        f'[[workers]]\nrole = "decode"\nport = {port + 3}\nnum_threads = 1\n')
+    return base + ["--config", str(toml)]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} while starting; see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; see {log}")
+
+
+def vllm_env(system: System, args: argparse.Namespace, port: int,
+             run_dir: Path) -> dict[str, str]:
+    return {**os.environ, "PORT": str(port), "MODEL_DIR": str(args.model_dir),
+            "DTYPE": system.dtype, "RUN_DIR": str(run_dir / "vllm"),
+            "MAX_MODEL_LEN": str(args.max_model_len), "SERVED_NAME": args.model_dir.name,
+            "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind,
+            "START_TIMEOUT": str(round(args.start_timeout_s))}
+
+
+def start(system: System, args: argparse.Namespace, port: int, run_dir: Path) -> Server:
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    if system.kind == "vllm":  # the launcher waits for /health and exits non-zero on failure
+        done = subprocess.run(["bash", str(PEERS / "vllm_cpu_serve.sh"), "start",
+                               "--load-format", "safetensors"],
+                              env=vllm_env(system, args, port, run_dir), stdout=sys.stderr)
+        server = Server(system, url, None, time.monotonic() - started)
+        if done.returncode != 0:  # it may still be starting: stop its process group
+            stop(server, args, port, run_dir)
+            raise RuntimeError(f"vLLM did not start; see {run_dir / 'vllm' / 'server.log'}")
+        return server
+    log = run_dir / f"{system.kind}.log"
+    with log.open("wb") as out:  # own session: stop() signals the whole group (workers too)
+        proc = subprocess.Popen(kvcake_command(system, args, port, run_dir), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=ROOT)
+    try:
+        wait_healthy(url, proc, args.start_timeout_s, log)
+    except BaseException:
+        stop(Server(system, url, proc, 0.0), args, port, run_dir)
+        raise
+    return Server(system, url, proc, time.monotonic() - started)
+
+
+def stop(server: Server, args: argparse.Namespace, port: int, run_dir: Path) -> None:
+    if server.proc is None:
+        subprocess.run(["bash", str(PEERS / "vllm_cpu_serve.sh"), "stop"], check=False,
+                       env=vllm_env(server.system, args, port, run_dir), stdout=sys.stderr)
+        return
+    try:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        server.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def prefix_hits(url: str) -> float | None:
+    """The server's prefix_cache_hits_total (vllm: or kvcake_ prefix), summed over labels."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    found = re.findall(r"^(?:vllm:|kvcake_)prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", text,
+                       re.MULTILINE)
+    return sum(float(v) for v in found) if found else None
+
+
+def hits_delta(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+def send(url: str, model: str, planned: list[PlannedRequest]) -> tuple[list[RequestResult], float]:
+    results, duration_s = asyncio.run(replay(planned, ReplayConfig(url, model)))
+    for p, r in zip(planned, results, strict=True):
+        if r.outcome is not Outcome.OK:
+            raise RuntimeError(f"{url}: request failed: {r.error}")
+        if r.output_len != p.max_tokens:  # ignore_eos + min_tokens must make lengths exact
+            raise RuntimeError(f"{url}: asked {p.max_tokens} tokens, got {r.output_len}")
+    return results, duration_s
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(4, vocab_size - 256) for _ in range(length)]
+
+
+def warm_up(url: str, model: str, vocab_size: int, seed: int) -> None:
+    """The same for every system: one prompt per length in sequence, then 4 at once."""
+    rng = random.Random(seed + 1_000_003)
+    for length in (16, 512, 2048):
+        send(url, model, [PlannedRequest(0.0, random_prompt(rng, length, vocab_size), 8)])
+    send(url, model, [PlannedRequest(0.0, random_prompt(rng, 256, vocab_size), 8)
+                      for _ in range(4)])
+
+
+def probe(url: str, model: str, args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    rows: list[dict[str, Any]] = []
+    for _ in range(args.probe_trials):
+        prompt = random_prompt(rng, args.probe_prompt_len, vocab_size)
+        request = PlannedRequest(0.0, prompt, args.probe_max_tokens)
+        h0 = prefix_hits(url)
+        [cold], _ = send(url, model, [request])
+        h1 = prefix_hits(url)
+        [repeat], _ = send(url, model, [request])
+        h2 = prefix_hits(url)
+        assert cold.ttft_s is not None and repeat.ttft_s is not None and cold.latency_s
+        rows.append({"ttft_cold_ms": 1000 * cold.ttft_s, "ttft_repeat_ms": 1000 * repeat.ttft_s,
+                     "mean_tbt_ms": 1000 * statistics.fmean(cold.gaps_s),
+                     "e2e_cold_ms": 1000 * cold.latency_s, "chunks": 1 + len(cold.gaps_s),
+                     "hit_tokens_cold": hits_delta(h0, h1),
+                     "hit_tokens_repeat": hits_delta(h1, h2)})
+    summary: dict[str, Any] = {k: statistics.median(r[k] for r in rows)
+                               for k in ("ttft_cold_ms", "ttft_repeat_ms", "mean_tbt_ms",
+                                         "e2e_cold_ms", "chunks")}
+    for k in ("hit_tokens_cold", "hit_tokens_repeat"):
+        values = [r[k] for r in rows if r[k] is not None]
+        summary[k] = statistics.median(values) if values else None
+    summary["trials"] = rows
+    return summary
+
+
+def trace_workload(args: argparse.Namespace, vocab_size: int) -> list[PlannedRequest] | None:
+    if not args.trace.is_file():
+        print(f"trace: {args.trace} not found; skipping the trace replay (pass --trace FILE)",
+              file=sys.stderr)
+        return None
+    records = list(load_trace(args.trace).sampled(first=args.trace_requests).requests)
+    builder = PromptBuilder(vocab_size=vocab_size, scale_tokens=args.scale_tokens, seed=args.seed)
+    planned = plan(records, builder, speed=1.0)
+    # A fixed request rate instead of the trace's arrival times; prompts cut to --max-prompt-len
+    # (the head is kept, so is the prefix sharing) and to the context.
+    room = min(args.max_prompt_len, args.max_model_len - max(p.max_tokens for p in planned))
+    return [replace(p, send_at_s=i / args.rate, prompt_token_ids=p.prompt_token_ids[:room])
+            for i, p in enumerate(planned)]
+
+
+def run_trace(url: str, model: str, planned: list[PlannedRequest],
+              args: argparse.Namespace) -> dict[str, Any]:
+    before = prefix_hits(url)
+    results, duration_s = send(url, model, planned)
+    report = summarize(results, duration_s, args.ttft_slo_s, args.tbt_slo_ms / 1000.0)
+    keys = ("median_ttft_ms", "p90_ttft_ms", "median_tbt_ms", "p90_tbt_ms", "median_itl_ms",
+            "output_throughput", "duration", "total_input_tokens", "total_output_tokens",
+            "effective_request_capacity")
+    out = {k: report[k] for k in keys}
+    out["hit_tokens"] = hits_delta(before, prefix_hits(url))
+    return out
+
+
+def measure(system: System, args: argparse.Namespace, port: int, run_dir: Path, vocab_size: int,
+            planned: list[PlannedRequest] | None) -> dict[str, Any]:
+    name = system.label
+    print(f"[{name}] starting on port {port}", file=sys.stderr, flush=True)
+    server = start(system, args, port, run_dir)
+    try:
+        model = str(httpx.get(f"{server.url}/v1/models", timeout=10.0).json()["data"][0]["id"])
+        print(f"[{name}] healthy after {server.startup_s:.1f} s; warm-up", file=sys.stderr,
+              flush=True)
+        warm_up(server.url, model, vocab_size, args.seed)
+        result: dict[str, Any] = {"startup_s": server.startup_s,
+                                  "probe": probe(server.url, model, args, vocab_size)}
+        shown = {k: v for k, v in result["probe"].items() if k != "trials"}
+        print(f"[{name}] probe: {json.dumps(shown)}", file=sys.stderr, flush=True)
+        if planned is not None:
+            result["trace"] = run_trace(server.url, model, planned, args)
+            print(f"[{name}] trace: {json.dumps(result['trace'])}", file=sys.stderr, flush=True)
+    finally:
+        stop(server, args, port, run_dir)
+    return result
+
+
+ROWS = (("startup_s", "server start to healthy (s)"),
+        ("probe.ttft_cold_ms", "probe TTFT cold (ms)"),
+        ("probe.ttft_repeat_ms", "probe TTFT repeat (ms)"),
+        ("probe.mean_tbt_ms", "probe mean TBT (ms)"),
+        ("probe.e2e_cold_ms", "probe e2e cold (ms)"),
+        ("probe.hit_tokens_repeat", "probe hit tokens, repeat"),
+        ("trace.median_ttft_ms", "trace TTFT p50 (ms)"),
+        ("trace.p90_ttft_ms", "trace TTFT p90 (ms)"),
+        ("trace.median_tbt_ms", "trace TBT p50 (ms)"),
+        ("trace.p90_tbt_ms", "trace TBT p90 (ms)"),
+        ("trace.median_itl_ms", "trace ITL p50 (ms)"),
+        ("trace.output_throughput", "trace output tok/s"),
+        ("trace.hit_tokens", "trace hit tokens"),
+        ("trace.effective_request_capacity", "trace share meeting SLOs"))
+
+
+def lookup(result: dict[str, Any], path: str) -> float | None:
+    value: Any = result
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return None if value is None else float(value)
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    names = list(results)
+    peer = next((n for n in names if n.startswith("vllm")), None)  # the first vLLM column
+    ours = [n for n in names if not n.startswith("vllm")]
+    ratio_cols = [f"{n.removeprefix('kvcake-')} / {peer}" for n in ours] if peer else []
+    print(f"| metric | {' | '.join(names)} | {' | '.join(ratio_cols)} |".replace(" |  |", " |"))
+    print("|---" * (1 + len(names) + len(ratio_cols)) + "|")
+    for path, label in ROWS:
+        values = [lookup(results[n], path) for n in names]
+        if all(v is None for v in values):
+            continue
+        cells = ["-" if v is None else f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}" for v in values]
+        if peer is not None:
+            base = lookup(results[peer], path)
+            for n in ours:
+                v = lookup(results[n], path)
+                cells.append("-" if v is None or not base else f"{v / base:.2f}")
+        print(f"| {label} | {' | '.join(cells)} |")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="kvcake-single,vllm",
+                   help=f"comma-separated KIND[:DTYPE], run in this order; KIND of "
+                        f"{', '.join(KINDS)}")
+    p.add_argument("--tokenizer-dir", type=Path, default=Path("/tmp/vllm-tiny-llama"),
+                   help="config.json + tokenizer.json from the peer setup script")
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/kvcake-vs-vllm-model"),
+                   help="written here: that config, tokenizer and seeded weights")
+    p.add_argument("--seed", type=int, default=0, help="weights, prompts")
+    p.add_argument("--kvcake-dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--kvcake-threads", type=int, default=2,
+                   help="torch threads of --mode single (default: as many as vLLM's worker gets "
+                        "with bind 0-1; 1 is faster when the cores are busy with other work); "
+                        "the disaggregated workers use 1 each")
+    p.add_argument("--vllm-dtype", default="float32",
+                   help="fp32: 3-4x faster prefill than bf16 on a CPU without AVX512-BF16/AMX "
+                        "(docs/benchmarks.md); the peer launcher's own default is bfloat16")
+    p.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--probe-prompt-len", type=int, default=2048)
+    p.add_argument("--probe-max-tokens", type=int, default=64)
+    p.add_argument("--probe-trials", type=int, default=3)
+    p.add_argument("--trace", type=Path,
+                   default=ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl")
+    p.add_argument("--trace-requests", type=int, default=16)
+    p.add_argument("--scale-tokens", type=float, default=1 / 8,
+                   help="trace lengths x this; 1/8: a 512-token trace block is 64 tokens (4 of "
+                        "our blocks, half of one of vLLM's 128-token CPU blocks)")
+    p.add_argument("--max-prompt-len", type=int, default=4096, help="trace prompts cut to this")
+    p.add_argument("--rate", type=float, default=0.25, help="trace requests per second")
+    p.add_argument("--ttft-slo-s", type=float, default=5.0)
+    p.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    p.add_argument("--port-base", type=int, default=23000,
+                   help="system i uses ports base+10i .. base+10i+3")
+    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--run-dir", type=Path, default=Path("/tmp/kvcake-vs-vllm-run"))
+    p.add_argument("--out", type=Path, help="write all results as JSON here")
+    args = p.parse_args()
+    try:
+        args.systems = parse_systems(args.systems, args.kvcake_dtype, args.vllm_dtype)
+    except ValueError as exc:
+        p.error(str(exc))
+    for name in ("probe_prompt_len", "probe_max_tokens", "probe_trials", "trace_requests",
+                 "max_prompt_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (args.rate > 0 and args.scale_tokens > 0):
+        p.error("--rate and --scale-tokens must be > 0")
+    if args.probe_prompt_len + args.probe_max_tokens > args.max_model_len:
+        p.error("--probe-prompt-len + --probe-max-tokens must fit in --max-model-len")
+    args.model_dir = args.model_dir.resolve()
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    config = prepare_model(args.tokenizer_dir, args.model_dir, args.seed)
+    planned = trace_workload(args, config.vocab_size)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load_before = os.getloadavg()
+    results = {system.label: measure(system, args, args.port_base + 10 * i, args.run_dir,
+                                     config.vocab_size, planned)
+               for i, system in enumerate(args.systems)}
+    load_after = os.getloadavg()
+    print(f"{started}; load average before {load_before[0]:.2f} {load_before[1]:.2f} "
+          f"{load_before[2]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f} "
+          f"{load_after[2]:.2f}; kvcake single {args.kvcake_threads} torch thread(s), vLLM "
+          f"OpenMP bind {args.vllm_bind}")
+    if planned is not None:
+        num_out = sum(p.max_tokens for p in planned)
+        num_in = sum(len(p.prompt_token_ids) for p in planned)
+        print(f"trace: {len(planned)} requests at {args.rate:g}/s, {num_in} prompt and "
+              f"{num_out} output tokens (scale {args.scale_tokens:g})")
+    print_table(results)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "started": started, "load_before": load_before,
+                                        "load_after": load_after, "results": results},
+                                       indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
