@@ -85,7 +85,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", default=e.dtype)
     p.add_argument("--seed", type=int, default=e.seed, help="seed of a preset's dummy weights")
     p.add_argument("--num-threads", type=int, default=LocalBackendConfig().num_threads,
-                   help="torch intra-op threads of the engine (default: torch's)")
+                   help="torch intra-op threads of each engine (default: torch's in --mode "
+                        "single, 1 per worker in the other modes)")
     p.set_defaults(func=serve)
 
 

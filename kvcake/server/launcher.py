@@ -181,16 +181,22 @@ def _await_ready(worker_id: str, proc: subprocess.Popen[str]) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    """`kvcake serve` arguments -> ClusterConfig (`--config FILE` wins over --prefill/--decode)."""
+    """`kvcake serve` arguments -> ClusterConfig (`--config FILE` wins over --prefill/--decode;
+    `--num-threads` with a file is an error: the file sets `num_threads` per [[workers]])."""
+    num_threads = getattr(args, "num_threads", None)
     if getattr(args, "config", None):  # the file's [frontend] section names host and port
+        if num_threads is not None:
+            raise ValueError("--num-threads: with --config, set num_threads in each [[workers]] "
+                             "entry of the file instead")
         return ClusterConfig.from_toml(args.config)
     from kvcake.server.cli import backend_config
 
     engine = backend_config(args).engine
     mode = getattr(args, "mode", "disaggregated")
+    worker = {"num_threads": num_threads} if num_threads is not None else {}
     return ClusterConfig.simple(getattr(args, "prefill", 1) or 1, getattr(args, "decode", 1) or 1,
                                 model=args.model, mode=mode, host=args.host, port=args.port,
-                                engine=engine)
+                                engine=engine, worker=worker)
 
 
 def _interrupt(signum: int, frame: object) -> None:

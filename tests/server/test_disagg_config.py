@@ -70,7 +70,15 @@ def test_serve_arguments_become_a_cluster() -> None:
     config = config_from_args(args)
     assert [w.role for w in config.workers] == [Role.PREFILL, Role.PREFILL, Role.DECODE]
     assert (config.engine.kv_cache_bytes, config.port) == (8 * 2**20, 24050)
+    assert [w.num_threads for w in config.workers] == [1, 1, 1]  # WorkerSpec's default
+    args.num_threads = 2
+    assert [w.num_threads for w in config_from_args(args).workers] == [2, 2, 2]
+    args.mode = "colocated"
+    assert [w.num_threads for w in config_from_args(args).workers] == [2, 2]
     args.config = str(EXAMPLE)
+    with pytest.raises(ValueError, match=r"^--num-threads: with --config, set num_threads"):
+        config_from_args(args)
+    args.num_threads = None
     assert config_from_args(args) == ClusterConfig.from_toml(EXAMPLE)
 
 
