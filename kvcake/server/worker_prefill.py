@@ -48,7 +48,6 @@ from kvcake.transfer import (
     TransferError,
     TransferOp,
     TransferRequest,
-    via_shared_memory,
 )
 from kvcake.types import BlockKey
 
@@ -253,13 +252,11 @@ class PrefillRole:
         # KV written into a decode engine's blocks has no end-to-end check (a store object has):
         # where it crosses TCP, each slice carries a digest the decode side verifies; a memcpy
         # into a same-host pool's shared memory follows the engine's `checksum_shm` (off).
-        checksum = None if via_shared_memory(staging, self.transfer.config.use_shared_memory) \
-            else True
         requests = [
             TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], staging,
                             _target_offset(staging_blocks[i], layer_idx, num_pool_blocks,
                                            pool.block_nbytes, pool.layer_nbytes),
-                            checksum=checksum)
+                            checksum_tcp=True)
             for i, block_id in enumerate(block_ids[:min(end_block, len(staging_blocks))])
             if i >= first_block and staging_blocks[i] >= 0]
         if not requests:

@@ -106,12 +106,6 @@ class StoreClient:
         assert self._engine is not None
         return self._engine
 
-    @property
-    def _use_shared_memory(self) -> bool:
-        """The `use_shared_memory` of the engine this client moves bytes with."""
-        engine = self._engine if not self._own_engine else None
-        return (engine.config if engine is not None else self._transfer_config).use_shared_memory
-
     def close(self) -> None:
         if self._direct is not None:
             self._direct.close()
@@ -153,8 +147,7 @@ class StoreClient:
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
         """Put every (key, value); one master round trip per phase and one transfer batch."""
-        return self._writer.put_batch(keys, values, self.num_replicas, self.local_node,
-                                      self._use_shared_memory)
+        return self._writer.put_batch(keys, values, self.num_replicas, self.local_node)
 
     def get(self, key: str) -> bytes:
         """The object's bytes; ObjectNotFound (a KeyError) if the key is not stored."""
@@ -222,8 +215,7 @@ class StoreClient:
         versions = [t["version"] for t in targets]
         try:
             self._reader.read(key, source, memoryview(data))  # releases the source's lease
-            requests = write_requests(memoryview(data), source["checksum"], targets,
-                                      self._use_shared_memory)
+            requests = write_requests(memoryview(data), source["checksum"], targets)
             self._transfer(requests)
         except (StoreError, TransferError) as exc:
             self.master.replicas_done(key, versions, False)

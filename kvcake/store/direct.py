@@ -11,8 +11,8 @@ Requests to one node are pipelined on its connection (a header and its payload: 
 Nothing is weakened: a request that fails here (path fault, peer gone, rejected range) makes
 `transfer` return False and the caller hands the whole batch to the engine, which validates it,
 retries slices on other rails and reports the error. Writes carry a digest exactly as the
-engine would (the request's `checksum`, else `checksum_tcp` / `checksum_shm`); the store's puts
-ask for one, and the payload's digest is its object checksum, computed anyway. Reads carry none: every
+engine would (`TransferConfig.digests`); the store's puts ask for one over TCP, and the
+payload's digest is its object checksum, computed anyway. Reads carry none: every
 store read is verified end to end (version and checksum of the payload, `layout.verify`), and a
 read that fails that check is retried through the engine, with its checksums, before the replica
 is given up (see `StoreClient._read_replicas`).
@@ -115,10 +115,8 @@ class DirectPath:
         if request.length is not None:
             view = view[:request.length]
         kind = None
-        on = request.checksum
-        if on is None:
-            on = self.config.checksum_shm if key.kind is TransportKind.SHM else self.config.checksum_tcp
-        if request.op is TransferOp.WRITE and on:
+        if request.op is TransferOp.WRITE and self.config.digests(key.kind is TransportKind.TCP,
+                                                                  request.checksum_tcp):
             kind = self._kind
         digest = known if kind is ChecksumKind.XXH3_64 else None
         if getattr(transport, "pipelined", False):  # (isinstance on the Protocol: 30 us)

@@ -12,38 +12,33 @@ from typing import Any
 
 from kvcake.store.errors import InvalidRequest
 from kvcake.store.layout import HEADER_BYTES, CorruptObject, pack_header, verify
-from kvcake.transfer import SegmentDesc, TransferOp, TransferRequest, via_shared_memory
+from kvcake.transfer import SegmentDesc, TransferOp, TransferRequest
 
 log = logging.getLogger(__name__)
 
 JOIN_BYTES = 256 << 10  # objects up to this size are written with their header in one request
+# A put's bytes that cross TCP always carry a digest, whatever the engine's default: the node
+# checks them as they land, so a put corrupted on the way fails rather than commits (the
+# payload's digest is its object checksum, computed anyway).
+CHECKED = True
 
 
-def write_checksum(segment: SegmentDesc, use_shared_memory: bool) -> bool | None:
-    """The `checksum` of a write into a replica: always digested where it crosses TCP, so that
-    the node checks the bytes as they land and a put corrupted on the way fails rather than
-    commits (the payload's digest is its object checksum, computed anyway); into shared memory on
-    this host, as the engine's `checksum_shm` says."""
-    return None if via_shared_memory(segment, use_shared_memory) else True
-
-
-def write_requests(view: memoryview, checksum: int, descs: list[dict[str, Any]],
-                   use_shared_memory: bool) -> list[TransferRequest]:
+def write_requests(view: memoryview, checksum: int,
+                   descs: list[dict[str, Any]]) -> list[TransferRequest]:
     """Header + payload into every replica; small objects as one request (copying is cheaper
-    than a second slice)."""
+    than a second slice). Each asks for a digest where it crosses TCP (`CHECKED`)."""
     requests = []
     for desc in descs:
         segment = SegmentDesc.from_dict(desc["segment"])
         header = pack_header(checksum, desc["version"], len(view))
-        digest = write_checksum(segment, use_shared_memory)
         if len(view) <= JOIN_BYTES:
             requests.append(TransferRequest(TransferOp.WRITE, header + view, segment,
-                                            desc["offset"], checksum=digest))
+                                            desc["offset"], checksum_tcp=CHECKED))
             continue
         requests.append(TransferRequest(TransferOp.WRITE, header, segment, desc["offset"],
-                                        checksum=digest))
+                                        checksum_tcp=CHECKED))
         requests.append(TransferRequest(TransferOp.WRITE, view, segment,
-                                        desc["offset"] + HEADER_BYTES, checksum=digest))
+                                        desc["offset"] + HEADER_BYTES, checksum_tcp=CHECKED))
     return requests
 
 

@@ -18,7 +18,7 @@ from kvcake.store.layout import HEADER_BYTES, pack_header, payload_checksum
 from kvcake.store.master_api import Master, unwrap
 from kvcake.store.reader import Transfer
 from kvcake.store.remote import RemoteMaster
-from kvcake.store.replica_io import write_checksum, write_requests
+from kvcake.store.replica_io import CHECKED, write_requests
 from kvcake.transfer import SegmentDesc, TransferError, TransferOp, TransferRequest, buffer_view
 
 log = logging.getLogger(__name__)
@@ -37,10 +37,9 @@ class ObjectWriter:
         self._direct = direct
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any], num_replicas: int | None,
-                  local_node: str | None, use_shared_memory: bool) -> list[bool]:
+                  local_node: str | None) -> list[bool]:
         """Put every (key, value) with the given placement (None: the master's default); one
-        master round trip per phase and one transfer batch. `use_shared_memory`: whether the
-        transfer reaches same-host nodes through shared memory (writes there carry no digest)."""
+        master round trip per phase and one transfer batch."""
         if len(keys) != len(values):
             raise InvalidRequest(f"put_batch: {len(keys)} keys but {len(values)} values")
         views = [buffer_view(v, field=f"value of {k!r}") for k, v in zip(keys, values, strict=True)]
@@ -62,7 +61,7 @@ class ObjectWriter:
             for key in todo:
                 self.revoke(key)
             raise failure
-        requests, digests = self._put_requests(allocated, use_shared_memory)
+        requests, digests = self._put_requests(allocated)
         if requests:
             try:
                 self._transfer(requests, digests)
@@ -94,7 +93,7 @@ class ObjectWriter:
         checksums = prepare()
         return self.master.put_start_batch(items, num_replicas, local_node), checksums
 
-    def _put_requests(self, allocated: list[Allocated], use_shared_memory: bool
+    def _put_requests(self, allocated: list[Allocated]
                       ) -> tuple[list[TransferRequest], list[int | None]]:
         """The writes of a put, and the xxh3 digest of each one's bytes where it is known."""
         if self._direct and len(allocated) == 1 and len(allocated[0][3]) == 1:
@@ -103,12 +102,11 @@ class ObjectWriter:
             _, view, checksum, (desc,) = allocated[0]
             segment = SegmentDesc.from_dict(desc["segment"])
             header = pack_header(checksum, desc["version"], len(view))
-            digest = write_checksum(segment, use_shared_memory)
             requests = [TransferRequest(TransferOp.WRITE, header, segment, desc["offset"],
-                                        checksum=digest)]
+                                        checksum_tcp=CHECKED)]
             if len(view):
                 requests.append(TransferRequest(TransferOp.WRITE, view, segment,
-                                                desc["offset"] + HEADER_BYTES, checksum=digest))
+                                                desc["offset"] + HEADER_BYTES, checksum_tcp=CHECKED))
             return requests, [None, checksum]
         return [r for _, view, checksum, descs in allocated
-                for r in write_requests(view, checksum, descs, use_shared_memory)], []
+                for r in write_requests(view, checksum, descs)], []

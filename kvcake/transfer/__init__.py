@@ -33,7 +33,6 @@ from kvcake.transfer.segment import (
     SegmentDesc,
     buffer_view,
     local_host_id,
-    via_shared_memory,
 )
 from kvcake.transfer.sieve import SieveCache
 from kvcake.transfer.transport import (
@@ -51,5 +50,5 @@ __all__ = [
     "RequestState", "RequestStatus", "Segment", "SegmentDesc", "SieveCache", "Slice",
     "TransferConfig", "TransferEngine", "TransferError", "TransferOp", "TransferRequest",
     "TransferTimeout", "Transport", "TransportError", "TransportKind", "TransportWrapper",
-    "buffer_view", "local_host_id", "plan_slices", "retry_rail", "via_shared_memory",
+    "buffer_view", "local_host_id", "plan_slices", "retry_rail",
 ]

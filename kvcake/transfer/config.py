@@ -105,6 +105,13 @@ class TransferConfig:
         if not self.io_timeout_s > 0:
             raise ValueError(f"TransferConfig.io_timeout_s must be > 0, got {self.io_timeout_s}")
 
+    def digests(self, over_tcp: bool, checksum_tcp: bool | None = None) -> bool:
+        """Whether a slice carries a digest: over TCP the request's `checksum_tcp` if it set
+        one, else `checksum_tcp`; over shared memory `checksum_shm`."""
+        if not over_tcp:
+            return self.checksum_shm
+        return self.checksum_tcp if checksum_tcp is None else checksum_tcp
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TransferConfig:
         """Build from plain data (a TOML table); unknown keys are an error."""

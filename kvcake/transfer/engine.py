@@ -30,8 +30,8 @@ from kvcake.transfer.segment import (
     SegmentDesc,
     SharedBlock,
     buffer_view,
+    local_host_id,
     private_block,
-    via_shared_memory,
 )
 from kvcake.transfer.server import SegmentServer
 from kvcake.transfer.shm import ShmTransport
@@ -306,16 +306,14 @@ class TransferEngine:
                              f"{request.remote_offset + length}) is outside segment "
                              f"{segment.name!r} of {segment.length_bytes} bytes")
         endpoint = self._endpoint_for(segment, where)
-        on = request.checksum
-        if on is None:
-            on = (self.config.checksum_shm if endpoint.kind is TransportKind.SHM
-                  else self.config.checksum_tcp)
+        on = self.config.digests(endpoint.kind is TransportKind.TCP, request.checksum_tcp)
         checksum = self._checksum_kind if on else None
         pref = self._preferences.get(segment.name, self._default_pref)
         return Resolved(request.op, view[:length], segment, endpoint, checksum, pref)
 
     def _endpoint_for(self, segment: SegmentDesc, where: str) -> EndpointKey:
-        if segment.shm_name and via_shared_memory(segment, self.config.use_shared_memory):
+        if (self.config.use_shared_memory and segment.shm_name
+                and segment.host_id == local_host_id()):
             return EndpointKey(TransportKind.SHM, segment.shm_name)
         if not segment.address:
             raise ValueError(f"{where}: segment {segment.name!r} has no server address and is not "

@@ -31,8 +31,9 @@ class TransferRequest:
       source of a WRITE. Registered or not; use `TransferEngine.local_view` for a registered one.
     length: defaults to the whole buffer. The remote range [remote_offset, remote_offset + length)
       must lie inside the segment, and the buffer must hold at least `length` bytes.
-    checksum: carry and verify a digest per slice of this request (True), or not (False); None
-      follows the engine's `checksum_tcp` / `checksum_shm` for the transport it takes.
+    checksum_tcp: where this request crosses TCP, carry and verify a digest per slice (True) or
+      not (False); None follows the engine's `checksum_tcp`. Over shared memory the engine's
+      `checksum_shm` applies (see `TransferConfig.digests`).
     """
 
     op: TransferOp
@@ -40,7 +41,7 @@ class TransferRequest:
     segment: SegmentDesc
     remote_offset: int = 0
     length: int | None = None
-    checksum: bool | None = None
+    checksum_tcp: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,6 @@ def local_host_id() -> str:
     return f"{socket.gethostname()}/{boot_id}"
 
 
-def via_shared_memory(segment: SegmentDesc, use_shared_memory: bool) -> bool:
-    """Whether an engine with this `use_shared_memory` setting reaches `segment` by mapping its
-    shared memory (same host) rather than over TCP."""
-    return bool(use_shared_memory and segment.shm_name and segment.host_id == local_host_id())
-
-
 @dataclass(frozen=True)
 class SegmentDesc:
     """Where a segment lives. Plain data: `to_dict()` / `from_dict()` survive msgpack and JSON.

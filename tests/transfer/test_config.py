@@ -41,3 +41,12 @@ def test_checksum_names() -> None:
 def test_defaults_leave_digests_off_and_socket_buffers_to_the_kernel() -> None:
     config = TransferConfig()
     assert (config.checksum_tcp, config.checksum_shm, config.socket_buffer_bytes) == (False, False, 0)
+
+
+def test_which_slices_carry_a_digest() -> None:
+    default, checked = TransferConfig(), TransferConfig(checksum_tcp=True, checksum_shm=True)
+    assert [default.digests(True), default.digests(True, True), default.digests(True, False)] \
+        == [False, True, False]
+    assert [checked.digests(True), checked.digests(True, False)] == [True, False]
+    # a request's override is for TCP only: shared memory follows checksum_shm
+    assert [default.digests(False, True), checked.digests(False, False)] == [False, True]

@@ -268,7 +268,7 @@ def test_a_lost_connection_loses_every_outstanding_read_and_says_so() -> None:
 
 
 @pytest.mark.parametrize("op", [TransferOp.READ, TransferOp.WRITE])
-def test_a_request_that_asks_for_a_checksum_gets_one_whatever_the_default(
+def test_a_request_that_asks_for_a_tcp_checksum_gets_one_whatever_the_default(
         owner: tuple[TransferEngine, SegmentDesc], op: TransferOp) -> None:
     engine, desc = owner
     source = pattern(64 * SLICE, seed=4)
@@ -278,7 +278,8 @@ def test_a_request_that_asks_for_a_checksum_gets_one_whatever_the_default(
         with TransferEngine(client_config(checksum_tcp=False), wrap_transport=faulty_rail_zero(
                 FaultSpec(corrupt_rate=0.3), injected)) as client:
             buffer = np.zeros_like(source) if op is TransferOp.READ else source.copy()
-            client.transfer([TransferRequest(op, buffer, desc, checksum=checksum)], timeout_s=30)
+            request = TransferRequest(op, buffer, desc, checksum_tcp=checksum)
+            client.transfer([request], timeout_s=30)
         landed = buffer if op is TransferOp.READ else engine.segment("dram").array
         # with the engine's default (off on TCP) the flipped bytes land: nothing checks them
         assert np.array_equal(landed, source) is intact
