@@ -54,9 +54,10 @@ class TransferConfig:
     io_timeout_s: a socket call that blocks longer than this fails the slice (then it is retried).
     socket_buffer_bytes: SO_SNDBUF / SO_RCVBUF asked of the kernel for every data connection;
       0 (the default) leaves them to the kernel's autotuning, which sizes them to the path (as
-      iperf3 does). Fixed 8 MiB buffers cost ~10-15% of the GB/s on loopback here (0.60-0.63 CPU
-      s/GB against 0.54-0.56 autotuned, 4 rails): the more bytes sit in socket buffers, the
-      colder the kernel's copies into and out of them.
+      iperf3 does). On loopback here a fixed 256 KiB moved 5-20% more GB/s than autotuning or
+      8 MiB (fewer bytes waiting in socket buffers: warmer kernel copies;
+      benchmarks/transfer_socket_buffers.py), but it would cap a long-RTT path at 256 KiB in
+      flight per connection, so the default stays with the kernel.
     """
 
     slice_bytes: int = 4 * MIB
