@@ -13,11 +13,25 @@ public value it carries (both per-candidate breakdowns, the fetch plan; floats b
 round-trips exactly). Every 20 decisions a state line digests the public load views
 (`queue_s`, `inflight_bytes`, `DecodeLoad.batch_at`, index sizes).
 
-`tests/conductor/golden_decisions.txt` was recorded with this module on the Conductor as it was
-before the decision-latency work (commit 4e1fd39); `test_golden.py` compares it exactly. To
-record it again (only for an intended change of decisions, and say so in the commit):
+Portability. The Conductor's own arithmetic is plain Python floats, bit-identical on every
+x86-64 CPU; only numpy's least-squares fit of the *fitted* predictors is not (OpenBLAS picks
+other kernels per CPU: relative differences ~1e-13). So a fitted scenario's record opens with the
+predictors it ran with (`= prefill <json>`, `= decode <json>`, exact `repr` floats), the replay
+runs on those recorded predictors, and every decision line is then compared exactly. The fresh
+fit on this machine is checked separately against the recorded one at `FIT_RTOL` (each
+coefficient within FIT_RTOL of the largest coefficient's magnitude), so a change to the fit
+itself still fails the record.
 
-    .venv/bin/python -m tests.conductor.golden_workload > tests/conductor/golden_decisions.txt
+`tests/conductor/golden_decisions.txt` was recorded with this module on the Conductor as it was
+before the decision-latency work (commit 4e1fd39); `test_golden.py` compares it. To record it
+again (only for an intended change of decisions, and say so in the commit), on any machine:
+
+    .venv/bin/python -m tests.conductor.golden_workload > /tmp/golden.txt
+    mv /tmp/golden.txt tests/conductor/golden_decisions.txt
+
+(through a temporary file: the recorder reads the old record and keeps its fit where this
+machine's fit matches it at FIT_RTOL), then read the diff: the lines that change are the
+decisions that changed.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvcake.conductor import (
     Conductor,
@@ -80,14 +95,47 @@ SCENARIOS = (
 )
 
 
-def _models(fitted: bool) -> tuple[object, object, int]:
-    cost = CostModel.from_spec("llama3-70b@a800x8")
-    if not fitted:
-        return cost, cost, cost.model.kv_bytes_per_token
+FIT_RTOL = 1e-9  # a fresh fit's predictions vs the recorded fit's, relative
+FIT_FLOOR_S = 1e-6  # predictions below a microsecond are compared at FIT_RTOL of this
+
+Fit = tuple[PrefillTimePredictor, DecodeStepPredictor]
+DECODE_GRID = tuple((b, c) for b in (1, 8, 32) for c in (1000, 20000, 200000))
+
+
+def _cost() -> CostModel:
+    return CostModel.from_spec("llama3-70b@a800x8")
+
+
+def fit_predictors() -> Fit:
+    """The fitted predictors of the live cluster, fitted on this machine (BLAS-dependent bits)."""
+    cost = _cost()
     prefill = PrefillTimePredictor.fit(profile_grid(cost, 64 * BLOCK_SIZE))
     decode = DecodeStepPredictor.fit(DecodePoint(b, c, cost.decode_step_time_s(b, c))
-                                     for b in (1, 8, 32) for c in (1000, 20000, 200000))
-    return prefill, decode, cost.model.kv_bytes_per_token
+                                     for b, c in DECODE_GRID)
+    return prefill, decode
+
+
+def fit_mismatches(recorded: Fit, fresh: Fit) -> list[str]:
+    """Profile points where `fresh` predicts other than `recorded` beyond FIT_RTOL.
+
+    Compared on the points the fit is made on (not coefficient by coefficient: some are ~1e-17
+    noise, and their units differ), each at FIT_RTOL of max(|recorded|, FIT_FLOOR_S).
+    """
+    pairs = [(f"prefill({p.input_len}, {p.prefix_len})",
+              recorded[0].predict(p.input_len, p.prefix_len),
+              fresh[0].predict(p.input_len, p.prefix_len))
+             for p in profile_grid(_cost(), 64 * BLOCK_SIZE)]
+    pairs += [(f"decode({b}, {c})", recorded[1].decode_step_time_s(b, c),
+               fresh[1].decode_step_time_s(b, c)) for b, c in DECODE_GRID]
+    return [f"{where}: {have!r} s, recorded fit {want!r} s" for where, want, have in pairs
+            if not abs(have - want) <= FIT_RTOL * max(abs(want), FIT_FLOOR_S)]
+
+
+def _models(fit: Fit | None) -> tuple[object, object, int]:
+    cost = _cost()
+    if fit is None:
+        return cost, cost, cost.model.kv_bytes_per_token
+    return fit[0], fit[1], cost.model.kv_bytes_per_token
 
 
 def canonical(decision: Decision) -> str:
@@ -139,8 +187,11 @@ def _state(c: Conductor, now_s: float) -> str:
 class _Driver:
     """The caller: reports what happens to placed requests, at jittered predicted times."""
 
-    def __init__(self, s: Scenario) -> None:
-        prefill, decode, kv_bytes = _models(s.fitted)
+    def __init__(self, s: Scenario, fit: Fit | None = None) -> None:
+        """`fit`: the predictors of a fitted scenario (default: fitted afresh on this machine)."""
+        if s.fitted and fit is None:
+            fit = fit_predictors()
+        prefill, decode, kv_bytes = _models(fit if s.fitted else None)
         self.s, self.rng = s, random.Random(s.seed)
         prefill_ids = [f"p{i}" for i in range(s.num_prefill)]
         decode_ids = [f"d{i}" for i in range(s.num_decode)]
@@ -263,12 +314,70 @@ class _Driver:
         return at_s, kind, holder, p
 
 
-def record() -> Iterator[str]:
+@dataclass(frozen=True)
+class Section:
+    """One scenario of the record: the predictors it ran with (fitted only) and its lines."""
+
+    fit: Fit | None
+    lines: tuple[str, ...]
+
+
+def record(previous: dict[str, Section] | None = None) -> Iterator[str]:
+    """The record's lines. A fitted scenario keeps `previous`'s fit when this machine's fit
+    matches it at FIT_RTOL, so re-recording on another CPU changes only what really changed."""
+    previous = previous or {}
     for s in SCENARIOS:
         yield f"# {s.name}"
-        yield from _Driver(s).run()
+        fit = fit_predictors() if s.fitted else None
+        kept = previous[s.name].fit if s.name in previous else None
+        if fit is not None and kept is not None and not fit_mismatches(kept, fit):
+            fit = kept
+        if fit is not None:
+            yield f"= prefill {fit[0].to_json()}"
+            yield f"= decode {fit[1].to_json()}"
+        yield from _Driver(s, fit).run()
+
+
+def parse_record(text: str) -> dict[str, Section]:
+    """The record's sections by scenario name; ValueError naming the line if it is malformed."""
+    raw: dict[str, tuple[dict[str, str], list[str]]] = {}
+    current: tuple[dict[str, str], list[str]] | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("# "):
+            current = raw.setdefault(line[2:], ({}, []))
+        elif current is None:
+            raise ValueError(f"golden record line {number}: expected '# <scenario>' first")
+        elif line.startswith("= "):
+            kind, _, payload = line[2:].partition(" ")
+            if kind not in ("prefill", "decode"):
+                raise ValueError(f"golden record line {number}: unknown predictor {kind!r}")
+            current[0][kind] = payload
+        else:
+            current[1].append(line)
+    sections = {}
+    for name, (fits, lines) in raw.items():
+        fit = None
+        if fits:
+            if set(fits) != {"prefill", "decode"}:
+                raise ValueError(f"golden record scenario {name}: needs both '= prefill' and "
+                                 f"'= decode' lines, got {sorted(fits)}")
+            fit = (PrefillTimePredictor.from_json(fits["prefill"]),
+                   DecodeStepPredictor.from_json(fits["decode"]))
+        sections[name] = Section(fit, tuple(lines))
+    return sections
+
+
+def first_difference(expected: Sequence[str], got: Sequence[str]) -> str | None:
+    """None if the lines are identical; else where and how they first differ."""
+    for i, (want, have) in enumerate(zip(expected, got, strict=False)):
+        if have != want:
+            return f"line {i}: got {have!r}, recorded {want!r}"
+    if len(got) != len(expected):
+        return f"{len(got)} lines, recorded {len(expected)}"
+    return None
 
 
 if __name__ == "__main__":
-    for line in record():
+    _golden = Path(__file__).with_name("golden_decisions.txt")
+    for line in record(parse_record(_golden.read_text()) if _golden.exists() else None):
         print(line)
