@@ -51,6 +51,7 @@ from kvcake.conductor.decision import (
 )
 from kvcake.conductor.index import GlobalIndex, PrefixMatch
 from kvcake.conductor.load import DecodeLoad, PrefillQueue
+from kvcake.conductor.pending import PendingBlocks
 from kvcake.conductor.predictor import DecodeModel, PrefillModel
 
 # (local_len, prefix_len, transfer_s, prefill_s, recompute_s): one instance's prefill plan;
@@ -98,7 +99,8 @@ class Conductor:
         if kv_bytes_per_token < 1:
             raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
         self.config = config
-        self.index = GlobalIndex()
+        self.index = GlobalIndex()  # blocks that exist: computed, fetched or stored
+        self.pending = PendingBlocks()  # blocks placed but not computed yet: local, not fetchable
         self._prefill_model = prefill_model
         self._decode_model = decode_model
         self._kv_bytes_per_token = kv_bytes_per_token
@@ -146,6 +148,7 @@ class Conductor:
         self._decodes.pop(instance_id, None)
         self._last_decode_estimates.pop(instance_id, None)
         self.index.remove_holder(instance_id)
+        self.pending.remove_holder(instance_id)
 
     def set_transfer_bandwidth(self, bytes_per_s: float) -> None:
         """The current KVCache loading speed (e.g. measured by the transfer engine)."""
@@ -178,16 +181,19 @@ class Conductor:
             return Rejection(req.request_id, RejectReason.NO_INSTANCE, self.config.min_retry_after_s,
                              float("inf"), float("inf"), (), ())
         match = self.index.match(req.block_keys)
-        candidates, ttfts = self._estimate_prefills(req, match, now_s)
-        chosen = candidates[self._choose_prefill(candidates, ttfts)]
+        local_blocks = self._local_blocks(req, match)
+        source = self._fetch_source(match)
+        candidates, ttfts = self._estimate_prefills(req, match, local_blocks, source, now_s)
+        chosen_at = self._choose_prefill(candidates, ttfts)
+        chosen = candidates[chosen_at]
         ttft_s = chosen.ttft_s
         decode_candidates = self._estimate_decodes(req, chosen.instance_id, now_s, ttft_s)
         best_decode = self._choose_decode(decode_candidates)
         rejection = self._admit(req, now_s, ttft_s, best_decode, candidates, decode_candidates)
         if rejection is not None:
             return rejection
-        fetch = self._fetch_plan(req, chosen, match)
-        self._book(req, now_s, chosen, best_decode.instance_id, fetch, match.blocks(chosen.instance_id))
+        fetch = self._fetch_plan(req, chosen, local_blocks[chosen_at], source)
+        self._book(req, now_s, chosen, best_decode.instance_id, fetch)
         return Placement._with_lazy_candidates(
             candidates, request_id=req.request_id, prefill_id=chosen.instance_id,
             decode_id=best_decode.instance_id, prefix_len=chosen.prefix_len, fetch=fetch,
@@ -198,19 +204,41 @@ class Conductor:
         # The last prompt token is always computed: its logits give the first output token.
         return min(num_blocks * req.block_size, req.prompt_len - 1)
 
-    def _estimate_prefills(self, req: ScheduleRequest, match: PrefixMatch,
-                           now_s: float) -> tuple[LazyPrefillCandidates, list[float]]:
-        """Algorithm 1, lines 4-13, for every prefill instance (baselines: recompute only).
-
-        Returns the candidates, in compact form, and their `ttft_s` summed in the same order as
-        `PrefillEstimate.ttft_s` (so the very same floats) for the choice. Instances that hold the
-        same number of prefix blocks differ only in their queue: their plan is made once.
-        """
+    def _local_blocks(self, req: ScheduleRequest, match: PrefixMatch) -> list[int]:
+        """Prefix blocks each prefill instance (pool order) will have when this request runs
+        there: what it holds, or what requests placed before will have computed (pending)."""
         pool = self._prefill_pool
         by_holder = match.blocks_by_holder
         blocks = list(map(by_holder.get, pool, repeat(0))) if by_holder else [0] * len(pool)
+        pending = self.pending.match(req.block_keys)
+        if pending is not None and pending.blocks_by_holder:
+            blocks = list(map(max, blocks, map(pending.blocks_by_holder.get, pool, repeat(0))))
+        return blocks
+
+    def _fetch_source(self, match: PrefixMatch) -> str | None:
+        """Of the holders of the longest prefix, the one whose link is least loaded: fewest
+        bytes of planned fetches still in flight from it, then registration (pool) order."""
+        holders = match.best_holders
+        if len(holders) <= 1:
+            return match.best_holder
+        inflight = self._inflight_bytes
+        return min(holders, key=lambda holder: inflight.get(holder, 0))
+
+    def _estimate_prefills(self, req: ScheduleRequest, match: PrefixMatch, blocks: list[int],
+                           source: str | None,
+                           now_s: float) -> tuple[LazyPrefillCandidates, list[float]]:
+        """Algorithm 1, lines 4-13, for every prefill instance (baselines: recompute only).
+
+        `blocks`: each instance's local prefix blocks (`_local_blocks`); `source`: where a fetch
+        reads from (`_fetch_source`). Returns the candidates, in compact form, and their `ttft_s`
+        summed in the same order as `PrefillEstimate.ttft_s` (so the very same floats) for the
+        choice. Instances that hold the same number of prefix blocks differ only in their queue:
+        their plan is made once.
+        """
+        pool = self._prefill_pool
         predicted: dict[int, float] = {}  # prefix_len -> prefill seconds; few distinct per request
-        plan_of = {n: self._plan_prefill(req, match, n, predicted) for n in dict.fromkeys(blocks)}
+        plan_of = {n: self._plan_prefill(req, match, n, source, predicted)
+                   for n in dict.fromkeys(blocks)}
         plans = list(map(plan_of.__getitem__, blocks))
         queues = list(map(PrefillQueue.queue_s, self._queues.values(), repeat(now_s)))
         ttfts = [plan[2] + queue_s + plan[3] for plan, queue_s in zip(plans, queues, strict=True)]
@@ -219,15 +247,15 @@ class Conductor:
         return LazyPrefillCandidates(pool, tuple(plans), tuple(queues)), ttfts
 
     def _plan_prefill(self, req: ScheduleRequest, match: PrefixMatch, num_blocks: int,
-                      predicted: dict[int, float]) -> _Plan:
+                      source: str | None, predicted: dict[int, float]) -> _Plan:
         """Fetch or recompute, for an instance holding `num_blocks` prefix blocks (Algorithm 1)."""
         cfg = self.config
         local_len = self._reuse_len(req, num_blocks)
         best_len = self._reuse_len(req, match.best_blocks)
-        if (cfg.policy is Policy.GLOBAL_CACHE and match.best_holder is not None
+        if (cfg.policy is Policy.GLOBAL_CACHE and source is not None
                 and best_len > cfg.kvcache_balancing_threshold * local_len):
             fetch_bytes = (best_len - local_len) * self._kv_bytes_per_token
-            backlog = self._inflight_bytes.get(match.best_holder, 0)
+            backlog = self._inflight_bytes.get(source, 0)
             transfer_s = (backlog + fetch_bytes) / self._bandwidth
             recompute_s = (self._prefill_s(req, local_len, predicted)
                            if cfg.fetch_only_if_faster else None)
@@ -318,19 +346,18 @@ class Conductor:
         return Rejection(req.request_id, reason, max(cfg.min_retry_after_s, retry_s), ttft_s,
                          decode.tbt_s, candidates.expand(), decode_candidates)
 
-    def _fetch_plan(self, req: ScheduleRequest, chosen: PrefillEstimate,
-                    match: PrefixMatch) -> FetchPlan | None:
-        if chosen.prefix_len <= chosen.local_len or match.best_holder is None:
+    def _fetch_plan(self, req: ScheduleRequest, chosen: PrefillEstimate, local_blocks: int,
+                    source: str | None) -> FetchPlan | None:
+        if chosen.prefix_len <= chosen.local_len or source is None:
             return None
-        first = match.blocks(chosen.instance_id)
         last = -(-chosen.prefix_len // req.block_size)  # blocks covering the reused tokens
-        keys = tuple(req.block_keys[first:last])
+        keys = tuple(req.block_keys[local_blocks:last])
         num_bytes = (chosen.prefix_len - chosen.local_len) * self._kv_bytes_per_token
-        return FetchPlan(match.best_holder, keys, chosen.local_len, chosen.prefix_len, num_bytes,
+        return FetchPlan(source, keys, chosen.local_len, chosen.prefix_len, num_bytes,
                          chosen.transfer_s)
 
     def _book(self, req: ScheduleRequest, now_s: float, chosen: PrefillEstimate, decode_id: str,
-              fetch: FetchPlan | None, num_held: int) -> None:
+              fetch: FetchPlan | None) -> None:
         rid = req.request_id
         self._queues[chosen.instance_id].add(rid, chosen.prefill_s)
         context = req.prompt_len + req.max_output_len // 2
@@ -339,8 +366,8 @@ class Conductor:
         if fetch is not None:
             self._inflight_bytes[fetch.source] = self._inflight_bytes.get(fetch.source, 0) + fetch.num_bytes
             self._transfers[rid] = (fetch.source, fetch.num_bytes)
-        if self.config.index_on_placement:  # the first num_held keys are there already
-            self.index.add(chosen.instance_id, req.block_keys[num_held:])
+        if self.config.index_on_placement:  # local to the instance from now, fetchable once stored
+            self.pending.add(rid, chosen.instance_id, req.block_keys)
 
     # ---- reports from the caller --------------------------------------------------------------
 
@@ -348,7 +375,9 @@ class Conductor:
         self._queue(instance_id).start(request_id, now_s)
 
     def on_prefill_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
+        """The prefill ended; its blocks stop being pending (report them with `on_blocks_stored`)."""
         self._queue(instance_id).remove(request_id)
+        self.pending.release(request_id)
 
     def on_transfer_done(self, request_id: str, now_s: float) -> None:
         """The planned fetch of `request_id` completed (or failed): its bytes no longer queue."""
@@ -377,6 +406,7 @@ class Conductor:
     def on_request_aborted(self, request_id: str) -> None:
         """Forget every booking of `request_id` (client gone, instance failed)."""
         self.on_transfer_done(request_id, 0.0)
+        self.pending.release(request_id)
         placed = self._placed.pop(request_id, None)
         if placed is None:
             return

@@ -29,17 +29,27 @@ class Policy(StrEnum):
 
 
 class Admission(StrEnum):
-    """When a request is rejected (HTTP 429) before any compute is spent.
+    """When a request is rejected (HTTP 429), and on what forecast.
 
-    NONE: never. SLO: predicted TTFT > ttft_slo_s, or the decode instance's TBT *now* (with this
-    request added) > tbt_slo_s. EARLY: as SLO, but the decode load is predicted for the moment
-    this request's prefill would finish (requests that will have finished decoding by then are
-    left out, requests placed earlier that will have joined by then are counted).
+    NONE: never. SLO: at arrival, predicted TTFT > ttft_slo_s, or the decode instance's TBT *now*
+    (with this request added) > tbt_slo_s: the paper's "early rejection" (arXiv version, section
+    7), which looks at the decode load of the moment. EARLY (also spelled "prediction"): as SLO,
+    but the decode load is predicted for the moment this request's prefill would finish
+    (requests predicted to have finished decoding by then are left out, requests placed earlier
+    that will have joined by then are counted): the paper's prediction-based early rejection.
+    DECODE_AFTER_PREFILL: the baseline both improve on: at arrival only the TTFT is checked; the
+    decode side is asked when the prefill is done (`Conductor.admit_decode`), so a request
+    rejected there has spent its prefill.
     """
 
     NONE = "none"
     SLO = "slo"
     EARLY = "early"
+    DECODE_AFTER_PREFILL = "decode_after_prefill"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Admission | None:
+        return cls.EARLY if value == "prediction" else None
 
 
 @dataclass(frozen=True)
@@ -52,11 +62,21 @@ class ConductorConfig:
     transfer_bandwidth_bytes_per_s: KVCache loading speed of one fetch (the NIC of a node).
     fetch_only_if_faster: also require the fetch to beat recomputation in predicted time
         (Algorithm 1 as written decides by the threshold alone: False).
-    index_on_placement: record a placed request's block keys on its prefill instance at once, as
-        the paper does ("updates that instance's cache"), rather than only when the caller
-        reports them with `on_blocks_stored`.
+    index_on_placement: count a placed request's blocks as its prefill instance's local prefix at
+        once, as the paper does ("updates that instance's cache"): pending blocks (`PendingBlocks`),
+        which no other instance may fetch until the caller reports them with `on_blocks_stored`.
+        False: they count only once reported.
     min_retry_after_s: floor of the Retry-After estimate of a rejection.
     seed: seed of the RANDOM policy.
+    uniform_decode_s: the decode forecast's `t_d`: every request is predicted to decode for this
+        many seconds once it joins (the paper's prediction-based early rejection assumes a uniform
+        decode time, since a request's output length is unknown). None: `max_output_len` steps of
+        the predicted step time of the batch it joins.
+    cpp_min_tokens: chunked pipeline parallelism (CPP, seed section VIII): a prompt of at least
+        this many tokens is prefilled by a group of `cpp_nodes` prefill instances (the pool cut
+        into consecutive groups, in pool order), its chunks pipelined across them. None: off.
+    cpp_nodes: X, the prefill instances of one CPP group (>= 2 when CPP is on).
+    cpp_chunk_tokens: tokens per pipelined chunk (the paper: at least 1,000).
     """
 
     policy: Policy = Policy.GLOBAL_CACHE
@@ -69,6 +89,10 @@ class ConductorConfig:
     index_on_placement: bool = True
     min_retry_after_s: float = 1.0
     seed: int = 0
+    uniform_decode_s: float | None = None
+    cpp_min_tokens: int | None = None
+    cpp_nodes: int = 2
+    cpp_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -84,6 +108,19 @@ class ConductorConfig:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if not self.min_retry_after_s >= 0:
             raise ValueError(f"min_retry_after_s must be >= 0, got {self.min_retry_after_s!r}")
+        if self.uniform_decode_s is not None and not (math.isfinite(self.uniform_decode_s)
+                                                      and self.uniform_decode_s > 0):
+            raise ValueError(f"uniform_decode_s must be a finite number > 0 (or unset), "
+                             f"got {self.uniform_decode_s!r}")
+        if self.cpp_min_tokens is not None and self.cpp_min_tokens < 1:
+            raise ValueError(f"cpp_min_tokens must be >= 1 (or unset: CPP off), "
+                             f"got {self.cpp_min_tokens!r}")
+        if self.cpp_min_tokens is not None and self.cpp_nodes < 2:
+            raise ValueError(f"cpp_nodes must be >= 2 when CPP is on (cpp_min_tokens set), "
+                             f"got {self.cpp_nodes!r}")
+        if self.cpp_chunk_tokens < 1000:
+            raise ValueError(f"cpp_chunk_tokens must be >= 1000 (CPP chunks of at least 1,000 "
+                             f"tokens, as the paper), got {self.cpp_chunk_tokens!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ConductorConfig:

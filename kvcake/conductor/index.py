@@ -28,11 +28,14 @@ class PrefixMatch:
     best_holder: the holder with the longest match; ties go to the lowest holder slot, which is
     registration order (a removed holder's slot is reused by the next new holder).
     None (with best_blocks 0) when nobody holds the first key.
+    best_holders: every holder with the longest match, in that same order (the replicas a fetch
+    may read from; `best_holders[0] == best_holder`).
     """
 
     blocks_by_holder: dict[str, int]
     best_blocks: int
     best_holder: str | None
+    best_holders: tuple[str, ...] = ()
 
     def blocks(self, holder: str) -> int:
         return self.blocks_by_holder.get(holder, 0)
@@ -121,7 +124,7 @@ class GlobalIndex:
         # holder set keeps are found by bisection, not by a Python loop over the keys.
         alive = list(takewhile(bool, accumulate(map(masks.get, keys, repeat(0)), and_)))
         if not alive:
-            return PrefixMatch({}, 0, None)
+            return PrefixMatch({}, 0, None, ())
         ascending = alive[::-1]
         num_alive = len(alive)
         holder_of_bit = self._holder_of_bit
@@ -136,5 +139,9 @@ class GlobalIndex:
                 by_holder[holder_of_bit[low.bit_length() - 1]] = end
                 dropped ^= low
         # The last run matched the most blocks; ties go to its lowest bit.
-        best_bit = (run & -run).bit_length() - 1
-        return PrefixMatch(by_holder, end, holder_of_bit[best_bit])
+        best: list[str] = []
+        while run:
+            low = run & -run
+            best.append(holder_of_bit[low.bit_length() - 1])
+            run ^= low
+        return PrefixMatch(by_holder, end, best[0], tuple(best))

@@ -134,12 +134,17 @@ def test_fetch_only_if_faster_keeps_recompute_when_the_network_is_slow() -> None
     assert d2.fetch is not None and d2.chosen.transfer_s == pytest.approx(1.28)
 
 
-def test_hotspot_replication_is_recorded_on_placement_or_on_report() -> None:
+def test_hotspot_replication_is_pending_on_placement_and_indexed_on_report() -> None:
     c = make(index_on_placement=True)
     c.on_blocks_stored("p0", range(8))
     busy(c, "p0", 5.0)
     placed(c.schedule(request("r"), 0.0))
-    assert c.index.match(list(range(12))).blocks("p1") == 12  # fetched + computed blocks
+    # Not there yet: nobody may fetch them from p1, but p1 counts them as its own prefix.
+    assert c.index.match(list(range(12))).blocks("p1") == 0
+    pending = c.pending.match(list(range(12)))
+    assert pending is not None and pending.blocks("p1") == 12  # fetched + computed blocks
+    c.on_prefill_finished("p1", "r", 1.0)
+    assert c.pending.match(list(range(12))) is None
     c2 = make(index_on_placement=False)
     c2.on_blocks_stored("p0", range(8))
     busy(c2, "p0", 5.0)
@@ -357,3 +362,37 @@ def test_real_cost_model_fetches_only_above_the_bg_bandwidth(bandwidth: float, f
     assert d.prefix_len == (8192 if fetches else 0)
     assert cost.min_reuse_bandwidth_bytes_per_s(8192, use_mfu=True) < 100e9
     assert cost.min_reuse_bandwidth_bytes_per_s(8192, use_mfu=True) > 1e9
+
+
+def test_pending_blocks_are_local_to_their_instance_but_never_a_fetch_source() -> None:
+    c = make(num_prefill=3)
+    c.on_blocks_stored("p0", range(4))
+    first = placed(c.schedule(request("a", prompt_len=200), 0.0))  # 12 blocks, fetched 4 to p0?
+    assert first.prefill_id == "p0" and first.fetch is None
+    busy(c, "p0", 5.0)
+    # b shares a's 12 blocks: only 4 exist (on p0); 8 are pending on p0. Another instance may
+    # fetch the 4 that exist, never the pending 8.
+    second = placed(c.schedule(request("b", prompt_len=208, num_keys=13), 0.0))
+    assert second.prefill_id != "p0"
+    assert second.fetch is not None and second.fetch.source == "p0"
+    assert second.fetch.keys == tuple(range(4))
+    # Once a's prefill is done and its blocks reported, all 12 can be fetched.
+    c.on_prefill_finished("p0", "a", 0.2)
+    c.on_blocks_stored("p0", range(12))
+    third = placed(c.schedule(request("c", prompt_len=224, num_keys=14), 0.2))
+    assert third.fetch is not None and third.fetch.end_len == 12 * BS
+
+
+def test_fetch_source_is_the_replica_with_the_least_loaded_link() -> None:
+    c = make(num_prefill=4, index_on_placement=False)
+    c.on_blocks_stored("p0", range(8))
+    c.on_blocks_stored("p1", range(8))
+    busy(c, "p0", 5.0)
+    busy(c, "p1", 5.0)
+    first = placed(c.schedule(request("a"), 0.0))
+    assert first.fetch is not None and first.fetch.source == "p0"  # a tie: pool order
+    second = placed(c.schedule(request("b"), 0.0))
+    assert second.fetch is not None and second.fetch.source == "p1"  # p0's link is busy now
+    c.on_transfer_done("a", 0.01)
+    third = placed(c.schedule(request("c"), 0.01))
+    assert third.fetch is not None and third.fetch.source == "p0"

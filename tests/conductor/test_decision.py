@@ -153,7 +153,9 @@ def test_the_choice_ranks_by_the_very_ttft_each_candidate_reports(
         prompt_len = rng.randrange(17, 230)
         req = ScheduleRequest(f"r{n}", prompt_len, tuple(range(-(-prompt_len // BS))), BS, 10)
         match = conductor.index.match(req.block_keys)
-        candidates, ttfts = conductor._estimate_prefills(req, match, now_s=0.0)
+        candidates, ttfts = conductor._estimate_prefills(
+            req, match, conductor._local_blocks(req, match), conductor._fetch_source(match),
+            now_s=0.0)
         expanded = candidates.expand()
         assert ttfts == [c.ttft_s for c in expanded]
         assert [candidates[i] for i in range(len(candidates))] == list(expanded)
