@@ -1,3 +1,6 @@
+import hashlib
+import struct
+
 from kvcake.hashing import block_keys, hash_block, key_hex, namespace_seed
 
 
@@ -32,8 +35,19 @@ def test_continuing_from_a_parent_equals_hashing_the_whole() -> None:
 
 def test_stable_across_runs() -> None:
     # Pinned: a key is persisted in stores and indexes, so its definition must never drift.
-    assert key_hex(block_keys([1, 2, 3, 4], 4)[0]) == key_hex(block_keys([1, 2, 3, 4], 4)[0])
-    assert block_keys([1, 2, 3, 4], 4)[0] == hash_block(namespace_seed(""), [1, 2, 3, 4])
+    # These values were computed once and written here; they must never change.
+    assert key_hex(namespace_seed("")) == "b4b2797457a0a6e4"
+    assert [key_hex(k) for k in block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)] == [
+        "7bd9e21c73dad5b6", "cdd3caafd734eb0a"]
+    assert block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)[0] == 8924412748442031542
+    assert [key_hex(k) for k in block_keys([1, 2, 3, 4], 4, namespace="m")] == ["262570920652a13d"]
+
+
+def test_the_definition_written_out() -> None:
+    """blake2b-64 of the parent key (8 bytes little-endian) then the tokens as uint32 LE."""
+    seed = hashlib.blake2b(b"", digest_size=8).digest()
+    first = hashlib.blake2b(seed + struct.pack("<4I", 1, 2, 3, 4), digest_size=8).digest()
+    assert block_keys([1, 2, 3, 4], 4)[0] == int.from_bytes(first, "little")
 
 
 def test_bad_block_size() -> None:

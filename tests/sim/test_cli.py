@@ -104,15 +104,102 @@ def test_trace_stats_and_gen(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert code == 0 and json.loads(out)["num_requests"] == 20
 
 
-def test_reproduce_figure9_writes_report_and_png(small_trace: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def _table(report: str, header: str) -> list[list[str]]:
+    """The rows (cells stripped) of the markdown table whose header row starts with `header`."""
+    lines = report.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header}"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _num(cell: str) -> float:
+    return float(cell.replace(",", "").rstrip("x%"))
+
+
+def _non_increasing(xs: list[float]) -> bool:
+    return all(a >= b for a, b in zip(xs, xs[1:], strict=False))
+
+
+def test_reproduce_figure9_reports_hit_rates_that_grow_with_capacity(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Long sessions, few new ones: a working set of a few M tokens, so capacity matters.
+    trace = tmp_path / "sessions.jsonl"
+    generate_trace(TraceGenConfig(num_requests=1500, seed=3, max_turns=30, new_session_prob=0.15,
+                                  mean_followup_len=300, mean_first_message_len=20000)).write(trace)
     out_dir = tmp_path / "rep"
-    code, out, _ = _run(["reproduce", "figure9", "--trace", str(small_trace), "--out",
-                         str(out_dir)], capsys)
+    code, out, _ = _run(["reproduce", "figure9", "--trace", str(trace), "--out", str(out_dir)],
+                        capsys)
     assert code == 0
-    report = (out_dir / "figure9_small.md").read_text()
-    assert "| unlimited |" in report and "Paper:" in report
-    assert (out_dir / "figure9_small.png").read_bytes()[:4] == b"\x89PNG"
+    report = (out_dir / "figure9_sessions.md").read_text()
+    rows = _table(report, "capacity (tokens)")
+    assert [r[0] for r in rows] == ["1M", "2M", "3M", "5M", "10M", "20M", "50M", "100M",
+                                    "unlimited"]
+    rates = [_num(r[1]) for r in rows]
+    assert rates == sorted(rates) and rates[0] < rates[2] < rates[-1]  # LRU: a stack algorithm
+    best = rates[-1]
+    assert [_num(r[2]) for r in rows] == [round(x / best, 2) for x in rates]
+    share3 = rates[2] / best
+    assert f"3M tokens reach {share3:.0%} of the maximum" in report
+    assert ("(under half)" if share3 < 0.5 else "(NOT under half)") in report
+    assert "Paper:" in report
+    assert (out_dir / "figure9_sessions.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _figure5(report: str) -> None:
+    rows = {r[0]: _num(r[1]) for r in _table(report, "policy")}
+    order = [rows[p] for p in ("random", "load_balance", "local_cache", "global_cache")]
+    assert _non_increasing(order), rows  # the paper's order of mean TTFT holds on this trace
+    assert "the order random > load_balance > local_cache > global_cache holds." in report
+    load = _table(report, "speed")
+    assert [r[0] for r in load] == ["1", "1.25", "1.5"]
+    first = load[0]
+    assert [_num(c) for c in first[1:5]] == [float(f"{x:.3g}") for x in order]
+    assert _num(first[5]) == pytest.approx(order[3] / order[2], abs=2e-3)
+
+
+def _figure10(report: str) -> None:
+    rows = _table(report, "local cache per prefill node")
+    assert [(r[0], r[1]) for r in rows] == [("1M", "local_cache"), ("1M", "global_cache"),
+                                           ("3M", "local_cache"), ("3M", "global_cache")]
+    for local, glob in (rows[0:2], rows[2:4]):
+        assert _num(glob[2]) >= _num(local[2])  # a global cache sees every local hit
+        assert _num(glob[3]) <= _num(local[3])  # so it computes no more prefill
+        assert _num(glob[4]) >= 1.0 and _num(glob[5]) <= 1.0
+
+
+def _figure13(report: str) -> None:
+    rows = _table(report, "NIC Gbps")
+    assert [r[0] for r in rows] == ["24", "50", "100", "200", "400", "800"]
+    assert _non_increasing([_num(r[1]) for r in rows[1:]])  # global TTFT falls with bandwidth
+    assert _non_increasing([_num(r[4]) for r in rows])  # and so does the KV hand-off wait
+    assert _num(rows[-1][1]) < _num(rows[-1][2])  # at 800 Gbps fetching beats recomputing
+
+
+def _figure15(report: str) -> None:
+    rows = _table(report, "P:D")
+    assert [r[0] for r in rows] == ["4:12", "6:10", "8:8", "10:6", "12:4"]
+    assert _non_increasing([_num(r[2]) for r in rows])  # more prefill nodes: lower TTFT
+    assert _non_increasing([-_num(r[4]) for r in rows])  # fewer decode nodes: higher TBT
+    caps = [_num(r[1]) for r in rows]
+    best = rows[caps.index(max(caps))][0]
+    assert f"Ours: the best split is {best}." in report
+
+
+def _capacity(report: str) -> None:
+    rows = {r[0]: [_num(c) for c in r[1:4]] for r in _table(report, "system")}
+    assert list(rows) == ["mooncake", "vllm", "vllm_prefix_caching", "vllm_chunked_prefill"]
+    for system, caps in rows.items():
+        assert caps == sorted(caps), system  # a looser TBT threshold admits no fewer requests
+    for i in range(3):
+        assert rows["mooncake"][i] >= max(caps[i] for caps in rows.values())
+
+
+ORDERINGS = {"figure5": _figure5, "figure10": _figure10, "figure13": _figure13,
+             "figure15": _figure15, "capacity": _capacity}
 
 
 def test_reproduce_unknown_experiment_exits_2(small_trace: Path, tmp_path: Path,
@@ -122,8 +209,8 @@ def test_reproduce_unknown_experiment_exits_2(small_trace: Path, tmp_path: Path,
     assert code == 2 and "figure99" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("experiment", ["figure5", "figure10", "figure13", "figure15", "capacity"])
-def test_every_experiment_writes_a_report(experiment: str, small_trace: Path, tmp_path: Path,
+@pytest.mark.parametrize("experiment", sorted(ORDERINGS))
+def test_every_experiment_reports_its_orderings(experiment: str, small_trace: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     out_dir = tmp_path / "rep"
     code, out, _ = _run(["reproduce", experiment, "--trace", str(small_trace), "--out",
@@ -131,4 +218,5 @@ def test_every_experiment_writes_a_report(experiment: str, small_trace: Path, tm
     assert code == 0
     report = (out_dir / f"{experiment}_small.md").read_text()
     assert report.startswith("# ") and "paper" in report.lower() and "--max-requests 25" in report
+    ORDERINGS[experiment](report)
     assert (out_dir / f"{experiment}_small.png").read_bytes()[:4] == b"\x89PNG"

@@ -13,7 +13,8 @@ from kvcake.clock import ManualClock
 from kvcake.store import StoreClient
 from kvcake.store.config import EmbeddedConfig, NodeConfig
 from kvcake.store.embedded import EmbeddedStore
-from kvcake.store.errors import ObjectNotFound, StoreError
+from kvcake.store.errors import ObjectNotFound, StoreError, TransferFailed
+from kvcake.store.layout import HEADER_BYTES
 from kvcake.store.master import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.transfer import (
@@ -113,16 +114,48 @@ def test_faulty_transport_never_yields_corrupted_bytes(seed: int) -> None:
         served, failed = put_then_get_all(client, values)
         keys = list(values)
         buffers = [bytearray(len(values[k])) for k in keys]
+        # Under these faults a batch may fail as a whole (some object has no intact replica
+        # left, or all its reads were hit): then it must say so with TransferFailed naming
+        # the key; when it returns, every filled buffer holds exactly the bytes put.
         try:
             sizes = client.get_batch_into(keys, buffers)
-        except StoreError:
-            sizes = []
-        for key, size, buffer in zip(keys, sizes, buffers, strict=False):
-            if size is not None:  # a batch either fills a buffer with the right bytes or fails
-                assert bytes(buffer) == values[key]
+        except TransferFailed as exc:
+            assert any(repr(key) in str(exc) for key in keys), exc
+        else:
+            assert len(sizes) == len(keys)
+            for key, size, buffer in zip(keys, sizes, buffers, strict=True):
+                assert size in (None, len(values[key]))
+                if size is not None:
+                    assert bytes(buffer) == values[key]
     assert sum(f.num_corrupted for f in faulty) > 0 and sum(f.num_dropped for f in faulty) > 0
     assert served > 0  # faults were injected, reads still got through, none was wrong
     assert served + failed == len(values)
+
+
+def _corrupt(store: EmbeddedStore, replica: dict[str, Any]) -> None:
+    """Flip the first payload byte of one replica, at rest in its node's memory."""
+    node = next(n for n in store.nodes if n.node_id == replica["node_id"])
+    node._view()[replica["offset"] + HEADER_BYTES] ^= 0xFF
+
+
+def test_batch_read_takes_the_intact_replica_or_names_the_object_it_cannot_read() -> None:
+    """Deterministic faults: one replica of `a` and both of `b` corrupted at rest."""
+    values = {key: os.urandom(20_000 + 1000 * i) for i, key in enumerate("abc")}
+    with EmbeddedStore(EmbeddedConfig(4 << 20, num_nodes=2)) as store:
+        client = store.client(num_replicas=2)
+        for key, value in values.items():
+            client.put(key, value)
+        metas = {key: client.master.get(key) for key in values}
+        assert all(len(m["replicas"]) == 2 for m in metas.values())
+        _corrupt(store, metas["a"]["replicas"][0])
+        buffers = [bytearray(len(values[k])) for k in "ac"] + [bytearray(10)]
+        assert client.get_batch_into(["a", "c", "never-put"], buffers) == [20_000, 22_000, None]
+        assert bytes(buffers[0]) == values["a"] and bytes(buffers[1]) == values["c"]
+        for replica in metas["b"]["replicas"]:
+            _corrupt(store, replica)
+        with pytest.raises(TransferFailed, match="'b' could be read intact"):
+            client.get_batch_into(["a", "b"], [bytearray(20_000), bytearray(21_000)])
+        assert client.get("a") == values["a"] and client.get("c") == values["c"]
 
 
 def test_removed_key_is_not_found_even_with_an_old_descriptor() -> None:
