@@ -337,6 +337,8 @@ class Conductor:
             return None
         if ttft_s > cfg.ttft_slo_s:
             reason, retry_s = RejectReason.TTFT_SLO, ttft_s - cfg.ttft_slo_s
+        elif cfg.admission is Admission.DECODE_AFTER_PREFILL:
+            return None  # the decode side is asked later, by admit_decode
         elif decode.tbt_s > cfg.tbt_slo_s:
             at_s = now_s + ttft_s if cfg.admission is Admission.EARLY else now_s
             next_finish = self._decodes[decode.instance_id].next_finish_after(at_s)
@@ -367,7 +369,7 @@ class Conductor:
             self._inflight_bytes[fetch.source] = self._inflight_bytes.get(fetch.source, 0) + fetch.num_bytes
             self._transfers[rid] = (fetch.source, fetch.num_bytes)
         if self.config.index_on_placement:  # local to the instance from now, fetchable once stored
-            self.pending.add(rid, chosen.instance_id, req.block_keys)
+            self.pending.add(rid, (chosen.instance_id,), req.block_keys)
 
     # ---- reports from the caller --------------------------------------------------------------
 
@@ -396,8 +398,37 @@ class Conductor:
     def on_blocks_removed(self, holder: str, keys: Sequence[Hashable]) -> None:
         self.index.remove(holder, keys)
 
+    def admit_decode(self, request_id: str, now_s: float) -> Rejection | None:
+        """Admission DECODE_AFTER_PREFILL: the prefill of `request_id` is done; may it decode?
+
+        Rejected (and forgotten, as `on_request_aborted`) when its decode instance's predicted
+        TBT now, with it added, exceeds the SLO: its prefill was spent for nothing. Under every
+        other admission mode the decision was made at arrival: None."""
+        placed = self._placed.get(request_id)
+        if self.config.admission is not Admission.DECODE_AFTER_PREFILL or placed is None:
+            return None
+        decode_id = placed[1]
+        load = self._decode(decode_id)
+        expected = load.expected(request_id)
+        if expected is None:
+            return None
+        load.remove(request_id)  # counted below as joining now, not at its predicted time
+        batch, tokens = load.batch_at(now_s)
+        context, output_len = expected
+        tbt_s = self._decode_model.decode_step_time_s(batch + 1, tokens + context)
+        if tbt_s <= self.config.tbt_slo_s:
+            load.expect(request_id, now_s, context, output_len)
+            return None
+        self.on_request_aborted(request_id)
+        next_finish = load.next_finish_after(now_s)
+        retry_s = 0.0 if next_finish is None else next_finish - now_s
+        estimate = DecodeEstimate(decode_id, batch + 1, tokens + context, tbt_s)
+        return Rejection(request_id, RejectReason.TBT_SLO,
+                         max(self.config.min_retry_after_s, retry_s), 0.0, tbt_s, (), (estimate,))
+
     def on_decode_joined(self, instance_id: str, request_id: str, now_s: float) -> None:
-        self._decode(instance_id).join(request_id, now_s, self._decode_model.decode_step_time_s)
+        self._decode(instance_id).join(request_id, now_s, self._decode_model.decode_step_time_s,
+                                       self.config.uniform_decode_s)
 
     def on_decode_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
         self._decode(instance_id).remove(request_id)

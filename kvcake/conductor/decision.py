@@ -114,6 +114,9 @@ class Placement:
 
     prefix_len: prompt tokens whose KVCache is reused (never the last prompt token, whose logits
     give the first output token). In COLOCATED mode prefill_id == decode_id.
+    prefill_group: with chunked pipeline parallelism (CPP), the prefill instances that pipeline
+    this prompt's chunks, in pipeline order (`prefill_group[0] == prefill_id`; the candidates and
+    the fetch plan are the group's, under that id); empty for a prompt prefilled by one instance.
     The Conductor's placements build `prefill_candidates` on first access (the same values; see
     `LazyPrefillCandidates`): most callers never read them.
     """
@@ -127,6 +130,7 @@ class Placement:
     predicted_tbt_s: float
     prefill_candidates: tuple[PrefillEstimate, ...]
     decode_candidates: tuple[DecodeEstimate, ...]
+    prefill_group: tuple[str, ...] = ()
 
     @property
     def chosen(self) -> PrefillEstimate:

@@ -160,17 +160,25 @@ class DecodeLoad:
         self._pending.insert(join_s, request_id, context_tokens)
         self._forecast = None
 
+    def expected(self, request_id: str) -> tuple[int, int] | None:
+        """(context tokens, output length) of a request placed here and not joined yet."""
+        info = self._pending_info.get(request_id)
+        return None if info is None else (info.context_tokens, info.output_len)
+
     def join(self, request_id: str, now_s: float,
-             step_time_s: Callable[[int, int], float]) -> None:
-        """The request joined the batch now. It should finish after output_len steps, each
-        lasting `step_time_s(batch_size, context_tokens)` of the batch it joins (itself included)."""
+             step_time_s: Callable[[int, int], float], decode_s: float | None = None) -> None:
+        """The request joined the batch now. It should finish after `decode_s` seconds (a uniform
+        forecast) or, without it, after output_len steps, each lasting
+        `step_time_s(batch_size, context_tokens)` of the batch it joins (itself included)."""
         info = self._pending_info.pop(request_id, None)
         if info is None:
             return
         self._pending.delete(info.join_s, request_id)
         self._forecast = None
-        batch, tokens = self.batch_at(now_s)
-        finish_s = now_s + info.output_len * step_time_s(batch + 1, tokens + info.context_tokens)
+        if decode_s is None:
+            batch, tokens = self.batch_at(now_s)
+            decode_s = info.output_len * step_time_s(batch + 1, tokens + info.context_tokens)
+        finish_s = now_s + decode_s
         self._finish_s[request_id] = finish_s
         self._active.insert(finish_s, request_id, info.context_tokens)
         self._forecast = None

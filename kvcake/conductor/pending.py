@@ -24,46 +24,50 @@ class PendingBlocks:
     def __init__(self) -> None:
         self._index = GlobalIndex()
         self._counts: dict[str, dict[Hashable, int]] = {}  # holder -> key -> requests pending it
-        self._by_request: dict[str, tuple[str, tuple[Hashable, ...]]] = {}
+        self._by_request: dict[str, tuple[tuple[str, ...], tuple[Hashable, ...]]] = {}
 
     def __len__(self) -> int:
         """Requests with pending blocks."""
         return len(self._by_request)
 
-    def add(self, request_id: str, holder: str, keys: Sequence[Hashable]) -> None:
-        """`request_id`'s prefill on `holder` will compute `keys` (replaces an earlier booking)."""
+    def add(self, request_id: str, holders: Sequence[str], keys: Sequence[Hashable]) -> None:
+        """`request_id`'s prefill on `holders` (one instance, or a CPP group) will compute
+        `keys` (replaces an earlier booking)."""
         self.release(request_id)
         keys = tuple(keys)
-        self._by_request[request_id] = (holder, keys)
-        counts = self._counts.setdefault(holder, {})
-        new = []
-        for key in keys:
-            n = counts.get(key, 0)
-            counts[key] = n + 1
-            if n == 0:
-                new.append(key)
-        self._index.add(holder, new)
+        self._by_request[request_id] = (tuple(holders), keys)
+        for holder in holders:
+            counts = self._counts.setdefault(holder, {})
+            new = []
+            for key in keys:
+                n = counts.get(key, 0)
+                counts[key] = n + 1
+                if n == 0:
+                    new.append(key)
+            self._index.add(holder, new)
 
     def release(self, request_id: str) -> None:
         """The prefill of `request_id` finished (its blocks are reported stored) or was aborted."""
         booked = self._by_request.pop(request_id, None)
         if booked is None:
             return
-        holder, keys = booked
-        counts = self._counts.get(holder, {})
-        gone = []
-        for key in keys:
-            n = counts.get(key, 0) - 1
-            if n > 0:
-                counts[key] = n
-            else:
-                counts.pop(key, None)
-                gone.append(key)
-        self._index.remove(holder, gone)
+        holders, keys = booked
+        for holder in holders:
+            counts = self._counts.get(holder, {})
+            gone = []
+            for key in keys:
+                n = counts.get(key, 0) - 1
+                if n > 0:
+                    counts[key] = n
+                else:
+                    counts.pop(key, None)
+                    gone.append(key)
+            self._index.remove(holder, gone)
 
     def remove_holder(self, holder: str) -> None:
-        for request_id in [r for r, (h, _) in self._by_request.items() if h == holder]:
-            del self._by_request[request_id]
+        for request_id, (holders, keys) in list(self._by_request.items()):
+            if holder in holders:
+                self._by_request[request_id] = (tuple(h for h in holders if h != holder), keys)
         self._counts.pop(holder, None)
         self._index.remove_holder(holder)
 

@@ -396,3 +396,38 @@ def test_fetch_source_is_the_replica_with_the_least_loaded_link() -> None:
     c.on_transfer_done("a", 0.01)
     third = placed(c.schedule(request("c"), 0.01))
     assert third.fetch is not None and third.fetch.source == "p0"
+
+
+def test_decode_after_prefill_admits_at_arrival_and_rejects_when_the_prefill_is_done() -> None:
+    c = make(admission="decode_after_prefill", num_decode=1, tbt_slo_s=0.0125)
+    first = placed(c.schedule(request("a", output_len=1000), 0.0))  # TBT 0.011 with a alone
+    c.on_prefill_started("p0", "a", 0.0)
+    c.on_prefill_finished(first.prefill_id, "a", 0.2)
+    assert c.admit_decode("a", 0.2) is None
+    c.on_decode_joined("d0", "a", 0.2)
+    second = placed(c.schedule(request("b", first_key=100, output_len=1000), 0.2))  # 0.012: fits
+    assert c.admit_decode("b", 0.4) is None
+    c.on_decode_joined("d0", "b", 0.4)
+    # A third would make the step 0.013 s: admitted at arrival all the same (no TBT check)...
+    third = placed(c.schedule(request("c", first_key=200), 0.4))
+    assert second.decode_id == third.decode_id == "d0"
+    # ...and rejected once its prefill is spent; its bookings are forgotten.
+    rejection = c.admit_decode("c", 0.6)
+    assert isinstance(rejection, Rejection) and rejection.reason is RejectReason.TBT_SLO
+    assert rejection.predicted_tbt_s == pytest.approx(0.013)
+    assert c.decode_load("d0").num_booked == 2
+
+
+def test_admit_decode_is_a_no_op_under_arrival_admission() -> None:
+    c = make(admission="early")
+    placed(c.schedule(request("a"), 0.0))
+    assert c.admit_decode("a", 0.1) is None
+    assert ConductorConfig(admission="prediction").admission is Admission.EARLY  # type: ignore[arg-type]
+
+
+def test_uniform_decode_time_forecasts_every_request_to_finish_after_t_d() -> None:
+    c = make(num_decode=1, uniform_decode_s=2.0)
+    placed(c.schedule(request("a", output_len=10_000), 0.0))  # its length is not used
+    c.on_decode_joined("d0", "a", 1.0)
+    assert c.decode_load("d0").next_finish_after(1.0) == pytest.approx(3.0)
+    assert c.decode_load("d0").batch_at(2.9)[0] == 1 and c.decode_load("d0").batch_at(3.0)[0] == 0
