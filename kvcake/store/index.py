@@ -41,6 +41,7 @@ class StoreIndex:
     disk_lru: LruOrder = field(default_factory=LruOrder)  # objects with a disk copy
     actions: list[TierAction] = field(default_factory=list)
     _next_lease: int = 1
+    _num_demoted: int = 0  # DEMOTE actions their nodes reported done
     _rng: random.Random = field(default_factory=random.Random)
     space: NodeSpace = field(init=False, repr=False, compare=False)  # shares nodes, actions
     tiers: Tiering = field(init=False, repr=False, compare=False)  # shares objects, lru orders
@@ -56,7 +57,8 @@ class StoreIndex:
 
     @property
     def num_demoted(self) -> int:
-        return self.tiers.num_demoted
+        """Demotes carried out: a planned one counts once its node reports it done."""
+        return self._num_demoted
 
     @property
     def num_disk_evicted(self) -> int:
@@ -188,6 +190,13 @@ class StoreIndex:
         else:
             meta.replicas.remove(replica)
             self.space.free_range(key, replica)
+
+    def demote_done(self, key: str, disk_version: int, ok: bool) -> None:
+        """A node carried out (`ok`) or failed a DEMOTE: count it, or forget that disk copy."""
+        if ok:
+            self._num_demoted += 1
+        else:
+            self.disk_lost(key, disk_version)
 
     def disk_lost(self, key: str, disk_version: int) -> None:
         """A demote failed: forget that disk copy (and the object, if it was the last one)."""

@@ -242,8 +242,8 @@ class MasterService:
             ok = handle is not None and self._run_one(handle, action)
             if action.kind is ActionKind.PROMOTE:
                 self.index.promote_done(action.key, action.version, ok, self.clock.now_s())
-            elif action.kind is ActionKind.DEMOTE and not ok:
-                self.index.disk_lost(action.key, action.disk_version)
+            elif action.kind is ActionKind.DEMOTE:
+                self.index.demote_done(action.key, action.disk_version, ok)
 
     def _run_one(self, handle: NodeHandle, action: TierAction) -> bool:
         try:

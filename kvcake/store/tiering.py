@@ -4,7 +4,7 @@ Pure policy for `StoreIndex` (times are passed in; bytes never pass here). A new
 placed without evicting if it can be, else by evicting least recently used objects: a leased
 object never, a soft-pinned one only after every unpinned one. An evicted object is demoted to
 its node's disk first where the disk has (or can make) room; a full disk drops its own least
-recently used copies only if that makes enough room. A get of an object that lives only on disk
+recently used copies (the same leases and soft pins) only if that makes enough room. A get of an object that lives only on disk
 plans its promotion back into DRAM. Every copy is a `TierAction` queued for the node.
 """
 
@@ -22,7 +22,8 @@ from kvcake.store.space import NodeSpace
 class Tiering:
     """Eviction and tier moves over the index's `objects` and LRU orders (shared, never
     rebound): `lru` holds the objects with a DRAM replica, `disk_lru` those with a disk copy
-    (cleaned lazily). Counts what it evicted, demoted and dropped from disk."""
+    (cleaned lazily). Counts what it evicted and dropped from disk; a demote is only planned
+    here (a DEMOTE action), and counted by the index once its node reports it done."""
 
     def __init__(self, config: MasterConfig, objects: dict[str, ObjectMeta], space: NodeSpace,
                  lru: LruOrder, disk_lru: LruOrder) -> None:
@@ -32,7 +33,6 @@ class Tiering:
         self.lru = lru
         self.disk_lru = disk_lru
         self.num_evicted = 0
-        self.num_demoted = 0
         self.num_disk_evicted = 0
 
     def allocate_on(self, order: list[NodeInfo], alloc: int, count: int,
@@ -145,30 +145,35 @@ class Tiering:
                 self.space.actions.append(TierAction(ActionKind.DEMOTE, node.node_id, meta.key,
                                                      replica.offset, replica.alloc_bytes,
                                                      replica.version, disk.version))
-                self.num_demoted += 1
                 return
 
     def _evict_disk(self, node: NodeInfo, bytes_to_free: int, now_s: float) -> None:
         """Make room on `node`'s disk by dropping the disk copies of its least recently used
-        objects (an object whose only copy that was is gone). Nothing is dropped unless enough
-        room can be made: the object being demoted would be lost anyway."""
-        victims: list[tuple[ObjectMeta, Replica]] = []
-        freed = 0
+        objects (an object whose only copy that was is gone): never a leased one, a soft-pinned
+        one only after every unpinned one, as in DRAM. Nothing is dropped unless enough room
+        can be made: the object being demoted would be lost anyway."""
         for key in self.disk_lru.oldest_first():
-            if freed >= bytes_to_free:
-                break
             meta = self.objects.get(key)
             if meta is None or not meta.disk():
                 self.disk_lru.discard(key)  # gone since (this order is cleaned lazily)
-                continue
-            disk = next((r for r in meta.disk() if r.node_id == node.node_id), None)
-            if disk is None or meta.lease_until_s > now_s:
-                continue
-            victims.append((meta, disk))
-            freed += disk.alloc_bytes
-        if freed < bytes_to_free:
+
+        def on_node(key: str) -> Replica | None:
+            return next((r for r in self.objects[key].disk() if r.node_id == node.node_id), None)
+
+        def blocked(key: str) -> bool:
+            return on_node(key) is None or self.objects[key].lease_until_s > now_s
+
+        def size(key: str) -> int:
+            replica = on_node(key)
+            return 0 if replica is None else replica.alloc_bytes
+
+        keys = self.disk_lru.choose_victims(bytes_to_free, size, blocked,
+                                            lambda k: self.objects[k].pinned)
+        if sum(size(key) for key in keys) < bytes_to_free:
             return
-        for meta, disk in victims:
+        for key in keys:
+            meta, disk = self.objects[key], on_node(key)
+            assert disk is not None  # chosen only if it has a copy on this node
             self.num_disk_evicted += 1
             meta.replicas.remove(disk)
             self.space.free_range(meta.key, disk)

@@ -58,6 +58,19 @@ def test_demote_and_promote_round_trip_embedded(tmp_path: Path) -> None:
             (disk_dir / name).stat().st_size for name in files)
 
 
+def test_a_demote_the_node_fails_is_not_counted(tmp_path: Path) -> None:
+    def refuse(*args: object) -> None:
+        raise OSError("disk full")
+
+    with EmbeddedStore(EmbeddedConfig(250_000, str(tmp_path), 1 << 20)) as store:
+        store.nodes[0].demote = refuse  # type: ignore[method-assign]
+        client = store.client()
+        for key in "abc":
+            client.put(key, os.urandom(SLOT))  # c evicts a: its demote fails, a is lost
+        assert client.stats()["num_demoted"] == 0 and client.stats()["disk_used_bytes"] == 0
+        assert not client.exists("a") and client.exists("b") and client.exists("c")
+
+
 def test_a_full_disk_makes_room_by_dropping_its_least_recent_objects(tmp_path: Path) -> None:
     values = {k: os.urandom(SLOT) for k in "abcde"}
     disk_dir = tmp_path / "node-0"

@@ -136,7 +136,7 @@ def test_a_disk_too_small_for_the_object_drops_nothing_of_it() -> None:
     index = make(dram=512, disk=256)
     for key in "abc":
         put(index, key, now_s=1.0)  # a demoted: the disk is full
-    index.set_pin("a", True)  # irrelevant on disk; a stays the disk's only object
+    index.set_pin("a", True)  # a stays the disk's only object
     index.get("a", 20.0)  # a is leased (the promote needs DRAM: b goes, without a demote
     assert "b" not in index.objects  # since the only disk object, a, is leased)
     assert index.objects["a"].disk() != []
@@ -193,6 +193,18 @@ def test_demote_on_eviction_and_promote_on_hit() -> None:
     index.remove("a", 100.0)
     (drop,) = index.take_actions()
     assert (drop.kind, drop.disk_version) == (ActionKind.DROP_DISK, demote.disk_version)
+
+
+def test_num_demoted_counts_the_demotes_the_nodes_carried_out() -> None:
+    index = make(dram=512, disk=4096)
+    for key in "abcd":
+        put(index, key)  # c evicts a, d evicts b: two demotes planned
+    demote_a, demote_b = index.take_actions()
+    assert (demote_a.key, demote_b.key) == ("a", "b") and index.num_demoted == 0
+    index.demote_done("a", demote_a.disk_version, True)
+    index.demote_done("b", demote_b.disk_version, False)  # the node could not write it
+    assert index.num_demoted == 1 and index.stats()["num_demoted"] == 1
+    assert "b" not in index.objects and index.nodes["n0"].disk_used_bytes == 256
 
 
 def test_no_disk_means_eviction_drops() -> None:

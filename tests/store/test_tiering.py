@@ -34,8 +34,9 @@ class Pool:
     def objects(self) -> dict[str, ObjectMeta]:
         return self.tiers.objects
 
-    def counters(self) -> tuple[int, int, int]:
-        return self.tiers.num_evicted, self.tiers.num_demoted, self.tiers.num_disk_evicted
+    def counters(self) -> tuple[int, int]:
+        """(evicted, dropped from disk); demotes are counted by the index once done."""
+        return self.tiers.num_evicted, self.tiers.num_disk_evicted
 
     def take(self) -> list[TierAction]:
         actions = list(self.tiers.space.actions)
@@ -86,7 +87,7 @@ def test_allocate_hands_out_first_fit_offsets_and_fresh_versions() -> None:
     pool = make(1024)
     metas = [pool.put(key) for key in "abcd"]
     assert [where(m) for m in metas] == [[("n0", Tier.DRAM, i * SLOT, i + 1)] for i in range(4)]
-    assert pool.take() == [] and pool.counters() == (0, 0, 0)
+    assert pool.take() == [] and pool.counters() == (0, 0)
 
 
 def test_allocate_puts_one_replica_per_node_in_the_given_order() -> None:
@@ -105,7 +106,7 @@ def test_allocate_takes_a_node_with_room_before_evicting_on_an_earlier_one() -> 
     pool.put("a", "n0")
     (replica,) = pool.tiers.allocate_on([pool.nodes["n0"], pool.nodes["n1"]], SLOT, 1, 1.0)
     assert (replica.node_id, replica.offset) == ("n1", 0)
-    assert list(pool.objects) == ["a"] and pool.counters() == (0, 0, 0)
+    assert list(pool.objects) == ["a"] and pool.counters() == (0, 0)
 
 
 def test_allocate_evicts_the_least_recently_used_object_and_reuses_its_range() -> None:
@@ -117,7 +118,7 @@ def test_allocate_evicts_the_least_recently_used_object_and_reuses_its_range() -
     assert (replica.offset, replica.version) == (SLOT, 5)  # b's range, a new version
     assert list(pool.objects) == ["a", "c", "d"]
     assert pool.tiers.lru.oldest_first() == ["c", "d", "a"]
-    assert pool.counters() == (1, 0, 0) and pool.take() == []  # no disk: dropped, not demoted
+    assert pool.counters() == (1, 0) and pool.take() == []  # no disk: dropped, not demoted
 
 
 def test_allocate_keeps_evicting_until_a_contiguous_range_is_free() -> None:
@@ -129,7 +130,7 @@ def test_allocate_keeps_evicting_until_a_contiguous_range_is_free() -> None:
     (replica,) = pool.tiers.allocate_on([pool.nodes["n0"]], 2 * SLOT, 1, 1.0)
     # a and c free 512 bytes but not side by side: eviction goes on for another 512 (b and d).
     assert replica.offset == 0
-    assert pool.objects == {} and pool.counters() == (4, 0, 0)
+    assert pool.objects == {} and pool.counters() == (4, 0)
 
 
 def test_allocate_evicts_only_objects_with_a_replica_on_the_node_it_needs() -> None:
@@ -159,7 +160,7 @@ def test_a_leased_object_is_never_evicted_until_its_lease_ends() -> None:
         pool.tiers.allocate_on([pool.nodes["n0"]], SLOT, 1, 14.999)
     assert str(info.value) == ("no segment can hold 256 bytes, even after eviction (the rest is "
                                "leased or being written)")
-    assert list(pool.objects) == ["a", "b"] and pool.counters() == (0, 0, 0)
+    assert list(pool.objects) == ["a", "b"] and pool.counters() == (0, 0)
     (replica,) = pool.tiers.allocate_on([pool.nodes["n0"]], SLOT, 1, 15.0)  # ended at 15
     assert replica.offset == 0 and list(pool.objects) == ["b"]
 
@@ -171,7 +172,7 @@ def test_allocate_returns_fewer_replicas_when_only_some_nodes_can_hold_one() -> 
     order = [pool.nodes["n0"], pool.nodes["n1"]]
     assert [(r.node_id, r.version) for r in pool.tiers.allocate_on(order, SLOT, 2, 1.0)] == [
         ("n1", 2)]  # no NoSpace: one replica is enough
-    assert list(pool.objects) == ["held"] and pool.counters() == (0, 0, 0)
+    assert list(pool.objects) == ["held"] and pool.counters() == (0, 0)
 
 
 def test_pinned_objects_go_only_after_every_unpinned_one() -> None:
@@ -207,7 +208,7 @@ def test_watermark_eviction_starts_above_high_and_stops_at_low() -> None:
     pool.lease("k1", 10.0)  # leased: skipped, the next oldest goes instead
     pool.tiers.evict_to_watermark(1.0)
     assert sorted(pool.objects) == ["k1", "k5", "k6", "k7"]
-    assert (pool.used(), pool.counters()) == (4 * SLOT, (4, 0, 0))
+    assert (pool.used(), pool.counters()) == (4 * SLOT, (4, 0))
 
 
 def test_watermarks_count_the_whole_pool_not_one_node() -> None:
@@ -240,7 +241,7 @@ def test_an_evicted_object_is_demoted_to_its_nodes_disk() -> None:
     assert pool.objects["a"].disk()[0].complete
     assert pool.nodes["n0"].disk_used_bytes == SLOT
     assert (pool.tiers.lru.oldest_first(), pool.tiers.disk_lru.oldest_first()) == ([], ["a"])
-    assert pool.counters() == (1, 1, 0)
+    assert pool.counters() == (1, 0)
 
 
 def test_an_object_with_a_disk_copy_is_not_demoted_again() -> None:
@@ -250,7 +251,7 @@ def test_an_object_with_a_disk_copy_is_not_demoted_again() -> None:
     pool.nodes["n0"].disk_used_bytes = SLOT
     pool.tiers.allocate_on([pool.nodes["n0"]], SLOT, 1, 1.0)
     assert pool.take() == [] and where(pool.objects["a"]) == [("n0", Tier.DISK, 0, 99)]
-    assert pool.nodes["n0"].disk_used_bytes == SLOT and pool.counters() == (1, 0, 0)
+    assert pool.nodes["n0"].disk_used_bytes == SLOT and pool.counters() == (1, 0)
 
 
 def test_a_multi_replica_object_is_demoted_on_the_first_node_whose_disk_has_room() -> None:
@@ -276,7 +277,7 @@ def test_a_full_disk_drops_its_least_recently_used_copies_to_take_a_demoted_obje
     assert (demote.kind, demote.key, demote.disk_version) == (ActionKind.DEMOTE, "c", 6)
     assert sorted(pool.objects) == ["a", "c"]  # b's disk copy was its last: b is gone
     assert pool.tiers.disk_lru.oldest_first() == ["a", "c"]
-    assert pool.nodes["n0"].disk_used_bytes == 2 * SLOT and pool.counters() == (3, 3, 1)
+    assert pool.nodes["n0"].disk_used_bytes == 2 * SLOT and pool.counters() == (3, 1)
 
 
 def test_a_dropped_disk_copy_keeps_an_object_that_still_has_dram() -> None:
@@ -304,7 +305,7 @@ def test_a_full_disk_drops_nothing_unless_that_makes_enough_room() -> None:
     pool.tiers.allocate_on([pool.nodes["n0"]], SLOT, 1, 1.0)  # evicts big, which needs 512
     assert pool.take() == []  # q is kept: dropping it would not save big
     assert sorted(pool.objects) == ["p", "q"]  # big is lost
-    assert pool.nodes["n0"].disk_used_bytes == 2 * SLOT and pool.counters() == (1, 0, 0)
+    assert pool.nodes["n0"].disk_used_bytes == 2 * SLOT and pool.counters() == (1, 0)
 
 
 def test_the_disk_skips_other_nodes_copies_leased_ones_and_forgets_gone_keys() -> None:
@@ -322,7 +323,24 @@ def test_the_disk_skips_other_nodes_copies_leased_ones_and_forgets_gone_keys() -
     drop, demote = pool.take()
     assert (drop.node_id, drop.key, demote.key) == ("n0", "free", "y")
     assert pool.tiers.disk_lru.oldest_first() == ["n1obj", "leased", "y"]
-    assert "free" not in pool.objects and pool.counters() == (4, 4, 1)
+    assert "free" not in pool.objects and pool.counters() == (4, 1)
+
+
+def test_a_full_disk_drops_soft_pinned_copies_only_after_every_unpinned_one() -> None:
+    pool = make(512, disk=2 * SLOT)
+    pool.on_disk("pinned", "n0").pinned = True
+    pool.on_disk("newer", "n0")  # the disk is full; its LRU: pinned, newer
+    pool.put("a")
+    pool.put("b")  # DRAM is full
+    pool.tiers.allocate_on([pool.nodes["n0"]], SLOT, 1, 1.0)  # evicts a: its demote needs room
+    drop, demote = pool.take()
+    assert (drop.key, demote.key) == ("newer", "a")  # not the older, pinned copy
+    assert sorted(pool.objects) == ["a", "b", "pinned"]
+    pool.objects["a"].pinned = True  # now every copy on the disk is pinned: the oldest goes
+    pool.tiers.allocate_on([pool.nodes["n0"]], SLOT, 1, 2.0)  # evicts b
+    drop, demote = pool.take()
+    assert (drop.key, demote.key) == ("pinned", "b")
+    assert pool.tiers.disk_lru.oldest_first() == ["a", "b"] and pool.counters() == (2, 2)
 
 
 # ---- promote --------------------------------------------------------------------------------
@@ -334,7 +352,7 @@ def test_promote_plans_a_pending_dram_replica_and_the_action_that_fills_it() -> 
     assert where(meta) == [("n0", Tier.DISK, 0, 2), ("n0", Tier.DRAM, SLOT, 3)]
     assert not meta.replicas[1].complete  # a get serves it only after promote_done
     assert pool.take() == [TierAction(ActionKind.PROMOTE, "n0", "a", SLOT, SLOT, 3, 2)]
-    assert pool.tiers.lru.oldest_first() == ["b"] and pool.counters() == (0, 0, 0)
+    assert pool.tiers.lru.oldest_first() == ["b"] and pool.counters() == (0, 0)
 
 
 def test_promote_evicts_to_make_room_and_queues_the_demote_first() -> None:
@@ -345,7 +363,7 @@ def test_promote_evicts_to_make_room_and_queues_the_demote_first() -> None:
     pool.tiers.plan_promote(meta, 1.0)
     assert pool.take() == [TierAction(ActionKind.DEMOTE, "n0", "b", 0, SLOT, 1, 3),
                            TierAction(ActionKind.PROMOTE, "n0", "a", 0, SLOT, 4, 2)]
-    assert pool.counters() == (1, 1, 0)
+    assert pool.counters() == (1, 0)
 
 
 def test_promote_never_drops_the_disk_copy_it_reads_from() -> None:
@@ -355,7 +373,7 @@ def test_promote_never_drops_the_disk_copy_it_reads_from() -> None:
     pool.lease("a", 6.0)
     pool.tiers.plan_promote(meta, 1.0)  # b is evicted without a demote: a's copy is leased
     assert [(a.kind, a.key) for a in pool.take()] == [(ActionKind.PROMOTE, "a")]
-    assert sorted(pool.objects) == ["a"] and pool.counters() == (1, 0, 0)
+    assert sorted(pool.objects) == ["a"] and pool.counters() == (1, 0)
     assert pool.nodes["n0"].disk_used_bytes == SLOT
 
 
@@ -370,7 +388,7 @@ def test_promote_goes_to_the_first_disk_copys_node_that_can_make_room() -> None:
     pool.tiers.plan_promote(meta, 1.0)
     (promote,) = pool.take()
     assert (promote.node_id, promote.offset, promote.disk_version) == ("n1", 0, 3)
-    assert "held" in pool.objects and pool.counters() == (0, 0, 0)
+    assert "held" in pool.objects and pool.counters() == (0, 0)
 
 
 def test_a_promote_that_cannot_make_room_plans_nothing() -> None:
