@@ -158,6 +158,12 @@ class StoreClient:
         size in bytes."""
         return self._reader.get_into(key, buffer)
 
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each key's bytes (new objects), None for a key that is not stored. One master round
+        trip and one transfer batch; every read checked, a replica that fails is retried alone.
+        Raises TransferFailed if a stored object cannot be read intact at all."""
+        return self._reader.get_batch(keys)
+
     def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
         """Read each key into its buffer; returns each size, None for a key that is not stored.
         One master round trip and one transfer batch; a replica that fails its check is retried

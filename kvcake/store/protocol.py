@@ -63,6 +63,7 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
 
 # Ops the server never answers: the client sends them and goes on (see RpcConnection.send).
 ONE_WAY_OPS = frozenset({"release_leases"})
+_MAX_DEFERRED = 64  # deferred one-way frames (RpcConnection.defer) held before they are sent
 
 
 def validate(message: object) -> tuple[int, str, dict[str, Any]]:
@@ -184,9 +185,45 @@ class RpcConnection:
         except OSError as exc:
             raise MasterUnavailable(f"cannot connect to {address}: {exc}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Blocking socket, timeout kept by the kernel: Python's timeout mode polls before every
+        # send and recv (two more system calls per call; see transfer.tcp.set_kernel_timeout).
+        self._sock.settimeout(None)
+        timeval = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         self._reader = FrameReader(self._sock)
         self._lock = threading.Lock()
         self._next_id = 0
+        self._deferred: list[bytes] = []  # one-way frames that go out with the next send
+
+    def defer(self, op: str, **args: Any) -> None:
+        """A one-way request (an op in ONE_WAY_OPS) sent with this connection's next request,
+        in the same system call: no round trip, no send of its own, no wake-up of the other side
+        of its own. It is handled before that next request (or sent by `flush`/`close`)."""
+        if op not in ONE_WAY_OPS:
+            raise ValueError(f"op: {op!r} is answered; use call()")
+        with self._lock:
+            self._next_id += 1
+            self._deferred.append(encode({"id": self._next_id, "op": op, "args": args}))
+            if len(self._deferred) < _MAX_DEFERRED:
+                return
+            self._sendall(b"")
+
+    def flush(self) -> None:
+        """Send the deferred one-way requests now."""
+        with self._lock:
+            if self._deferred:
+                self._sendall(b"")
+
+    def _sendall(self, frame: bytes) -> None:
+        """Send the deferred frames, then `frame`, in one call (under the lock)."""
+        if self._deferred:
+            frame = b"".join(self._deferred) + frame
+            self._deferred.clear()
+        try:
+            self._sock.sendall(frame)
+        except OSError as exc:
+            raise MasterUnavailable(f"{self.address}: {exc}") from None
 
     def send(self, op: str, **args: Any) -> None:
         """Send a one-way request (an op in ONE_WAY_OPS): no reply is read, so it costs one send
@@ -195,10 +232,7 @@ class RpcConnection:
             raise ValueError(f"op: {op!r} is answered; use call()")
         with self._lock:
             self._next_id += 1
-            try:
-                self._sock.sendall(encode({"id": self._next_id, "op": op, "args": args}))
-            except OSError as exc:
-                raise MasterUnavailable(f"{self.address}: {exc}") from None
+            self._sendall(encode({"id": self._next_id, "op": op, "args": args}))
 
     def call_overlapped(self, op: str, args: dict[str, Any], work: Callable[[], T]
                         ) -> tuple[Any, T]:
@@ -207,10 +241,7 @@ class RpcConnection:
         (then its exception propagates), so the connection stays in step."""
         with self._lock:
             self._next_id += 1
-            try:
-                self._sock.sendall(encode({"id": self._next_id, "op": op, "args": args}))
-            except OSError as exc:
-                raise MasterUnavailable(f"{self.address}: {exc}") from None
+            self._sendall(encode({"id": self._next_id, "op": op, "args": args}))
             try:
                 value = work()
             finally:
@@ -224,8 +255,8 @@ class RpcConnection:
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
             self._next_id += 1
+            self._sendall(encode({"id": self._next_id, "op": op, "args": args}))
             try:
-                self._sock.sendall(encode({"id": self._next_id, "op": op, "args": args}))
                 reply = self._reader.read()
             except OSError as exc:
                 raise MasterUnavailable(f"{self.address}: {exc}") from None
@@ -242,6 +273,10 @@ class RpcConnection:
         raise cls(str(error.get("message", "")))
 
     def close(self) -> None:
+        try:
+            self.flush()
+        except MasterUnavailable:
+            pass
         try:
             self._sock.close()
         except OSError:

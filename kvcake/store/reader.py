@@ -38,6 +38,9 @@ from kvcake.transfer import (
 
 log = logging.getLogger(__name__)
 
+# A batch get's scratch (header + payload of every object) is kept per thread up to this size;
+# a larger batch reads into a buffer of its own.
+_BATCH_SCRATCH_BYTES = 256 << 20
 _READ_ROUNDS = 3  # how many times the reader asks the master again after every replica failed
 
 Leased = list[tuple[str, dict[str, Any]]]  # (key, descriptor with its "lease_id") to release
@@ -90,12 +93,7 @@ class ObjectReader:
             raise InvalidRequest(f"get_batch_into: {len(keys)} keys but {len(buffers)} buffers")
         dests = [buffer_view(b, writable=True, field=f"buffer of {k!r}")
                  for k, b in zip(keys, buffers, strict=True)]
-        metas: list[dict[str, Any] | None] = []
-        for item in self.master.get_batch(list(keys)):
-            try:
-                metas.append(unwrap(item))
-            except ObjectNotFound:
-                metas.append(None)
+        metas = self._metas(keys)
         jobs = [(k, m, d) for k, m, d in zip(keys, metas, dests, strict=True) if m is not None]
         try:
             self._read_batch(jobs)
@@ -103,6 +101,55 @@ class ObjectReader:
             self.release([(key, meta) for key, meta, _ in jobs])
         sizes: list[int | None] = [None if m is None else int(m["size_bytes"]) for m in metas]
         return sizes
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each key's bytes as a new `bytes`, None for a key that is not stored. One master
+        round trip and one transfer batch: every object is read whole (header + payload, one
+        request) into this thread's reused scratch, whose pages are already mapped, then
+        checked and copied out once; a replica that fails its check is read again alone."""
+        metas = self._metas(keys)
+        jobs = [(k, m) for k, m in zip(keys, metas, strict=True) if m is not None]
+        offsets, total = [], 0
+        for _, meta in jobs:
+            offsets.append(total)
+            total += HEADER_BYTES + int(meta["size_bytes"])
+        scratch = self._buffer("batch", total) if total <= _BATCH_SCRATCH_BYTES \
+            else memoryview(bytearray(total))
+        values: list[bytes] = []
+        try:
+            requests = []
+            for (_, meta), offset in zip(jobs, offsets, strict=True):
+                replica = meta["replicas"][0]
+                whole = scratch[offset:offset + HEADER_BYTES + int(meta["size_bytes"])]
+                requests.append(TransferRequest(TransferOp.READ, whole, SegmentDesc.from_dict(
+                    replica["segment"]), replica["offset"]))
+            batch_ok = True
+            try:
+                if requests:
+                    self._transfer(requests)
+            except TransferError:
+                batch_ok = False
+            for (key, meta), offset in zip(jobs, offsets, strict=True):
+                size = int(meta["size_bytes"])
+                header = scratch[offset:offset + HEADER_BYTES]
+                payload = scratch[offset + HEADER_BYTES:offset + HEADER_BYTES + size]
+                if not batch_ok or not valid(meta["replicas"][0], meta, header, payload):
+                    self.read(key, meta, payload)  # replica by replica, asking the master again
+                values.append(bytes(payload))
+        finally:
+            self.release(jobs)
+        done = iter(values)
+        return [None if m is None else next(done) for m in metas]
+
+    def _metas(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
+        """The master's descriptors of `keys` (one round trip), None for a key not stored."""
+        metas: list[dict[str, Any] | None] = []
+        for item in self.master.get_batch(list(keys)):
+            try:
+                metas.append(unwrap(item))
+            except ObjectNotFound:
+                metas.append(None)
+        return metas
 
     def read(self, key: str, meta: dict[str, Any], dest: memoryview,
              whole: memoryview | None = None) -> int:

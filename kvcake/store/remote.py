@@ -47,7 +47,13 @@ class RemoteMaster:
         return dict(self._conn.call("get", key=key))
 
     def release_leases(self, leases: list[Any]) -> None:
-        self._conn.send("release_leases", leases=leases)
+        """One-way, and sent with this client's next request to the master (same system call,
+        no wake-up of the master of its own); until then, or `lease_s`, the leases hold."""
+        self._conn.defer("release_leases", leases=leases)
+
+    def flush(self) -> None:
+        """Send deferred one-way requests (lease releases) now."""
+        self._conn.flush()
 
     def exists(self, key: str) -> bool:
         return bool(self._conn.call("exists", key=key))

@@ -59,6 +59,10 @@ def test_batches(cluster: tuple[MasterServer, list[StoreNode]]) -> None:
         sizes = client.get_batch_into([*keys, "missing"], buffers)
         assert sizes == [len(v) for v in values] + [None]
         assert all(bytes(b[: len(v)]) == v for b, v in zip(buffers, values, strict=False))
+        got = client.get_batch(["missing", *keys, "missing"])  # new objects, in key order
+        assert got == [None, *values, None] and all(type(g) is bytes for g in got[1:-1])
+        assert client.get_batch(["b2", "b1"]) == [values[2], values[1]]  # reused scratch
+        assert client.get_batch([]) == []
         assert client.exists_batch(["b0", "x"]) == [True, False]
         assert client.remove_batch(["b0", "x"]) == [True, False]
         with pytest.raises(InvalidRequest, match="3 keys but 2"):

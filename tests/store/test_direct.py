@@ -13,6 +13,7 @@ import pytest
 from kvcake.store import StoreClient
 from kvcake.store.config import NodeConfig
 from kvcake.store.direct import DirectPath
+from kvcake.store.errors import StoreError
 from kvcake.store.master import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.transfer import (
@@ -120,7 +121,8 @@ def test_pipelined_requests_to_one_node_take_one_round_trip(master: MasterServer
                                                                                900_000]
         assert [bytes(b) for b in buffers] == values
     me = threading.current_thread().name
-    assert threads == [me] * (7 + 4 + 7)  # puts: header (+ payload); gets: 1; batch: 1 + 3 * 2
+    # puts: one joined request up to JOIN_BYTES, else header + payload; gets: 1; batch: 1 + 3 * 2
+    assert threads == [me] * (5 + 4 + 7)
 
 
 def test_a_failed_direct_write_is_retried_by_the_engine(master: MasterServer,
@@ -135,8 +137,8 @@ def test_a_failed_direct_write_is_retried_by_the_engine(master: MasterServer,
     with StoreClient(master.address, transfer_config=TCP, wrap_transport=wrap) as client:
         assert client.put("k", value)
         assert client.get("k") == value
-    # the failed header write (the payload's is then not tried), the engine's two, the read
-    assert failing == [0] and len(threads) == 4
+    # the failed joined write (header + payload: under JOIN_BYTES), the engine's retry, the read
+    assert failing == [0] and len(threads) == 3
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -154,6 +156,32 @@ def test_faults_on_the_direct_path_never_yield_wrong_bytes(master: MasterServer,
         served, failed = put_then_get_all(client, values)
     assert sum(f.num_corrupted for f in faulty) > 0 and sum(f.num_dropped for f in faulty) > 0
     assert served > 0 and served + failed == len(values)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_faults_never_make_a_batch_get_return_wrong_bytes(master: MasterServer, node: StoreNode,
+                                                          seed: int) -> None:
+    faulty: list[FaultyTransport] = []
+
+    def wrap(inner: TransportT, key: EndpointKey, rail: int) -> TransportT:
+        faulty.append(FaultyTransport(inner, FaultSpec(drop_rate=0.1, corrupt_rate=0.3),
+                                      seed=seed * 10 + len(faulty)))
+        return faulty[-1]
+
+    values = {f"k{i}": os.urandom(2_000 + 1_013 * i) for i in range(12)}
+    with StoreClient(master.address, transfer_config=TCP) as clean:
+        assert clean.put_batch(list(values), list(values.values())) == [True] * len(values)
+    with StoreClient(master.address, transfer_config=TCP, wrap_transport=wrap) as client:
+        served = 0
+        for _ in range(4):  # each batch either serves exactly the bytes put or raises
+            try:
+                got = client.get_batch([*values, "missing"])
+            except StoreError:
+                continue
+            assert got == [*values.values(), None]
+            served += 1
+    assert sum(f.num_corrupted for f in faulty) > 0  # the batches did meet corrupted reads
+    assert served > 0
 
 
 def test_direct_path_refuses_large_batches_and_reports_faults_without_raising() -> None:
