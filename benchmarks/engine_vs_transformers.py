@@ -181,9 +181,10 @@ def _ttft(engine: Engine, prompt: list[int], rid: str, dev: str, hits: set[int])
 def bench_step_breakdown(engine: Engine, hf: Any, num_seqs: int, reps: int) -> dict:
     """Where one decode step's time goes at batch `num_seqs` (CPU): the bare weight matmuls of
     one step (every projection and the lm_head on `num_seqs` rows, in F.linear's x @ W^T and
-    in our W @ x^T orientation) vs one step of ours vs one `generate`-style decode forward of
-    transformers on a left-padded batch with a KV cache. Each timing interleaved, median."""
-    import kvcake.engine.model as model_mod
+    in the W @ x^T orientation) vs one step of ours (linear backends as tuned at start-up, and
+    all forced to torch's F.linear) vs one `generate`-style decode forward of transformers on a
+    left-padded batch with a KV cache. Each timing interleaved, median."""
+    from kvcake.engine.linear import Linear, tune
 
     vocab = engine.model_config.vocab_size
     lens = [32 + (i * 37) % 129 for i in range(num_seqs)]
@@ -212,25 +213,31 @@ def bench_step_breakdown(engine: Engine, hf: Any, num_seqs: int, reps: int) -> d
         hf_state["pkv"] = o.past_key_values
         hf_state["next"] = o.logits[:, -1].argmax(-1, keepdim=True)
 
-    def ours_step(rows: int) -> Callable[[], object]:
+    layers = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    tuned = [m.kernel for m in layers]
+    tune(layers, "aten")
+    plain = [m.kernel for m in layers]
+
+    def ours_step(kernels: list[Any]) -> Callable[[], object]:
         def run() -> None:
-            model_mod.SMALL_BATCH_ROWS = rows
+            for m, k in zip(layers, kernels, strict=True):
+                m.kernel = k
             engine.step()
         return run
 
-    default_rows = model_mod.SMALL_BATCH_ROWS
     fns: dict[str, Callable[[], object]] = {
         "matmuls_x_Wt": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
         "matmuls_W_xt": lambda: [torch.mm(w, xs[w.shape[1]].t()) for w in weights],
-        "ours_step": ours_step(default_rows),
-        "ours_step_x_Wt": ours_step(0),
+        "ours_step": ours_step(tuned),
+        "ours_step_x_Wt": ours_step(plain),
         "hf_step": hf_step,
     }
     try:
         with torch.inference_mode():
             t = _medians_s(fns, reps, "cpu")
     finally:
-        model_mod.SMALL_BATCH_ROWS = default_rows
+        for m, k in zip(layers, tuned, strict=True):
+            m.kernel = k
         for i in range(num_seqs):
             engine.abort(f"bd-{i}")
     return {"batch": num_seqs, **{f"{k}_ms": round(v * 1e3, 1) for k, v in t.items()}}

@@ -186,6 +186,10 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+LINEAR_MODES = ("auto", "aten", "aten_t", "onednn", "mkl_gemv")
+ATTENTION_MODES = ("auto", "kernel", "gather")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine instance. CLI defaults are read from here."""
@@ -200,6 +204,12 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when present, else cpu
     seed: int = 0  # seeds dummy weights of presets
     enable_prefix_caching: bool = True
+    # CPU fp32 GEMM backend of the linear layers: "auto" measures per shape at start-up
+    # (kvcake/engine/linear.py), or one of aten | aten_t | onednn | mkl_gemv forced.
+    linear_backend: str = "auto"
+    # Decode attention: "auto" = the paged-attention op when it builds (else "gather"),
+    # "kernel" = the op or an error, "gather" = copy each context out of the pool, then SDPA.
+    attention: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +224,12 @@ class EngineConfig:
             raise ValueError(f"engine config: max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"engine config: dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.linear_backend not in LINEAR_MODES:
+            raise ValueError(f"engine config: linear_backend must be one of {LINEAR_MODES}, "
+                             f"got {self.linear_backend!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"engine config: attention must be one of {ATTENTION_MODES}, "
+                             f"got {self.attention!r}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"engine config: device must be auto, cpu or cuda[:N], "
                              f"got {self.device!r}")

@@ -38,10 +38,12 @@ from dataclasses import dataclass
 import torch
 
 from kvcake.clock import Clock, SystemClock
+from kvcake.engine import paged_attention
 from kvcake.engine.batcher import Batcher, BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager, KvEvent
 from kvcake.engine.config import EngineConfig, ModelConfig
 from kvcake.engine.kv_pool import KvAllocator, KVPool
+from kvcake.engine.linear import Linear, tune
 from kvcake.engine.loader import load_weights, resolve
 from kvcake.engine.model import LlamaModel
 from kvcake.engine.runner import ModelRunner
@@ -114,13 +116,29 @@ class Engine:
                                           self.config.enable_prefix_caching)
         self.batcher = Batcher(self.block_manager, self.config.max_num_batched_tokens,
                                self.config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.linear_choices = tune(_linears(self.model), self.config.linear_backend)
+        self.attention = self._attention_mode()
+        self.runner = ModelRunner(self.model, self.pool, self.device,
+                                  paged_attention=self.attention == "kernel")
         self.sampler = Sampler()
         self._seqs: dict[str, Seq] = {}
         self._params: dict[str, SamplingParams] = {}
         self._held: dict[str, Seq] = {}  # finished prefill-only requests still holding blocks
         self._held_sampler_state: dict[str, bytes] = {}  # their seeded generators, for export
         self._reserved: dict[str, tuple[Seq, SamplingParams]] = {}  # blocks awaiting remote KV
+
+    def _attention_mode(self) -> str:
+        """"kernel" (paged-attention op) or "gather", from the config and what loads."""
+        mode = self.config.attention
+        if mode == "gather" or self.device.type != "cpu":
+            return "gather"
+        if paged_attention.load():
+            return "kernel"
+        if mode == "kernel":
+            raise ValueError(f"attention: the paged-attention op could not be built "
+                             f"({paged_attention.load_error()}); use attention 'auto' or "
+                             f"'gather', or install a C++ compiler")
+        return "gather"
 
     @property
     def num_blocks(self) -> int:
@@ -446,6 +464,10 @@ class Engine:
 
     def drain_kv_events(self) -> list[KvEvent]:
         return self.block_manager.drain_events()
+
+
+def _linears(model: torch.nn.Module) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear)]
 
 
 def _pick_device(device: str) -> torch.device:

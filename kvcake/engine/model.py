@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,8 @@ from torch import Tensor, nn
 
 from kvcake.engine.config import ModelConfig
 from kvcake.engine.kv_pool import KVPool
+from kvcake.engine.linear import Linear
+from kvcake.engine.paged_attention import paged_decode_attention
 
 
 @dataclass
@@ -38,6 +40,9 @@ class AttentionBatch:
       prefix (ctx_len == q_len: attend to the fresh K/V directly).
     decode: single-token sequences in groups of similar context length, each attended in one
       padded call: (rows [B] of the flat batch, k_rows [B, max_ctx], mask [B, 1, 1, max_ctx]).
+    paged: single-token sequences attended in place by the paged-attention op (no gather, no
+      padding): (rows [B] of the flat batch, block tables [B, max_blocks] padded with any valid
+      block id, context lengths [B]); used instead of `decode` when the op is loaded.
     k_slots / v_slots: the rows where each flat token's K and V are written.
     """
 
@@ -46,6 +51,7 @@ class AttentionBatch:
     k_slots: Tensor
     v_slots: Tensor
     block_size: int
+    paged: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)
 
 
 class RMSNorm(nn.Module):
@@ -80,24 +86,15 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     return torch.where(is_mid, mid, scaled).float()
 
 
-# Decode-sized batches: on CPU in fp32, a GEMM with few rows runs faster as W @ x^T than as
-# F.linear's x @ W^T (same weights, same layout; measured 10-45% per matmul on the `small`
-# shapes at 16 rows, one thread, see docs/benchmarks.md). Larger batches (prefill) keep
-# F.linear, which is as fast or faster there. 0 disables the path (for A/B runs).
-SMALL_BATCH_ROWS = 64
-
-
-def linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    """`layer(x)` for x [n, in], through the faster GEMM orientation for small n on CPU."""
-    if x.shape[0] > SMALL_BATCH_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
-        return layer(x)
-    out = torch.mm(layer.weight, x.t()).t().contiguous()
-    return out if layer.bias is None else out + layer.bias
-
-
-def _rotate_half(x: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin_half: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin, without building rotate_half(x): the two halves of sin
+    are equal (the frequencies are repeated), so each half of the result is one fused
+    multiply-add on top of x * cos."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin_half, value=-1.0)
+    out[..., half:].addcmul_(x[..., :half], sin_half)
+    return out
 
 
 class DecoderLayer(nn.Module):
@@ -106,10 +103,10 @@ class DecoderLayer(nn.Module):
         d, hd = config.hidden_size, config.head_size
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.q_size, self.kv_size = config.num_heads * hd, config.num_kv_heads * hd
-        self.qkv_proj = nn.Linear(d, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, d, bias=config.attention_bias)
-        self.gate_up_proj = nn.Linear(d, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, d, bias=config.mlp_bias)
+        self.qkv_proj = Linear(d, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, d, bias=config.attention_bias)
+        self.gate_up_proj = Linear(d, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, d, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
         self.scale = hd**-0.5
@@ -117,20 +114,20 @@ class DecoderLayer(nn.Module):
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
         x = self.input_layernorm(h)
-        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = h.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         rows = kv.view(-1, self.num_kv_heads, self.head_dim)
         rows.index_copy_(0, batch.k_slots, k)
         rows.index_copy_(0, batch.v_slots, v)
         attn = self._attend(q, k, v, kv, batch)
-        h = h + linear(attn.reshape(n, self.q_size), self.o_proj)
-        gate, up = linear(self.post_attention_layernorm(h), self.gate_up_proj).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, self.down_proj)
+        h = h + self.o_proj(attn.reshape(n, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
@@ -161,6 +158,8 @@ class DecoderLayer(nn.Module):
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=decode_mask,
                                                scale=self.scale, enable_gqa=True)
             out[decode_rows] = o.squeeze(2)
+        for paged_rows, tables, lens in batch.paged:
+            out[paged_rows] = paged_decode_attention(q[paged_rows], kv, tables, lens, self.scale)
         return out
 
 
@@ -171,7 +170,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq: Tensor
@@ -189,10 +188,11 @@ class LlamaModel(nn.Module):
             h = layer(h, cos, sin, pool.layer(idx), batch)
             if layer_hook is not None:
                 layer_hook(idx)
-        return linear(self.norm(h[logit_rows]), self.lm_head).float()
+        return self.lm_head(self.norm(h[logit_rows])).float()
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin [n, 1, head_dim] of `positions`, from a cache grown on demand."""
+        """cos [n, 1, head_dim] and the first half of sin [n, 1, head_dim / 2] (its halves are
+        equal) of `positions`, from a cache grown on demand."""
         need = int(positions.max().item()) + 1
         if self._rope_cache is None or self._rope_cache.shape[1] < need \
                 or self._rope_cache.dtype != dtype:
@@ -202,7 +202,7 @@ class LlamaModel(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             self._rope_cache = torch.stack((emb.cos(), emb.sin())).to(dtype)
         cos_sin = self._rope_cache[:, positions].unsqueeze(2)
-        return cos_sin[0], cos_sin[1]
+        return cos_sin[0], cos_sin[1][..., :self.config.head_size // 2]
 
     def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load weights named as in transformers' LlamaForCausalLM (fusing qkv and gate|up)."""

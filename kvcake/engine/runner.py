@@ -27,11 +27,15 @@ DECODE_SPLIT_MIN_ROWS = 4
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, device: torch.device) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, device: torch.device,
+                 paged_attention: bool = False) -> None:
+        """`paged_attention`: decode rows go to the paged-attention op (`AttentionBatch.paged`,
+        the op must be loaded) instead of padded, gathered groups."""
         self.model = model
         self.pool = pool
         self.device = device
         self.block_size = pool.block_size
+        self.paged_attention = paged_attention
 
     def run(self, plan: BatchPlan, seqs: Mapping[str, Sequence],
             tables: Mapping[str, list[BlockId]],
@@ -73,7 +77,13 @@ class ModelRunner:
             prefill=prefill,
             decode=[],
             k_slots=(k := self._long(k_slots)), v_slots=k + bs, block_size=bs)
-        if decode_rows:
+        if decode_rows and self.paged_attention:
+            width = max(len(t) for t in decode_tables)
+            batch.paged.append((self._long(decode_rows),
+                                self._long([list(t) + [0] * (width - len(t))
+                                            for t in decode_tables]),
+                                self._long(decode_lens)))
+        elif decode_rows:
             self._fill_decode(batch, decode_rows, decode_tables, decode_lens)
         return self.model(self._long(input_ids), self._long(positions), batch, self.pool,
                           self._long(logit_rows), layer_hook)

@@ -1,0 +1,176 @@
+r"""Profile of one engine's prefill and decode steps (torch.profiler), offline, no server.
+
+    .venv/bin/python benchmarks/step_profile.py                 # the vLLM-comparison model shape
+    .venv/bin/python benchmarks/step_profile.py --prompt-len 2048 --decode-steps 32 --seqs 1 \
+        --threads 2 [--model DIR_OR_PRESET] [--json OUT]
+
+The default model is the shape `benchmarks/serving_vs_vllm.py` serves (Llama, hidden 512, 4
+layers, 8 heads / 2 KV heads, intermediate 1408, vocab 32000; seeded random weights, fp32),
+written to a temporary Hugging Face directory. It runs: a warm-up request, then `--seqs` fresh
+prompts of `--prompt-len` tokens prefilled (one step each, profiled), then `--decode-steps` decode
+steps of all of them together (profiled). Printed per phase: wall ms per step without the
+profiler, the top ops by self CPU time, and the share of the profiled step spent outside torch
+ops (Python, the runner's tensor building, sampling bookkeeping): what the issue calls the
+Python overhead of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from kvcake.engine.config import EngineConfig, ModelConfig
+from kvcake.engine.engine import Engine
+from kvcake.engine.loader import dummy_weights, save_hf_dir
+from kvcake.engine.sampling import SamplingParams
+
+PEER_SHAPE = ModelConfig(name="peer-tiny-llama", vocab_size=32000, hidden_size=512,
+                         intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=2,
+                         max_position_embeddings=32768)
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(4, vocab, (n,), generator=gen)]
+
+
+def _outside_ops_share(prof: Any, step_name: str) -> tuple[float, float]:
+    """(mean profiled ms of a `step_name` range, share of it not inside any top-level op)."""
+    events = list(prof.events())
+    steps = [e for e in events if e.name == step_name]
+    if not steps:
+        return 0.0, 0.0
+    total = sum(e.time_range.elapsed_us() for e in steps)
+    inside = 0.0
+    for e in events:
+        parent = e.cpu_parent
+        if parent is not None and parent.name == step_name and e.device_type.name == "CPU":
+            inside += e.time_range.elapsed_us()
+    return total / len(steps) / 1e3, max(0.0, 1.0 - inside / total)
+
+
+def _top_ops(prof: Any, count: int) -> list[dict[str, Any]]:
+    rows = [e for e in prof.key_averages() if not e.key.startswith(("prefill_step",
+                                                                     "decode_step"))]
+    total = sum(e.self_cpu_time_total for e in rows) or 1.0
+    rows.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
+             "share": e.self_cpu_time_total / total} for e in rows[:count]]
+
+
+def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    engine = Engine(model, EngineConfig(dtype="float32", device="cpu",
+                                        max_num_batched_tokens=max(2048, args.prompt_len)))
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.decode_steps + 1, ignore_eos=True)
+    engine.add_request("warm", _prompt(args.prompt_len, 999, vocab),
+                       SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    result: dict[str, Any] = {"threads": args.threads, "prompt_len": args.prompt_len,
+                              "seqs": args.seqs, "load_avg": os.getloadavg()[0]}
+    for rnd, profiled in enumerate((False, True)):
+        for i in range(args.seqs):
+            engine.add_request(f"r{rnd}-{i}", _prompt(args.prompt_len, 10 * rnd + i, vocab),
+                               params)
+        with profile(activities=[ProfilerActivity.CPU]) if profiled else _Null() as prof:
+            prefill_s = []
+            for _ in range(args.seqs):
+                t0 = time.perf_counter()
+                with record_function("prefill_step"):
+                    engine.step()
+                prefill_s.append(time.perf_counter() - t0)
+            decode_s = []
+            while engine.has_unfinished():
+                t0 = time.perf_counter()
+                with record_function("decode_step"):
+                    engine.step()
+                decode_s.append(time.perf_counter() - t0)
+        if not profiled:  # the unprofiled round gives the wall times
+            result["prefill_wall_ms"] = 1e3 * sum(prefill_s) / len(prefill_s)
+            result["decode_wall_ms"] = 1e3 * sum(decode_s) / len(decode_s)
+            continue
+        for phase in ("prefill", "decode"):
+            ms, share = _outside_ops_share(prof, f"{phase}_step")
+            result[f"{phase}_profiled_ms"] = ms
+            result[f"{phase}_outside_ops_share"] = share
+        result["top_ops"] = _top_ops(prof, args.top)
+        # The prefill and decode ops separately: a second pass over each phase's events.
+        result["top_ops_by_phase"] = _by_phase(prof, args.top)
+    return result
+
+
+def _by_phase(prof: Any, count: int) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    events = list(prof.events())
+    for phase in ("prefill_step", "decode_step"):
+        tops = [e for e in events if e.name == phase]
+        per_op: dict[str, float] = {}
+        total = sum(e.time_range.elapsed_us() for e in tops) or 1.0
+        stack = list(tops)
+        while stack:
+            e = stack.pop()
+            for c in e.cpu_children:
+                per_op[c.name] = per_op.get(c.name, 0.0) + c.self_cpu_time_total
+                stack.append(c)
+        ranked = sorted(per_op.items(), key=lambda kv: kv[1], reverse=True)[:count]
+        out[phase] = [{"op": k, "ms_per_step": v / 1e3 / len(tops), "share": v / total}
+                      for k, v in ranked]
+    return out
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="preset or HF directory (default: the peer shape, "
+                                   "seeded random weights)")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--seqs", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", type=Path, help="write the result as JSON here")
+    args = p.parse_args(argv)
+    for name in ("prompt_len", "decode_steps", "seqs", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            save_hf_dir(PEER_SHAPE, dummy_weights(PEER_SHAPE, 0), Path(tmp))
+            model = tmp
+        result = run(args, model)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load avg "
+          f"{result['load_avg']:.2f}, {args.threads} threads, {args.seqs} x {args.prompt_len}-token "
+          f"prompt(s), {args.decode_steps} decode steps")
+    for phase in ("prefill", "decode"):
+        print(f"\n{phase}: {result[f'{phase}_wall_ms']:.2f} ms/step wall (unprofiled), "
+              f"{result[f'{phase}_profiled_ms']:.2f} ms profiled, "
+              f"{100 * result[f'{phase}_outside_ops_share']:.1f}% outside torch ops")
+        print("| op | ms/step | share |\n|---|---|---|")
+        for row in result["top_ops_by_phase"][f"{phase}_step"]:
+            print(f"| {row['op']} | {row['ms_per_step']:.3f} | {100 * row['share']:.1f}% |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

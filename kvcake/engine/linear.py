@@ -1,0 +1,189 @@
+"""The model's linear layers and the per-shape choice of the CPU GEMM behind them.
+
+torch's default CPU GEMM (MKL in the CPU wheel) is not the fastest path for every shape on every
+CPU: a decode step multiplies the weights by one or a few rows (a GEMV, bound by how fast the
+weights are read), a prefill by thousands (a GEMM, bound by arithmetic), and which library wins
+each depends on the CPU. So each distinct weight shape gets, per row-count bucket, the backend that
+measured fastest on this machine at start-up (`tune`), never a guess from the CPU's name:
+
+- `aten`: `F.linear` (torch's default path);
+- `aten_t`: `W @ x^T` (the same BLAS, the other orientation; faster for a few rows on some CPUs);
+- `onednn`: the weight reordered once into oneDNN's blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied by `mkldnn._linear_pointwise`;
+- `mkl_gemv`: the weight packed once by MKL for exactly one row (`torch.ops.mkl._mkl_linear`);
+  only in the one-row bucket.
+
+All of them run on torch's own thread pool (no second BLAS library). Every backend computes the
+same product in fp32 with a different summation order (differences ~1e-6 relative; the engine's
+logits stay within 1e-4 of transformers on each, tests/engine/test_linear.py). Only CPU fp32 is
+tuned; other dtypes and devices always use `aten`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvcake.engine.config import LINEAR_MODES
+
+BACKENDS = LINEAR_MODES[1:]  # ("aten", "aten_t", "onednn", "mkl_gemv")
+
+# Row-count buckets: (upper bound of the bucket, the row count measured for it).
+BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (8, 4), (64, 16), (1 << 62, 256))
+
+
+def bucket_of(rows: int) -> int:
+    for i, (upper, _) in enumerate(BUCKETS):
+        if rows <= upper:
+            return i
+    return len(BUCKETS) - 1
+
+
+def _available(backend: str) -> bool:
+    if backend == "onednn":
+        return torch.backends.mkldnn.is_available() and \
+            hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    if backend == "mkl_gemv":
+        return torch.backends.mkl.is_available() and \
+            hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    return True
+
+
+class Kernel:
+    """One weight (and bias) with its prepacked forms and the backend chosen per bucket."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.choice: list[str] = ["aten"] * len(BUCKETS)
+        self._onednn: Tensor | None = None
+        self._mkl: Tensor | None = None
+
+    def prepare(self, backend: str) -> None:
+        if backend == "onednn" and self._onednn is None:
+            self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+        elif backend == "mkl_gemv" and self._mkl is None:
+            self._mkl = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
+
+    def drop_unused(self) -> None:
+        """Free the packed forms no bucket chose."""
+        if "onednn" not in self.choice:
+            self._onednn = None
+        if "mkl_gemv" not in self.choice:
+            self._mkl = None
+
+    def run(self, x: Tensor, backend: str) -> Tensor:
+        if backend == "aten":
+            return F.linear(x, self.weight, self.bias)
+        if backend == "aten_t":
+            out = torch.mm(self.weight, x.t()).t().contiguous()
+            return out if self.bias is None else out + self.bias
+        if backend == "onednn":
+            assert self._onednn is not None
+            return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
+        if backend == "mkl_gemv":
+            assert self._mkl is not None and x.shape[0] == 1
+            return torch.ops.mkl._mkl_linear(x, self._mkl, self.weight, self.bias, 1)
+        raise ValueError(f"linear backend {backend!r}: choose from {', '.join(BACKENDS)}")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.run(x, self.choice[bucket_of(x.shape[0])])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose forward goes through a tuned `Kernel` once `tune` gave it one."""
+
+    kernel: Kernel | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.kernel(x)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `tune` picked for one weight shape: backend per bucket, and each one's ms."""
+
+    shape: tuple[int, int]
+    backends: tuple[str, ...]
+    ms: tuple[dict[str, float], ...]
+
+
+def _eligible(backend: str, bucket: int) -> bool:
+    return _available(backend) and (backend != "mkl_gemv" or BUCKETS[bucket][1] == 1)
+
+
+MIN_ROUNDS, MAX_ROUNDS = 10, 200
+MARGIN = 1.05
+
+
+def tune(layers: Iterable[Linear], mode: str = "auto", *, budget_s: float = 0.03,
+         clock: Callable[[], float] = time.perf_counter) -> list[Choice]:
+    """Give every layer a `Kernel`: `mode` a backend name forces it wherever it applies
+    (`aten` elsewhere); "auto" measures each distinct (out, in) shape once per bucket, its
+    backends interleaved, round after round (at least MIN_ROUNDS, then until `budget_s` is spent
+    or MAX_ROUNDS), keeping each one's best time: on a busy machine a call whose thread lost
+    its core is slow, and the minimum ignores it.
+    Layers not on CPU in fp32 get no kernel (plain `F.linear`). Returns the choices per shape."""
+    if mode not in LINEAR_MODES:
+        raise ValueError(f"linear backend {mode!r}: choose from {', '.join(LINEAR_MODES)}")
+    groups: dict[tuple[int, int], list[Linear]] = {}
+    for layer in layers:
+        layer.kernel = None
+        w = layer.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            continue
+        groups.setdefault((w.shape[0], w.shape[1]), []).append(layer)
+    choices = []
+    for shape, members in groups.items():
+        kernels = [Kernel(m.weight.detach(), None if m.bias is None else m.bias.detach())
+                   for m in members]
+        if mode == "auto":
+            choice = _measure(kernels[0], budget_s, clock)
+        else:
+            picked = tuple(mode if _eligible(mode, b) else "aten" for b in range(len(BUCKETS)))
+            choice = Choice(shape, picked, tuple({} for _ in BUCKETS))
+        for layer, kernel in zip(members, kernels, strict=True):
+            kernel.choice = list(choice.backends)
+            for backend in set(choice.backends):
+                kernel.prepare(backend)
+            kernel.drop_unused()
+            layer.kernel = kernel
+        choices.append(choice)
+    return choices
+
+
+@torch.inference_mode()
+def _measure(kernel: Kernel, budget_s: float, clock: Callable[[], float]) -> Choice:
+    gen = torch.Generator().manual_seed(0)
+    picked: list[str] = []
+    timings: list[dict[str, float]] = []
+    for bucket, (_, rows) in enumerate(BUCKETS):
+        x = torch.randn(rows, kernel.weight.shape[1], generator=gen)
+        candidates = [b for b in BACKENDS if _eligible(b, bucket)]
+        for backend in candidates:
+            kernel.prepare(backend)
+            kernel.run(x, backend)  # warm-up (first-call allocations, oneDNN primitive cache)
+        best = {b: float("inf") for b in candidates}
+        start = clock()
+        for done in range(MAX_ROUNDS):
+            if done >= MIN_ROUNDS and clock() - start > budget_s:
+                break
+            for backend in candidates:
+                t0 = clock()
+                kernel.run(x, backend)
+                best[backend] = min(best[backend], clock() - t0)
+        fastest = min(candidates, key=lambda b: best[b])
+        # torch's default stays unless another backend is clearly faster (not a coin toss).
+        picked.append(fastest if best[fastest] * MARGIN < best["aten"] else "aten")
+        timings.append({b: 1e3 * t for b, t in best.items()})
+    kernel.choice = picked
+    kernel.drop_unused()
+    return Choice((kernel.weight.shape[0], kernel.weight.shape[1]), tuple(picked),
+                  tuple(timings))

@@ -1,0 +1,122 @@
+"""Decode attention straight over the paged KV pool: a small C++ torch op, built here on first use.
+
+`csrc/paged_attention.cpp` reads each sequence's K and V in place through its block table (no
+gathered copy of the context per layer per step) and registers
+`torch.ops.kvcake.paged_decode_attention`. It is compiled once per machine by the system C++
+compiler (`$CXX`, else `c++`; Debian's g++) against the installed torch's headers, into
+`$KVCAKE_EXT_DIR` (default `~/.cache/kvcake/ext`), under a name that hashes the source, the torch
+version, the flags and this CPU's feature flags (`-march=native`), so a changed source, torch or
+CPU gets a fresh build and nothing prebuilt is ever loaded. Concurrent builders (several worker
+processes starting at once) serialise on a lock file. `python -m kvcake.engine.paged_attention`
+builds it ahead of time (the first engine would otherwise pay ~10-30 s once).
+
+When the build fails (no compiler, no headers) `load()` returns False with the reason in
+`load_error()`, and the engine attends through the gather path instead (same results).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
+
+_error: list[str] = []
+
+
+def ext_dir() -> Path:
+    return Path(os.environ.get("KVCAKE_EXT_DIR") or Path.home() / ".cache" / "kvcake" / "ext")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(out_dir: Path, compiler: str | None = None) -> Path:
+    """Compile the op into `out_dir` (if not there yet) and return the library's path.
+    RuntimeError with the compiler's output when it fails."""
+    from torch.utils import cpp_extension
+
+    cxx = compiler or os.environ.get("CXX") or "c++"
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libdirs = cpp_extension.library_paths()
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, cxx, abi, *FLAGS,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    target = out_dir / f"paged_attention-{key}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
+        if target.is_file():
+            return target
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cxx, *FLAGS, abi, *includes, str(SOURCE), *[f"-L{d}" for d in libdirs],
+               *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu", "-o", str(tmp)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"{cxx}: {exc}") from None
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"{cxx} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        tmp.replace(target)  # atomic: a reader never sees a half-written library
+    return target
+
+
+@cache
+def load() -> bool:
+    """Build (once) and load the op; False, with `load_error()` set, if that is impossible."""
+    if hasattr(torch.ops.kvcake, "paged_decode_attention"):
+        return True
+    try:
+        torch.ops.load_library(str(build(ext_dir())))
+    except (RuntimeError, OSError) as exc:
+        _error.append(str(exc))
+        return False
+    return True
+
+
+def load_error() -> str | None:
+    return _error[-1] if _error else None
+
+
+def paged_decode_attention(q: Tensor, kv_layer: Tensor, block_tables: Tensor,
+                           context_lens: Tensor, scale: float) -> Tensor:
+    """q [B, Hq, D] (one query token per sequence) attending to its first context_lens[b]
+    positions held in the blocks block_tables[b] of kv_layer [num_blocks, 2, block_size, Hkv,
+    D] -> [B, Hq, D]. Needs `load()`."""
+    return torch.ops.kvcake.paged_decode_attention(q, kv_layer, block_tables, context_lens,
+                                                   scale)
+
+
+def main() -> int:
+    """Build ahead of time (e.g. right after `pip install`)."""
+    try:
+        path = build(ext_dir())
+    except RuntimeError as exc:
+        print(f"kvcake paged attention: build failed ({exc}); the engine will use the gather "
+              f"path", file=sys.stderr)
+        return 1
+    print(f"kvcake paged attention: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
