@@ -49,8 +49,44 @@ class CostModel:
         return float(m.num_layers) * (m.attn_coeff * new * input_len * d + m.linear_coeff * new * d * d)
 
     def prefill_time_s(self, input_len: int, prefix_len: int = 0) -> float:
-        """Prefill compute time at the profile's MFU."""
-        return self.prefill_flops(input_len, prefix_len) / (self.hardware.peak_flops * self.hardware.mfu)
+        """One prefill forward of tokens prefix_len..input_len: its FLOPs at the MFU of a forward
+        that size, plus the per-forward overhead. Nothing to compute costs nothing."""
+        new = input_len - prefix_len
+        if new <= 0:
+            _check_lengths(input_len, prefix_len)
+            return 0.0
+        hw = self.hardware
+        return (self.prefill_flops(input_len, prefix_len) / (hw.peak_flops * hw.mfu_at(new))
+                + hw.prefill_step_overhead_s)
+
+    def chunk_compute_s(self, input_len: int, prefix_len: int, num_tokens: int,
+                        forward_tokens: int) -> float:
+        """Compute seconds of `num_tokens` of a prompt's prefill (its share of the prompt's
+        FLOPs, tokens prefix_len..input_len) run inside a forward of `forward_tokens` tokens
+        (a chunk riding with a decode batch); no per-forward overhead (the forward pays it)."""
+        new = input_len - prefix_len
+        if new <= 0 or num_tokens <= 0:
+            return 0.0
+        hw = self.hardware
+        flops = self.prefill_flops(input_len, prefix_len) * num_tokens / new
+        return flops / (hw.peak_flops * hw.mfu_at(max(num_tokens, forward_tokens)))
+
+    def cpp_prefill_time_s(self, input_len: int, prefix_len: int, num_nodes: int,
+                           chunk_tokens: int) -> float:
+        """Chunked pipeline parallelism over `num_nodes` nodes (seed section VIII): the new tokens
+        in J chunks of `chunk_tokens`, each node running 1/X of the layers; the pipeline takes
+        (J + X - 1) stage times, a stage being one chunk's forward on 1/X of the layers (its
+        share of the FLOPs at a chunk's MFU, plus a forward's overhead)."""
+        new = input_len - prefix_len
+        if new <= 0:
+            _check_lengths(input_len, prefix_len)
+            return 0.0
+        hw = self.hardware
+        num_chunks = -(-new // chunk_tokens)
+        chunk = -(-new // num_chunks)
+        compute_s = self.prefill_flops(input_len, prefix_len) / (hw.peak_flops * hw.mfu_at(chunk))
+        stage_s = compute_s / num_chunks / num_nodes + hw.prefill_step_overhead_s / num_nodes
+        return (num_chunks + num_nodes - 1) * stage_s
 
     def predict(self, input_len: int, prefix_len: int) -> float:
         """`PrefillModel` protocol: the exact analytic prefill time."""
@@ -65,8 +101,9 @@ class CostModel:
     def decode_step_time_s(self, batch_size: int, context_tokens: int) -> float:
         """One decode step of `batch_size` sequences holding `context_tokens` KV tokens in all.
 
-        Roofline: the slower of reading the weights plus the batch's KV from HBM and computing
-        2 FLOPs per weight per sequence. An empty batch costs nothing.
+        The slower of reading the weights (at `hbm_efficiency`) plus the batch's KV (at
+        `attention_efficiency`) from HBM, and computing 2 FLOPs per weight per sequence; plus the
+        profile's fixed per-step overhead. An empty batch costs nothing.
         """
         if batch_size < 0 or context_tokens < 0:
             raise ValueError(f"batch_size and context_tokens must be >= 0, got "
@@ -74,10 +111,15 @@ class CostModel:
         if batch_size == 0:
             return 0.0
         hw, m = self.hardware, self.model
-        read_bytes = m.weight_bytes + context_tokens * m.kv_bytes_per_token
-        memory_s = read_bytes / (hw.hbm_bandwidth_bytes_per_s * hw.hbm_efficiency)
+        hbm = hw.hbm_bandwidth_bytes_per_s
+        kv_bytes = context_tokens * m.kv_bytes_per_token
+        if hw.attention_efficiency == hw.hbm_efficiency:  # one stream of bytes, one efficiency
+            memory_s = (m.weight_bytes + kv_bytes) / (hbm * hw.hbm_efficiency)
+        else:
+            memory_s = (m.weight_bytes / (hbm * hw.hbm_efficiency)
+                        + kv_bytes / (hbm * hw.attention_efficiency))
         compute_s = 2.0 * m.num_params * batch_size / (hw.peak_flops * hw.mfu)
-        return memory_s if memory_s > compute_s else compute_s
+        return (memory_s if memory_s > compute_s else compute_s) + hw.decode_step_overhead_s
 
     def transfer_time_s(self, num_bytes: int, bandwidth_bytes_per_s: float | None = None) -> float:
         """Bytes over a link; by default the instance's NIC bandwidth."""

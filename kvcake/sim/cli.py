@@ -130,6 +130,10 @@ def register(subparsers: Any) -> None:
     gen.add_argument("--num-requests", type=_positive_int, default=1000)
     gen.add_argument("--rate-per-s", type=_positive_float, default=3.4)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="any other generator field (kvcake/sim/tracegen.py TraceGenConfig), "
+                          "repeatable; e.g. a tool-and-agent shape: --set system_prompt_len=6144 "
+                          "--set num_system_prompts=2 --set mean_output_len=24")
     gen.set_defaults(func=_trace_gen)
 
 
@@ -194,8 +198,24 @@ def _trace_stats(args: argparse.Namespace) -> int:
 def _trace_gen(args: argparse.Namespace) -> int:
     from kvcake.sim.tracegen import TraceGenConfig, generate_trace
 
-    cfg = TraceGenConfig(num_requests=args.num_requests, rate_per_s=args.rate_per_s,
-                         seed=args.seed)
+    fields: dict[str, object] = {"num_requests": args.num_requests,
+                                 "rate_per_s": args.rate_per_s, "seed": args.seed}
+    defaults = TraceGenConfig()
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq or not hasattr(defaults, key) or key in fields:
+            raise SystemExit(f"kvcake trace gen: error: --set {item!r}: want KEY=VALUE with KEY a "
+                             f"TraceGenConfig field other than num_requests, rate_per_s, seed")
+        kind = type(getattr(defaults, key))
+        try:
+            fields[key] = kind(value)
+        except ValueError:
+            raise SystemExit(f"kvcake trace gen: error: --set {key}: {value!r} is not "
+                             f"{kind.__name__}") from None
+    try:
+        cfg = TraceGenConfig.from_dict(fields)
+    except ValueError as exc:
+        raise SystemExit(f"kvcake trace gen: error: {exc}") from None
     generate_trace(cfg).write(args.out)
     print(args.out)
     return 0

@@ -22,6 +22,7 @@ changes), as the live frontend will.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from kvcake.conductor import (
     CostModel,
     Placement,
     Policy,
+    PrefillModel,
     PrefillTimePredictor,
     ScheduleRequest,
     profile_grid,
@@ -41,6 +43,7 @@ from kvcake.sim.config import SimConfig
 from kvcake.sim.decode import DecodeInstance, Seq, StepCosts
 from kvcake.sim.events import Event, EventKind, EventQueue
 from kvcake.sim.network import Network
+from kvcake.sim.prediction import NoisyPrefillModel
 from kvcake.sim.prefill import PrefillInstance, QueuedPrefill
 from kvcake.sim.records import Arrival, RequestState, summarize
 
@@ -49,12 +52,25 @@ _HBM_RESERVE = 0.9  # share of HBM left to weights + KV after activations and wo
 _FETCH, _KV = 0, 1
 
 
+def cost_model(config: SimConfig) -> CostModel:
+    """The cost model of `config`'s profile, with its hardware overrides applied."""
+    cost = CostModel.from_spec(config.profile)
+    if not config.hardware_overrides:
+        return cost
+    fields = {f.name for f in dataclasses.fields(cost.hardware)}
+    unknown = sorted({name for name, _ in config.hardware_overrides} - fields)
+    if unknown:
+        raise ValueError(f"unknown hardware profile fields {unknown}; known: {sorted(fields)}")
+    return CostModel(cost.model, dataclasses.replace(cost.hardware,
+                                                     **dict(config.hardware_overrides)))
+
+
 class Cluster:
     """One simulated run of `arrivals` (sorted by time) on the cluster `config` describes."""
 
     def __init__(self, config: SimConfig, arrivals: Sequence[Arrival]) -> None:
         self.config = config
-        self.cost = CostModel.from_spec(config.profile)
+        self.cost = cost_model(config)
         model, hw = self.cost.model, self.cost.hardware
         self.kv_per_token = model.kv_bytes_per_token
         nic = hw.nic_bandwidth_bytes_per_s if config.nic_gbps is None else config.nic_gbps * 1e9 / 8
@@ -63,7 +79,8 @@ class Cluster:
         local_tokens = (hw.dram_bytes // self.kv_per_token if config.local_cache_tokens is None
                         else config.local_cache_tokens)
         block = config.block_size
-        costs = StepCosts(self.cost.decode_step_time_s, self.cost.prefill_time_s)
+        costs = StepCosts(self.cost.decode_step_time_s, self.cost.prefill_time_s,
+                          self.cost.chunk_compute_s, hw.prefill_step_overhead_s)
         if config.colocated:
             n = config.num_prefill + config.num_decode
             self.prefills: list[PrefillInstance] = []
@@ -92,7 +109,14 @@ class Cluster:
         # The Conductor predicts prefill times with the paper's polynomial regression, fitted on
         # profile points of the cost model over (at least) the trace's range of lengths.
         max_input = max((a.input_len for a in arrivals), default=0)
-        predictor = PrefillTimePredictor.fit(profile_grid(self.cost, max(4096, max_input)))
+        predictor: PrefillModel = PrefillTimePredictor.fit(
+            profile_grid(self.cost, max(4096, max_input)))
+        if config.prefill_prediction_error:
+            predictor = NoisyPrefillModel(predictor, config.prefill_prediction_error, config.seed)
+        # The Conductor never sees a request's true output length (a live one knows max_tokens
+        # or a prediction): it is told one length for all, by default the trace's mean.
+        self.predicted_output_len = config.predicted_output_len or max(1, round(
+            sum(a.output_len for a in arrivals) / max(1, len(arrivals))))
         self.conductor = Conductor(
             ConductorConfig(
                 policy=Policy(config.policy),
@@ -101,7 +125,12 @@ class Cluster:
                 ttft_slo_s=config.ttft_slo_s,
                 tbt_slo_s=config.tbt_slo_ms / 1000.0,
                 transfer_bandwidth_bytes_per_s=nic,
+                index_on_placement=config.prefix_cache or not config.colocated,
                 seed=config.seed,
+                uniform_decode_s=config.uniform_decode_s,
+                cpp_min_tokens=config.cpp_min_tokens,
+                cpp_nodes=config.cpp_nodes,
+                cpp_chunk_tokens=config.cpp_chunk_tokens,
             ),
             prefill_ids, decode_ids, predictor, self.cost, self.kv_per_token,
         )
@@ -156,7 +185,7 @@ class Cluster:
         state = self.states[event.target]
         a = state.arrival
         req = ScheduleRequest(state.request_id, a.input_len, a.block_keys, self.config.block_size,
-                              max(1, a.output_len))
+                              self.predicted_output_len)
         decision = self.conductor.schedule(req, event.time_s)
         if not isinstance(decision, Placement):
             state.rejected = decision.reason.value
@@ -228,6 +257,7 @@ class Cluster:
         started = self.prefills[p].running
         assert started is not None
         state = self.states[started.req]
+        state.prefill_start_s = now_s
         self.conductor.on_prefill_started(self.prefill_ids[p], state.request_id, now_s)
         d = self._decode_index[state.decode_instance or ""]
         self._start_flow(now_s, _KV, state.index, p, self.config.num_prefill + d,
@@ -240,8 +270,8 @@ class Cluster:
         p, now_s = event.target, event.time_s
         done, nxt = self.prefills[p].on_done(now_s)
         state = self.states[done.req]
-        state.first_token_s = now_s
         state.prefill_done = True
+        state.prefill_s = done.prefill_s
         self.conductor.on_prefill_finished(self.prefill_ids[p], state.request_id, now_s)
         self._cache_insert(p, state.arrival.block_keys)
         if self.store is not None:
@@ -250,6 +280,11 @@ class Cluster:
             if evicted:
                 self.conductor.on_blocks_removed(STORE, evicted)
         events = self._prefill_started(p, now_s, nxt)
+        rejection = self.conductor.admit_decode(state.request_id, now_s)
+        if rejection is not None:  # decode_after_prefill: its prefill was spent for nothing
+            state.rejected = "tbt_slo_after_prefill"
+            return events
+        state.first_token_s = now_s
         if state.kv_arrived:
             events.extend(self._to_decode(state, now_s))
         return events
@@ -263,6 +298,7 @@ class Cluster:
         a = state.arrival
         seq = Seq(state.index, a.input_len, a.output_len - 1, a.input_len + a.output_len,
                   state.first_token_s or now_s, state.gaps)
+        state.decode_join_s = now_s
         self.conductor.on_decode_joined(self.decode_ids[d], state.request_id, now_s)
         event = self.decodes[d].add(now_s, seq)
         return [] if event is None else [event]
@@ -312,7 +348,7 @@ class Cluster:
                     events.extend(self._fetch_landed(state, event.time_s))
             else:
                 state.kv_arrived = True
-                if state.prefill_done:
+                if state.prefill_done and state.rejected is None:
                     state.kv_wait_s = event.time_s - (state.first_token_s or event.time_s)
                     events.extend(self._to_decode(state, event.time_s))
         events.extend(self._flow_event())
@@ -332,8 +368,6 @@ class Cluster:
     def _place_colocated(self, state: RequestState, now_s: float) -> list[Event]:
         i = self._prefill_index[state.prefill_instance or ""]
         a = state.arrival
-        if not self.config.prefix_cache:  # the Conductor booked the keys at placement: undo
-            self.conductor.on_blocks_removed(self.prefill_ids[i], a.block_keys)
         cache = self.hbm_caches[i]
         matched = cache.match_len(a.block_keys)
         cache.touch(a.block_keys[:matched])

@@ -33,6 +33,17 @@ class SimConfig:
     chunk_budget_tokens: colocated chunked prefill: tokens per step (decodes included).
     prefix_cache: colocated only: keep a prefix cache in free HBM (vLLM prefix caching).
     max_batch_size: most sequences in one decode batch.
+    hardware_overrides: (field, value) pairs replacing fields of the profile's hardware (e.g.
+        (("attention_efficiency", 0.2),)): the sensitivity runs.
+    predicted_output_len: the output length the Conductor is told (`max_output_len`): a live
+        system knows only `max_tokens` or a prediction, never the true length. None: the trace's
+        mean output length (what a live system learns from its history).
+    uniform_decode_s: the Conductor's uniform decode-time forecast t_d (None: predicted steps).
+    prefill_prediction_error: the Conductor's prefill-time predictions are multiplied by a
+        seeded factor uniform in [1 - e, 1 + e] (a fixed factor per (prompt, prefix) length pair:
+        the predictor stays a function); 0: the regression as fitted.
+    cpp_min_tokens, cpp_nodes, cpp_chunk_tokens: chunked pipeline parallelism across prefill
+        nodes (see `ConductorConfig`); cpp_min_tokens None: off.
     admission: the Conductor's admission mode; colocated runs never reject (vLLM has no
         admission control), so this only applies to the disaggregated policies.
     """
@@ -56,6 +67,13 @@ class SimConfig:
     prefix_cache: bool = True
     max_batch_size: int = 256
     block_size: int = TRACE_BLOCK_SIZE
+    hardware_overrides: tuple[tuple[str, float], ...] = ()
+    predicted_output_len: int | None = None
+    uniform_decode_s: float | None = None
+    prefill_prediction_error: float = 0.0
+    cpp_min_tokens: int | None = None
+    cpp_nodes: int = 2
+    cpp_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -84,6 +102,21 @@ class SimConfig:
             raise ValueError(f"chunk_budget_tokens ({self.chunk_budget_tokens}) must exceed "
                              f"max_batch_size ({self.max_batch_size}); raise the budget or "
                              "lower --max-batch-size")
+        if self.predicted_output_len is not None and self.predicted_output_len < 1:
+            raise ValueError(f"predicted_output_len must be >= 1 (or unset), "
+                             f"got {self.predicted_output_len}")
+        if not 0 <= self.prefill_prediction_error < 1:
+            raise ValueError(f"prefill_prediction_error must be in [0, 1) (0.1 = +-10%), "
+                             f"got {self.prefill_prediction_error}")
+        if self.cpp_min_tokens is not None and self.cpp_min_tokens < 1:
+            raise ValueError(f"cpp_min_tokens must be >= 1 (or unset: CPP off), "
+                             f"got {self.cpp_min_tokens}")
+        if self.cpp_min_tokens is not None and not 2 <= self.cpp_nodes <= self.num_prefill:
+            raise ValueError(f"cpp_nodes must be in 2..num_prefill ({self.num_prefill}) when CPP "
+                             f"is on, got {self.cpp_nodes}")
+        if self.cpp_chunk_tokens < 1000:
+            raise ValueError(f"cpp_chunk_tokens must be >= 1000 (the paper's chunks), "
+                             f"got {self.cpp_chunk_tokens}")
         if not (math.isfinite(self.kvcache_balancing_threshold)
                 and self.kvcache_balancing_threshold >= 1.0):
             raise ValueError("kvcache_balancing_threshold must be a finite number >= 1.0, got "

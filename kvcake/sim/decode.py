@@ -54,8 +54,11 @@ class Seq:
 class StepCosts:
     """Seconds of one decode step and of one prefill chunk (from the cost model)."""
 
-    decode_step_s: Callable[[int, int], float]  # (batch_size, context_tokens)
-    prefill_s: Callable[[int, int], float]  # (input_len, prefix_len)
+    decode_step_s: Callable[[int, int], float]  # (batch_size, context_tokens), overhead included
+    prefill_s: Callable[[int, int], float]  # (input_len, prefix_len): one whole-prompt forward
+    # (input_len, prefix_len, num_tokens, forward_tokens): a chunk's compute inside a forward
+    chunk_s: Callable[[int, int, int, int], float] | None = None
+    step_overhead_s: float = 0.0  # a forward's fixed cost (paid by a chunk-only step)
 
 
 class DecodeInstance:
@@ -229,20 +232,28 @@ class DecodeInstance:
     def _prefill_share_s(self, begin: int, num_steps: int) -> float:
         """Prefill seconds of `num_steps` steps of the head from token `begin` (decode excluded)."""
         head = self.prefills[0]
+        if self.chunk_budget_tokens is None:  # one whole-prompt forward
+            return self.costs.prefill_s(head.context_len, begin)
         return self._chunk_prefill_s(head, min(num_steps * self._run_chunk,
-                                               head.context_len - begin))
+                                               head.context_len - begin),
+                                     self.chunk_budget_tokens)
 
     def _chunk_step_s(self, batch: int, context: int, head: Seq, num_tokens: int) -> float:
-        decode_s = self.costs.decode_step_s(batch, context) if batch else 0.0
-        return decode_s + self._chunk_prefill_s(head, num_tokens)
+        decode_s = self.costs.decode_step_s(batch, context) if batch else self.costs.step_overhead_s
+        return decode_s + self._chunk_prefill_s(head, num_tokens, batch + num_tokens)
 
-    def _chunk_prefill_s(self, head: Seq, num_tokens: int) -> float:
-        """A chunk's share of its prompt's whole prefill time, by token count.
+    def _chunk_prefill_s(self, head: Seq, num_tokens: int, forward_tokens: int = 0) -> float:
+        """A chunk's share of its prompt's prefill FLOPs, by token count, at the MFU of the
+        forward it rides in (`StepCosts.chunk_s`; without it, its share of the whole prefill).
 
-        Chunking spreads a prefill's compute over steps; it neither saves nor adds FLOPs. (The
-        cost model's attention term counts every new token against the whole prompt, so
-        pricing a chunk as a prefill of its own would make chunking look cheaper.)"""
+        Chunking spreads a prefill's FLOPs over steps; it neither saves nor adds FLOPs (the cost
+        model's attention term counts every new token against the whole prompt, so pricing a
+        chunk as a prefill of its own would make chunking look cheaper); what it costs is the
+        lower MFU of small forwards."""
         new = head.context_len - head.prefix_len
+        if self.costs.chunk_s is not None:
+            return self.costs.chunk_s(head.context_len, head.prefix_len, num_tokens,
+                                      forward_tokens or num_tokens)
         return self.costs.prefill_s(head.context_len, head.prefix_len) * num_tokens / new
 
 

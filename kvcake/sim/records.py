@@ -42,6 +42,9 @@ class RequestState:
     pending_fetches: int = 0
     prefill_done: bool = False
     kv_arrived: bool = False
+    prefill_start_s: float | None = None
+    prefill_s: float = 0.0  # prefill compute seconds spent on it (wasted if rejected after)
+    decode_join_s: float | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -68,6 +71,7 @@ class RequestState:
             "finish_s": _round(self.finish_s),
             "rejected": self.rejected is not None,
             "reject_reason": self.rejected,
+            "prefill_s": round(self.prefill_s, 6),
         }
 
 
@@ -108,6 +112,7 @@ def summarize(
         "effective_request_capacity": effective / len(states) if states else 0.0,
         "cache_hit_rate": reused / prompt if prompt else 0.0,
         "fetched_tokens": sum(s.fetched_len for s in completed),
+        "wasted_prefill_s": sum(s.prefill_s for s in states if s.rejected is not None),
     }
     summary.update(extra)
     return summary

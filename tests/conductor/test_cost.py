@@ -23,8 +23,8 @@ def test_llama3_70b_shape_matches_the_paper() -> None:
 
 
 def test_bg_criterion_is_about_6_gbps_on_a800_and_19_on_h800() -> None:
-    a800 = CostModel.from_spec("llama3-70b@a800x8").min_reuse_bandwidth_bytes_per_s(8192)
-    h800 = CostModel.from_spec("llama3-70b@h800x8").min_reuse_bandwidth_bytes_per_s(8192)
+    a800 = CostModel.from_spec("llama3-70b@a800x8-roofline").min_reuse_bandwidth_bytes_per_s(8192)
+    h800 = CostModel.from_spec("llama3-70b@h800x8-roofline").min_reuse_bandwidth_bytes_per_s(8192)
     # G * (2d/gqa)*s / (a p d + b d^2) = 8 * 312e12 * 4096 / (26 * 8192^2) exactly.
     assert a800 == pytest.approx(8 * 312e12 * 4096 / (26 * 8192**2))
     assert 5.5e9 < a800 < 6.5e9
@@ -32,20 +32,20 @@ def test_bg_criterion_is_about_6_gbps_on_a800_and_19_on_h800() -> None:
 
 
 def test_prefill_flops_formula_and_incremental_prefill() -> None:
-    cost = CostModel.from_spec("llama3-70b@a800x8")
+    cost = CostModel.from_spec("llama3-70b@a800x8-roofline")
     n, d, layers = 4096, 8192, 80
     assert cost.prefill_flops(n) == pytest.approx(layers * (4 * n * n * d + 22 * n * d * d))
     # With a cached prefix p, tokens p..n attend to all n tokens.
     p = 1024
     assert cost.prefill_flops(n, p) == pytest.approx(layers * (4 * (n - p) * n * d + 22 * (n - p) * d * d))
     assert cost.prefill_flops(n, n) == 0.0
-    hw = HARDWARE_PROFILES["a800x8"]
+    hw = HARDWARE_PROFILES["a800x8-roofline"]
     assert cost.prefill_time_s(n) == pytest.approx(cost.prefill_flops(n) / (hw.peak_flops * hw.mfu))
     assert cost.predict(n, p) == cost.prefill_time_s(n, p)
 
 
 def test_decode_step_reads_weights_and_batch_kv() -> None:
-    cost = CostModel.from_spec("llama3-70b@a800x8")
+    cost = CostModel.from_spec("llama3-70b@a800x8-roofline")
     hw, m = cost.hardware, cost.model
     expected = (m.weight_bytes + 10_000 * m.kv_bytes_per_token) / (
         hw.hbm_bandwidth_bytes_per_s * hw.hbm_efficiency)
@@ -69,7 +69,7 @@ def test_transfer_time() -> None:
 def test_unknown_profile_names_list_the_known_ones() -> None:
     with pytest.raises(ValueError, match="llama3-70b, llama3-8b"):
         parse_profile("gpt5@a800x8")
-    with pytest.raises(ValueError, match="a800x8, h800x8"):
+    with pytest.raises(ValueError, match="a800x8, a800x8-roofline, h800x8"):
         parse_profile("llama3-70b@tpu")
     with pytest.raises(ValueError, match="MODEL@HARDWARE"):
         parse_profile("llama3-70b")
@@ -86,3 +86,33 @@ def test_profile_from_engine_shape() -> None:
         ModelProfile("bad", 2, 64, 5, 1, 128, 10)
     with pytest.raises(ValueError, match="num_layers"):
         model_profile_from_shape("bad", 0, 64, 4, 2, 128, 1000)
+
+
+def test_calibrated_profile_adds_overheads_attention_and_small_forward_mfu() -> None:
+    cost = CostModel.from_spec("llama3-70b@a800x8")
+    bare = CostModel.from_spec("llama3-70b@a800x8-roofline")
+    hw, m = cost.hardware, cost.model
+    assert hw.decode_step_overhead_s > 0 and hw.attention_efficiency < hw.hbm_efficiency
+    kv = 10_000 * m.kv_bytes_per_token / (hw.hbm_bandwidth_bytes_per_s * hw.attention_efficiency)
+    weights = m.weight_bytes / (hw.hbm_bandwidth_bytes_per_s * hw.hbm_efficiency)
+    assert cost.decode_step_time_s(4, 10_000) == pytest.approx(
+        weights + kv + hw.decode_step_overhead_s)
+    assert cost.decode_step_time_s(4, 10_000) > bare.decode_step_time_s(4, 10_000)
+    # MFU falls for small forwards: per token, a 512-token prefill costs more than a 12k one.
+    assert hw.mfu_at(512) < hw.mfu_at(12_000) < hw.mfu
+    per_token_small = (cost.prefill_time_s(512) - hw.prefill_step_overhead_s) / 512
+    assert per_token_small > cost.prefill_flops(512) / 512 / (hw.peak_flops * hw.mfu)
+    # Figure 8's calibration point: a 512-token chunk's compute costs ~1.22x a 12k prompt's.
+    whole = cost.prefill_time_s(12_000) - hw.prefill_step_overhead_s
+    chunks = cost.chunk_compute_s(12_000, 0, 512, 512) * 12_000 / 512
+    assert 1.15 < chunks / whole < 1.3
+    assert cost.prefill_time_s(100, 100) == 0.0
+
+
+def test_cpp_prefill_takes_about_chunks_plus_nodes_minus_one_stages() -> None:
+    cost = CostModel.from_spec("llama3-70b@a800x8")
+    n = 128_000
+    one = cost.cpp_prefill_time_s(n, 0, 1, 2000)
+    four = cost.cpp_prefill_time_s(n, 0, 4, 2000)
+    assert four == pytest.approx(one * (64 + 3) / (64 * 4))
+    assert four < cost.prefill_time_s(n) / 3  # a 128k prompt: ~4x faster on 4 nodes

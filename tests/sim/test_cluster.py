@@ -12,7 +12,8 @@ from kvcake.sim.run import simulate
 from kvcake.sim.trace import Trace, TraceRequest
 from kvcake.sim.tracegen import TraceGenConfig, generate_trace
 
-COST = CostModel.from_spec("llama3-70b@a800x8")
+ROOFLINE = "llama3-70b@a800x8-roofline"  # the hand versions below are the bare roofline
+COST = CostModel.from_spec(ROOFLINE)
 FLOPS = 8 * 312e12 * 0.5  # a800x8 peak x MFU
 KV_BYTES = 80 * 2 * 8 * 128 * 2  # llama3-70b: 320 KiB per token
 NIC = 100e9  # 4 x 200 Gbps in bytes/s
@@ -46,7 +47,7 @@ def test_local_cache_golden_placements_ttft_and_tbt() -> None:
         (0, 1024, 2, [3, 4]),
         (10_000, 1536, 1, [1, 2, 5]),  # shares r0's 2 blocks
     )
-    res = simulate(SimConfig(num_prefill=2, num_decode=1, policy="local_cache"), trace)
+    res = simulate(SimConfig(num_prefill=2, num_decode=1, policy="local_cache", profile=ROOFLINE), trace)
     r0, r1, r2 = (s.record() for s in res.states)
     assert [(r["prefill_instance"], r["decode_instance"]) for r in (r0, r1, r2)] == [
         ("prefill-0", "decode-0"), ("prefill-1", "decode-0"), ("prefill-0", "decode-0")]
@@ -74,7 +75,7 @@ def test_global_cache_fetches_a_busy_holders_prefix_under_nic_contention() -> No
         (1000, 16384, 2, list(range(100, 132))),  # keeps prefill-0 busy for ~3 s
         (1001, 2560, 2, [1, 2, 3, 4, 5]),  # r0's prefix, held by the busy prefill-0
     )
-    res = simulate(SimConfig(num_prefill=2, num_decode=1, policy="global_cache"), trace)
+    res = simulate(SimConfig(num_prefill=2, num_decode=1, policy="global_cache", profile=ROOFLINE), trace)
     r2, r3 = res.states[2].record(), res.states[3].record()
     assert r2["prefill_instance"] == "prefill-0"
     assert r3["prefill_instance"] == "prefill-1"
@@ -88,7 +89,7 @@ def test_global_cache_fetches_a_busy_holders_prefix_under_nic_contention() -> No
 
 def test_colocated_uses_all_instances_for_both_roles() -> None:
     trace = _trace((0, 1024, 3, [1, 2]), (50, 1024, 2, [3, 4]))
-    res = simulate(SimConfig(num_prefill=1, num_decode=1, policy="colocated"), trace)
+    res = simulate(SimConfig(num_prefill=1, num_decode=1, policy="colocated", profile=ROOFLINE), trace)
     # 1 + 1 nodes make 2 colocated instances: r1 goes to the idle one and nothing stalls.
     r0, r1 = (s.record() for s in res.states)
     assert (r0["prefill_instance"], r1["prefill_instance"]) == ("colocated-0", "colocated-1")
@@ -98,7 +99,7 @@ def test_colocated_uses_all_instances_for_both_roles() -> None:
 
 def test_colocated_single_instance_golden_stall() -> None:
     trace = _trace((0, 1024, 3, [1, 2]), (50, 1024, 2, [3, 4]))
-    cfg = SimConfig(num_prefill=1, num_decode=1, policy="colocated", max_batch_size=8,
+    cfg = SimConfig(num_prefill=1, num_decode=1, policy="colocated", max_batch_size=8, profile=ROOFLINE,
                     chunk_budget_tokens=512)
     from kvcake.sim.cluster import Cluster
     from kvcake.sim.run import arrivals_of
@@ -123,7 +124,7 @@ def test_colocated_single_instance_golden_stall() -> None:
 def test_chunked_prefill_does_not_stall_decodes() -> None:
     trace = _trace((0, 1024, 40, [1, 2]), (500, 8192, 2, list(range(10, 26))))
     base = dict(num_prefill=1, num_decode=1, policy="colocated", max_batch_size=8,
-                chunk_budget_tokens=520, prefix_cache=False)
+                chunk_budget_tokens=520, prefix_cache=False, profile=ROOFLINE)
     from kvcake.sim.cluster import Cluster
     from kvcake.sim.run import arrivals_of
 

@@ -1,0 +1,54 @@
+"""The simulator's admission modes, the Conductor's view of output lengths, prediction error."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcake.conductor import CostModel
+from kvcake.sim.cluster import Cluster
+from kvcake.sim.config import SimConfig
+from kvcake.sim.prediction import NoisyPrefillModel
+from kvcake.sim.run import arrivals_of, simulate
+from kvcake.sim.trace import Trace, TraceRequest
+
+
+def _burst(num: int, output_len: int = 2000, input_len: int = 2048) -> Trace:
+    reqs = tuple(TraceRequest(i, i * 50.0, input_len, output_len,
+                              tuple(range(i * 10, i * 10 + input_len // 512)))
+                 for i in range(num))
+    return Trace(reqs, "burst")
+
+
+def test_the_conductor_is_told_one_predicted_length_never_the_true_one() -> None:
+    trace = Trace((TraceRequest(0, 0.0, 1024, 10, (1, 2)), TraceRequest(1, 0.0, 1024, 30, (3, 4))),
+                  "two")
+    cluster = Cluster(SimConfig(num_prefill=1, num_decode=1), arrivals_of(trace))
+    assert cluster.predicted_output_len == 20  # the trace's mean
+    told = Cluster(SimConfig(num_prefill=1, num_decode=1, predicted_output_len=512),
+                   arrivals_of(trace))
+    assert told.predicted_output_len == 512
+
+
+def test_decode_after_prefill_rejects_after_spending_the_prefill() -> None:
+    trace = _burst(40)
+    base = dict(num_prefill=2, num_decode=1, tbt_slo_ms=40.0, max_batch_size=256)
+    late = simulate(SimConfig(admission="decode_after_prefill", **base), trace).summary
+    early = simulate(SimConfig(admission="early", **base), trace).summary
+    assert late["rejected_by_reason"].get("tbt_slo_after_prefill", 0) > 0
+    assert late["wasted_prefill_s"] > 0
+    assert "tbt_slo_after_prefill" not in early["rejected_by_reason"]
+    assert early["wasted_prefill_s"] == 0.0
+    assert early["rejected_by_reason"].get("tbt_slo", 0) > 0
+
+
+def test_noisy_predictions_are_seeded_functions_within_the_stated_error() -> None:
+    cost = CostModel.from_spec("llama3-70b@a800x8")
+    noisy = NoisyPrefillModel(cost, 0.2, seed=3)
+    factors = [noisy.factor(n, 0) for n in range(1000, 1100)]
+    assert all(0.8 <= f <= 1.2 for f in factors) and max(factors) - min(factors) > 0.2
+    assert noisy.predict(4096, 512) == noisy.predict(4096, 512)
+    assert noisy.predict(4096, 512) == pytest.approx(cost.predict(4096, 512)
+                                                      * noisy.factor(4096, 512))
+    assert NoisyPrefillModel(cost, 0.2, seed=4).factor(1000, 0) != factors[0]
+    with pytest.raises(ValueError, match="error"):
+        NoisyPrefillModel(cost, 1.5)
