@@ -159,7 +159,8 @@ class DirectPath:
             transport = ShmTransport.attach(key.peer)
         else:
             transport = TcpTransport.connect(key.peer, timeout_s=self.config.io_timeout_s,
-                                             buffer_bytes=self.config.socket_buffer_bytes)
+                                             buffer_bytes=self.config.socket_buffer_bytes,
+                                             secret=self.config.secret)
         return self._wrap(transport, key, 0) if self._wrap is not None else transport
 
     def _drop(self, key: EndpointKey) -> None:

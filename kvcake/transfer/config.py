@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvcake.auth import ClusterSecret
 from kvcake.transfer import checksum
 
 MIB = 1 << 20
@@ -58,6 +59,9 @@ class TransferConfig:
       8 MiB (fewer bytes waiting in socket buffers: warmer kernel copies;
       benchmarks/transfer_socket_buffers.py), but it would cap a long-RTT path at 256 KiB in
       flight per connection, so the default stays with the kernel.
+    secret: the cluster secret (`kvcake.auth`). With one, the segment server admits only peers
+      that prove it, and this engine proves it to every server it connects to (both must hold
+      the same). None (the default): open ports, as before; shared memory is unaffected.
     """
 
     slice_bytes: int = 4 * MIB
@@ -77,6 +81,7 @@ class TransferConfig:
     port_search: int = 1
     io_timeout_s: float = 30.0
     socket_buffer_bytes: int = 0
+    secret: ClusterSecret | None = None
 
     def __post_init__(self) -> None:
         positive = ("slice_bytes", "num_rails", "max_endpoints_per_rail", "pipeline_depth",
@@ -105,6 +110,10 @@ class TransferConfig:
         checksum.parse(self.checksum, "TransferConfig.checksum")
         if not self.io_timeout_s > 0:
             raise ValueError(f"TransferConfig.io_timeout_s must be > 0, got {self.io_timeout_s}")
+        if self.secret is not None and not isinstance(self.secret, ClusterSecret):
+            raise ValueError("TransferConfig.secret must be a ClusterSecret or None, got "
+                             f"{type(self.secret).__name__}: load one with "
+                             "kvcake.auth.ClusterSecret.load(file=..., env=...)")
 
     def digests(self, over_tcp: bool, checksum_tcp: bool | None = None) -> bool:
         """Whether a slice carries a digest: over TCP the request's `checksum_tcp` if it set

@@ -78,7 +78,8 @@ class TransferEngine:
             self._server = SegmentServer(self._segments, host=self.config.host,
                                          port=self.config.port,
                                          port_search=self.config.port_search,
-                                         buffer_bytes=self.config.socket_buffer_bytes)
+                                         buffer_bytes=self.config.socket_buffer_bytes,
+                                         secret=self.config.secret)
             self._server.start()
         for rail in self._rails:
             rail.start()
@@ -183,7 +184,8 @@ class TransferEngine:
     def lookup(self, address: str, name: str) -> SegmentDesc:
         """Ask the segment server at `address` for its segment `name` (TransferError if absent)."""
         transport = TcpTransport.connect(address, timeout_s=self.config.io_timeout_s,
-                                         buffer_bytes=self.config.socket_buffer_bytes)
+                                         buffer_bytes=self.config.socket_buffer_bytes,
+                                         secret=self.config.secret)
         try:
             return transport.lookup(name)
         except TransportError as e:
@@ -328,7 +330,8 @@ class TransferEngine:
             bind = self.config.rail_bind_hosts[rail] if self.config.rail_bind_hosts else None
             transport = TcpTransport.connect(key.peer, bind_host=bind,
                                              timeout_s=self.config.io_timeout_s,
-                                             buffer_bytes=self.config.socket_buffer_bytes)
+                                             buffer_bytes=self.config.socket_buffer_bytes,
+                                             secret=self.config.secret)
         return self._wrap(transport, key, rail) if self._wrap is not None else transport
 
     def _on_slice_failure(self, task: SliceTask, error: TransportError) -> None:

@@ -5,6 +5,8 @@ send several requests before reading the replies: they wait in the socket buffer
 is checked against the segment table before any byte moves: a bad request gets an error reply and
 the connection keeps serving; a frame that cannot be parsed gets an error reply and that one
 connection is closed (its byte stream can no longer be trusted). Other connections never notice.
+With a cluster secret, a connection must pass the challenge of `kvcake.auth` before its first
+request is read; one that fails is logged and closed, having touched nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Mapping
 
 import msgpack
 
+from kvcake import auth
+from kvcake.auth import ClusterSecret
 from kvcake.transfer import checksum, frame
 from kvcake.transfer.checksum import ChecksumKind
 from kvcake.transfer.frame import FrameError, Header, Op, Status
@@ -34,11 +38,13 @@ _MAX_DRAIN_BYTES = 1 << 30  # a rejected write longer than this closes the conne
 
 
 class SegmentServer:
-    """Serves `segments` (a live mapping segment_id -> Segment, owned by the engine)."""
+    """Serves `segments` (a live mapping segment_id -> Segment, owned by the engine) to peers
+    that prove `secret` (None: to anyone who connects)."""
 
     def __init__(self, segments: Mapping[int, Segment], *, host: str, port: int, port_search: int,
-                 buffer_bytes: int) -> None:
+                 buffer_bytes: int, secret: ClusterSecret | None = None) -> None:
         self._segments = segments
+        self._secret = secret
         self._host, self._port, self._port_search = host, port, port_search
         self._buffer_bytes = buffer_bytes
         self._listener: socket.socket | None = None
@@ -105,6 +111,8 @@ class SegmentServer:
         tune_socket(conn, self._buffer_bytes)
         header = bytearray(frame.HEADER_BYTES)
         try:
+            if not auth.admit(conn, self._secret, auth.SEGMENT, log):
+                return
             while self._serve_one(conn, memoryview(header)):
                 pass
         except OSError:

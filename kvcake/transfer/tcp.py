@@ -14,6 +14,8 @@ from typing import NoReturn
 
 import msgpack
 
+from kvcake import auth
+from kvcake.auth import ClusterSecret
 from kvcake.transfer import frame
 from kvcake.transfer.checksum import ChecksumKind, Digest
 from kvcake.transfer.errors import TransportError
@@ -147,7 +149,9 @@ class TcpTransport:
 
     @classmethod
     def connect(cls, address: str, *, bind_host: str | None = None, timeout_s: float = 30.0,
-                buffer_bytes: int = 0) -> TcpTransport:
+                buffer_bytes: int = 0, secret: ClusterSecret | None = None) -> TcpTransport:
+        """Connect to the segment server at `address`, proving `secret` if given (the server
+        must hold the same one; TransportError, not retryable, if either side fails it)."""
         host, port = parse_address(address)
         try:
             sock = socket.create_connection(
@@ -155,6 +159,11 @@ class TcpTransport:
                 source_address=(bind_host, 0) if bind_host else None)
         except OSError as e:
             raise TransportError(f"cannot connect to {address}: {e}") from e
+        try:
+            auth.authenticate(sock, secret, auth.SEGMENT, min(timeout_s, auth.HANDSHAKE_TIMEOUT_S))
+        except OSError as e:
+            sock.close()
+            raise TransportError(f"{address}: {e}", retryable=False) from e
         tune_socket(sock, buffer_bytes)
         set_kernel_timeout(sock, timeout_s)
         return cls(sock, address, timeout_s)
@@ -280,7 +289,14 @@ class TcpTransport:
         try:
             recv_exactly(self._sock, memoryview(self._header))
             return frame.unpack(self._header)
-        except (OSError, frame.FrameError) as e:
+        except frame.FrameError as e:
+            self.close()
+            if auth.is_hello(self._header):
+                raise TransportError(f"{self.address}: the segment server requires the cluster "
+                                     "secret: configure it on this side (TransferConfig.secret)",
+                                     retryable=False) from e
+            raise TransportError(f"{self.address}: {e}") from e
+        except OSError as e:
             self.close()
             raise TransportError(f"{self.address}: {_describe(e, self.timeout_s)}") from e
 
