@@ -58,8 +58,9 @@ class StoreClient:
                  transfer_config: TransferConfig | None = None, num_replicas: int | None = None,
                  local_node: str | None = None,
                  wrap_transport: TransportWrapper | None = None) -> None:
-        if isinstance(master, str):
-            master = RemoteMaster(master)
+        if isinstance(master, str):  # proves transfer_config.secret to the master, if set
+            master = RemoteMaster(master, secret=transfer_config.secret if transfer_config
+                                  else None)
         self.master: Master = master
         self._own_engine = engine is None
         self._engine = engine

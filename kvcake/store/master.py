@@ -11,6 +11,7 @@ import logging
 import threading
 from typing import Any, Protocol
 
+from kvcake.auth import ClusterSecret
 from kvcake.clock import Clock, SystemClock
 from kvcake.store.config import MasterConfig
 from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
@@ -34,15 +35,16 @@ class NodeHandle(Protocol):
 
 
 class RemoteNode:
-    """A node reached through its control server."""
+    """A node reached through its control server (proving `secret` to it, if given)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
         self._address = address
+        self._secret = secret
         self._conn: RpcConnection | None = None
 
     def _call(self, op: str, **args: Any) -> None:
         if self._conn is None:
-            self._conn = RpcConnection(self._address)
+            self._conn = RpcConnection(self._address, secret=self._secret)
         self._conn.call(op, **args)
 
     def demote(self, key: str, offset: int, alloc_bytes: int, version: int,
@@ -293,12 +295,16 @@ def _item(call: Any) -> dict[str, Any]:
 
 class MasterServer:
     """`MasterService` on TCP, plus a reaper thread that calls `tick()` every `tick_interval_s`
-    (None: no reaper; tests call `service.tick()` after moving their clock)."""
+    (None: no reaper; tests call `service.tick()` after moving their clock). With `secret`, only
+    clients and nodes that prove it are served, and the master proves it to nodes' control ports."""
 
     def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 0,
-                 tick_interval_s: float | None = 0.5) -> None:
+                 tick_interval_s: float | None = 0.5,
+                 secret: ClusterSecret | None = None) -> None:
         self.service = service
-        self._server = RpcServer(self._handle, host, port, on_close=self._on_close)
+        self._secret = secret
+        self._server = RpcServer(self._handle, host, port, on_close=self._on_close,
+                                 secret=secret)
         self._tick_interval_s = tick_interval_s
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -334,7 +340,7 @@ class MasterServer:
     def _handle(self, op: str, args: dict[str, Any], session: dict[str, Any]) -> Any:
         if op == "register_node":
             address = args.pop("control_address", None)
-            handle = RemoteNode(address) if address else None
+            handle = RemoteNode(address, self._secret) if address else None
             self.service.register_node(handle=handle, **args)
             session["node_id"] = args["node_id"]
             return None

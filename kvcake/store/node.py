@@ -10,11 +10,13 @@ node to move objects between its DRAM and its disk (demote / promote / drop_disk
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import uuid
 from typing import Any
 
+from kvcake.auth import ClusterSecret
 from kvcake.store.config import NodeConfig
 from kvcake.store.disk import DiskTier
 from kvcake.store.errors import InvalidRequest, StoreError
@@ -28,17 +30,26 @@ log = logging.getLogger(__name__)
 
 class StoreNode:
     """`master` is "HOST:PORT" (a remote master: the node serves a control port for it) or an
-    in-process `MasterService` (embedded: no sockets for control, no heartbeat thread)."""
+    in-process `MasterService` (embedded: no sockets for control, no heartbeat thread).
+
+    `secret` (default: `transfer_config.secret`): the cluster secret the node proves to the
+    master and asks of everyone on its control port and, with its own engine, its segment
+    server. None: open ports."""
 
     def __init__(self, config: NodeConfig, master: str | MasterService, *,
                  node_id: str | None = None, engine: TransferEngine | None = None,
-                 transfer_config: TransferConfig | None = None, host: str = "127.0.0.1") -> None:
+                 transfer_config: TransferConfig | None = None, host: str = "127.0.0.1",
+                 secret: ClusterSecret | None = None) -> None:
         self.config = config
         self.node_id = node_id or f"node-{uuid.uuid4().hex[:8]}"
         self._master_arg = master
         self._master: RemoteMaster | MasterService | None = None
         self._own_engine = engine is None
-        self.engine = engine or TransferEngine(transfer_config or TransferConfig(host=host))
+        transfer = transfer_config or TransferConfig(host=host)
+        self._secret = secret if secret is not None else transfer.secret
+        if transfer.secret is None and self._secret is not None:
+            transfer = dataclasses.replace(transfer, secret=self._secret)
+        self.engine = engine or TransferEngine(transfer)
         self._host = host
         self._segment_name = f"store-{self.node_id}"
         self._disk = DiskTier(config.disk_dir) if config.disk_dir and config.disk_bytes else None
@@ -55,8 +66,9 @@ class StoreNode:
             self._disk.open()
         endpoint = {"segment": desc.to_dict()}
         if isinstance(self._master_arg, str):
-            self._control = RpcServer(self._handle_control, self._host, 0).start()
-            remote = self._master = RemoteMaster(self._master_arg)
+            self._control = RpcServer(self._handle_control, self._host, 0,
+                                      secret=self._secret).start()
+            remote = self._master = RemoteMaster(self._master_arg, secret=self._secret)
             remote.register_node(self.node_id, self.config.dram_bytes,
                                        self.config.disk_bytes, endpoint,
                                        control_address=self._control.address)

@@ -7,6 +7,7 @@
 
 Every request is checked against `SCHEMA` before it reaches the master; a malformed frame gets an
 error reply (or, if it cannot even be framed, a closed connection) and the server keeps serving.
+With a cluster secret, the connection opens with the challenge of `kvcake.auth` (STORE_RPC).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from kvcake import auth
+from kvcake.auth import ClusterSecret
 from kvcake.store.errors import WIRE_ERRORS, InvalidRequest, MasterUnavailable, StoreError
 
 T = TypeVar("T")
@@ -153,6 +156,9 @@ class FrameReader:
         while True:
             if len(self._buf) >= _LEN.size:
                 (length,) = _LEN.unpack_from(self._buf)
+                if length > MAX_FRAME_BYTES and auth.is_hello(self._buf):
+                    raise auth.AuthError("the server requires the cluster secret: configure "
+                                         "the same secret on this side")
                 if length > MAX_FRAME_BYTES:
                     raise InvalidRequest(f"frame: {length} bytes is over the {MAX_FRAME_BYTES} "
                                          "byte limit")
@@ -175,15 +181,23 @@ def parse_address(address: str, field: str = "address") -> tuple[str, int]:
 
 
 class RpcConnection:
-    """A blocking request/reply connection; thread-safe (one call at a time)."""
+    """A blocking request/reply connection; thread-safe (one call at a time). With `secret`,
+    it proves the cluster secret at connect (MasterUnavailable naming why if that fails)."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0,
+                 secret: ClusterSecret | None = None) -> None:
         self.address = address
         host, port = parse_address(address)
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
             raise MasterUnavailable(f"cannot connect to {address}: {exc}") from None
+        try:
+            auth.authenticate(self._sock, secret, auth.STORE_RPC,
+                              min(timeout_s, auth.HANDSHAKE_TIMEOUT_S))
+        except OSError as exc:
+            self._sock.close()
+            raise MasterUnavailable(f"{address}: {exc}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Blocking socket, timeout kept by the kernel: Python's timeout mode polls before every
         # send and recv (two more system calls per call; see transfer.tcp.set_kernel_timeout).

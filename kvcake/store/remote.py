@@ -6,15 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvcake.auth import ClusterSecret
 from kvcake.store.protocol import RpcConnection
 
 T = TypeVar("T")
 
 
 class RemoteMaster:
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0,
+                 secret: ClusterSecret | None = None) -> None:
         self.address = address
-        self._conn = RpcConnection(address, timeout_s)
+        self._conn = RpcConnection(address, timeout_s, secret)
 
     def close(self) -> None:
         self._conn.close()

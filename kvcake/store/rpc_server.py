@@ -2,7 +2,9 @@
 
 Used by the master and by each node's control endpoint. The handler gets (op, args, session);
 `session` is a dict private to the connection, so the master can remember which node a connection
-belongs to and drop that node's replicas when the connection closes.
+belongs to and drop that node's replicas when the connection closes. With a cluster secret, a
+connection must pass the challenge of `kvcake.auth` (STORE_RPC) before its first frame is read;
+one that fails is logged and closed, and no handler ever sees it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvcake import auth
+from kvcake.auth import ClusterSecret
 from kvcake.store.errors import InvalidRequest
 from kvcake.store.protocol import ONE_WAY_OPS, FrameReader, encode, error_reply, validate
 
@@ -24,8 +28,9 @@ OnClose = Callable[[dict[str, Any]], None]
 
 class RpcServer:
     def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0,
-                 on_close: OnClose | None = None) -> None:
+                 on_close: OnClose | None = None, secret: ClusterSecret | None = None) -> None:
         self._handler = handler
+        self._secret = secret
         self._on_close = on_close
         self._host, self._port = host, port
         self._listener: socket.socket | None = None
@@ -95,6 +100,8 @@ class RpcServer:
         session: dict[str, Any] = {}
         reader = FrameReader(conn)
         try:
+            if not auth.admit(conn, self._secret, auth.STORE_RPC, log):
+                return
             while not self._closed:
                 try:
                     message = reader.read()
