@@ -37,6 +37,7 @@ def register(subparsers: Any) -> None:
     master.add_argument("--strategy", choices=[s.value for s in Strategy],
                         default=_MASTER.strategy.value)
     master.add_argument("--stats-interval-s", type=float, default=30.0)
+    _secret_flags(master)
     master.set_defaults(func=run_master)
 
     node = sub.add_parser("node", help="a node contributing DRAM (and disk) to the pool")
@@ -50,7 +51,24 @@ def register(subparsers: Any) -> None:
     node.add_argument("--rails", type=int, default=4, help="transfer connections per peer")
     node.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     node.add_argument("--stats-interval-s", type=float, default=30.0)
+    _secret_flags(node)
     node.set_defaults(func=run_node)
+
+
+def _secret_flags(parser: Any) -> None:
+    parser.add_argument("--secret-file", default=None, help="file holding the cluster secret "
+                        "(mode 600); every connection must then prove it (kvcake/auth.py)")
+    parser.add_argument("--secret-env", default=None, metavar="NAME",
+                        help="environment variable holding the cluster secret (instead of a file)")
+
+
+def _secret(args: argparse.Namespace) -> Any:
+    from kvcake.auth import ClusterSecret
+
+    try:
+        return ClusterSecret.load(file=args.secret_file, env=args.secret_env)
+    except ValueError as exc:
+        raise ValueError(f"--secret-file/--secret-env: {exc}") from None
 
 
 def _serve_until_signal(report: Callable[[], dict[str, Any]], interval_s: float) -> None:
@@ -78,7 +96,7 @@ def run_master(args: argparse.Namespace) -> int:
                           heartbeat_timeout_s=args.heartbeat_timeout_s,
                           default_replicas=args.replicas, strategy=Strategy(args.strategy))
     _logging()
-    server = MasterServer(MasterService(config), args.host, args.port)
+    server = MasterServer(MasterService(config), args.host, args.port, secret=_secret(args))
     server.start()
     log.info("master listening on %s", server.address)
     try:
@@ -96,7 +114,8 @@ def run_node(args: argparse.Namespace) -> int:
     config = NodeConfig(dram_bytes=parse_size(args.dram, "--dram"), disk_dir=args.disk,
                         disk_bytes=parse_size(args.disk_size, "--disk-size") if args.disk else 0,
                         heartbeat_interval_s=args.heartbeat_interval_s)
-    transfer = TransferConfig(host=args.host, port=args.port, num_rails=args.rails)
+    transfer = TransferConfig(host=args.host, port=args.port, num_rails=args.rails,
+                              secret=_secret(args))
     _logging()
     node = StoreNode(config, args.master, node_id=args.node_id, transfer_config=transfer,
                      host=args.host)

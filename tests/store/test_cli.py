@@ -89,3 +89,35 @@ def test_node_with_bad_arguments_exits_2() -> None:
     done = subprocess.run([*STORE, "node", "--master", "127.0.0.1:1", "--dram", "1MiB"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--master" in done.stderr
+
+
+def test_a_master_with_a_secret_admits_only_nodes_and_clients_that_hold_it(
+        procs: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    from kvcake.auth import ClusterSecret
+
+    secret = ClusterSecret.generate()
+    secret_file = tmp_path / "secret"
+    secret.write(secret_file)
+    master = _spawn("master", "--port", "0", "--secret-file", str(secret_file))
+    procs.append(master)
+    address = _wait_for(master, r"master listening on (\S+)").group(1)
+    env = {**os.environ, "MY_CLUSTER_SECRET": secret.text()}
+    node = subprocess.Popen([*STORE, "node", "--master", address, "--dram", "4MiB", "--node-id",
+                             "a", "--rails", "1", "--secret-env", "MY_CLUSTER_SECRET"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    procs.append(node)
+    _wait_for(node, "node a joined")
+    stranger = subprocess.run([*STORE, "node", "--master", address, "--dram", "1MiB"],
+                              capture_output=True, text=True, timeout=60)
+    assert stranger.returncode == 2 and "requires the cluster secret" in stranger.stderr
+    tcp = TransferConfig(serve=False, use_shared_memory=False, num_rails=1, secret=secret)
+    with StoreClient(address, transfer_config=tcp) as client:
+        client.put("k", b"x" * 5000)
+        assert client.get("k") == b"x" * 5000 and client.stats()["num_nodes"] == 1
+    secret_file.chmod(0o644)
+    loose = subprocess.run([*STORE, "master", "--port", "0", "--secret-file", str(secret_file)],
+                           capture_output=True, text=True, timeout=60)
+    assert loose.returncode == 2 and "chmod 600" in loose.stderr
+    for proc in (node, master):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
