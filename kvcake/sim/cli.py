@@ -115,6 +115,8 @@ def register(subparsers: Any) -> None:
     rep.add_argument("experiment", choices=sorted(EXPERIMENTS))
     add_cluster_flags(rep)
     rep.add_argument("--out", type=Path, required=True, help="directory for the report and PNG")
+    rep.add_argument("--json", action="store_true",
+                     help="print the experiment's numbers as one JSON object (not the path)")
     rep.set_defaults(func=_reproduce)
 
     trace = _one_line_errors(subparsers.add_parser("trace", help="Mooncake trace tools"), "trace")
@@ -183,10 +185,10 @@ def format_summary(summary: dict[str, Any]) -> str:
 def _reproduce(args: argparse.Namespace) -> int:
     from kvcake.sim.reproduce import run_experiment
 
-    path = run_experiment(args.experiment, args.trace, args.out, speed=args.speed,
-                          max_requests=args.max_requests, profile=args.profile, seed=args.seed,
-                          ttft_slo_s=args.ttft_slo_s)
-    print(path)
+    report = run_experiment(args.experiment, args.trace, args.out, speed=args.speed,
+                            max_requests=args.max_requests, profile=args.profile, seed=args.seed,
+                            ttft_slo_s=args.ttft_slo_s)
+    print(json.dumps(report.data, sort_keys=True) if args.json else report.path)
     return 0
 
 

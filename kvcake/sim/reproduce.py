@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ class Context:
     workload: str | None
     runs: int = 0
     started_s: float = 0.0
+    data: dict[str, Any] = field(default_factory=dict)  # the numbers, for `--json`
 
     @property
     def stem(self) -> str:
@@ -99,6 +100,11 @@ def figure5(ctx: Context) -> list[str]:
               f"global_cache is {100 * (1 - g / loc):.1f}% below local_cache; the order "
               f"random > load_balance > local_cache > global_cache "
               f"{'holds' if order == sorted(order, reverse=True) else 'does NOT hold'}.", ""]
+    ctx.data.update({"speed": ctx.base.speed, "policies": {p: {
+        "mean_ttft_s": main[p]["ttft_s"]["mean"], "rejected": main[p]["rejected"],
+        "cache_hit_rate": main[p]["cache_hit_rate"]} for p in POLICIES4},
+        "mean_ttft_s_by_speed": {f"{sp:g}": {p: table[sp][p]["ttft_s"]["mean"] for p in POLICIES4}
+                                 for sp in speeds}})
     series = {"ours": order}
     if ctx.workload == "conversation":
         series["paper"] = [paper.FIGURE5_TTFT_S[p] for p in POLICIES4]
@@ -126,6 +132,8 @@ def figure9(ctx: Context) -> list[str]:
         lines.append(f"| {cap / 1e6:g}M | {rate:.3f} | {rate / best if best else 0:.2f} |")
     lines.append(f"| unlimited | {best:.3f} | 1.00 |")
     r3, r50 = rates[FIGURE9_CAPACITIES.index(3_000_000)], rates[FIGURE9_CAPACITIES.index(50_000_000)]
+    ctx.data.update({"capacity_tokens": list(FIGURE9_CAPACITIES), "hit_rate": rates,
+                     "max_hit_rate": best})
     lines += ["", f"Paper: {paper.FIGURE9_CLAIM}.", f"Ours: 3M tokens reach {r3 / best:.0%} of the "
               f"maximum ({'under' if r3 < best / 2 else 'NOT under'} half); 50M reach "
               f"{r50 / best:.0%}.", ""]
@@ -147,6 +155,7 @@ def figure10(ctx: Context) -> list[str]:
     lines += ["| local cache per prefill node | policy | hit rate | prefill GPU time (s) | "
               "global/local hit rate | global/local prefill time |", "|---|---|---|---|---|---|"]
     hits: dict[str, list[float]] = {"local_cache": [], "global_cache": []}
+    compute: dict[str, list[float]] = {"local_cache": [], "global_cache": []}
     for tokens in FIGURE10_LOCAL_TOKENS:
         res = {p: ctx.sim(policy=p, local_cache_tokens=tokens).summary
                for p in ("local_cache", "global_cache")}
@@ -155,10 +164,13 @@ def figure10(ctx: Context) -> list[str]:
         for p in ("local_cache", "global_cache"):
             s = res[p]
             hits[p].append(s["cache_hit_rate"])
+            compute[p].append(s["prefill_compute_s"])
             tail = f"{hr:.2f}x | {pr:.2f}x" if p == "global_cache" else " | "
             lines.append(f"| {tokens / 1e6:g}M | {p} | {s['cache_hit_rate']:.3f} | "
                          f"{_fmt(s['prefill_compute_s'])} | {tail} |")
     lines += ["", f"Paper: {paper.FIGURE10_CLAIM}.", ""]
+    ctx.data.update({"local_cache_tokens": list(FIGURE10_LOCAL_TOKENS), "cache_hit_rate": hits,
+                     "prefill_compute_s": compute})
     plot_bars(ctx.out / f"figure10_{ctx.stem}.png", f"Figure 10: hit rate, {ctx.stem}",
               [f"{t / 1e6:g}M local" for t in FIGURE10_LOCAL_TOKENS], hits, "cache hit rate")
     return lines
@@ -192,6 +204,8 @@ def figure13(ctx: Context) -> list[str]:
                      f"{_fmt(1000 * g.summary['tbt_s']['mean'])} | "
                      f"{g.summary['effective_request_capacity']:.3f} |")
     lines += ["", f"Paper: {paper.FIGURE13_CLAIM}.", ""]
+    ctx.data.update({"nic_gbps": list(FIGURE13_GBPS), "global_mean_ttft_s": ttft_g,
+                     "local_mean_ttft_s": ttft_l, "mean_fetch_s": fetch})
     xs = [float(x) for x in FIGURE13_GBPS]
     plot_lines(ctx.out / f"figure13_{ctx.stem}.png", f"Figure 13: bandwidth, {ctx.stem}",
                [("NIC bandwidth (Gbps)", "mean TTFT (s)",
@@ -203,27 +217,45 @@ def figure13(ctx: Context) -> list[str]:
 
 # ---- Figure 15: prefill:decode ratio -----------------------------------------------------------
 
-FIGURE15_SPLITS = ((4, 12), (6, 10), (8, 8), (10, 6), (12, 4))
+FIGURE15_SPLITS = ((5, 11), (6, 10), (7, 9), (8, 8), (9, 7), (10, 6), (11, 5))  # the paper's
 
 
 def figure15(ctx: Context) -> list[str]:
+    from kvcake.bench.capacity import find_capacity
+
     lines = ctx.header("Figure 15: prefill:decode split of 16 nodes (global_cache)")
-    lines += ["| P:D | effective capacity | mean TTFT (s) | p90 TTFT (s) | mean TBT (ms) | "
-              "p90 TBT (ms) | rejected |", "|---|---|---|---|---|---|---|"]
-    caps, ttfts, tbts = [], [], []
+    lines += ["Capacity = the highest replay speed at which >= 90% of requests meet both SLOs "
+              "(search as in the capacity report, to within 5%).", "",
+              "| P:D | effective share | mean TTFT (s) | p90 TTFT (s) | mean TBT (ms) | "
+              "p90 TBT (ms) | rejected | capacity (highest speed) |",
+              "|---|---|---|---|---|---|---|---|"]
+    shares, ttfts, tbts, caps = [], [], [], []
+    slo_s, tbt_s = ctx.base.ttft_slo_s, ctx.base.tbt_slo_ms / 1000.0
     for p, d in FIGURE15_SPLITS:
         s = ctx.sim(policy="global_cache", num_prefill=p, num_decode=d).summary
-        caps.append(s["effective_request_capacity"])
+        shares.append(s["effective_request_capacity"])
         ttfts.append(s["ttft_s"]["mean"])
         tbts.append(1000 * s["tbt_s"]["mean"])
-        lines.append(f"| {p}:{d} | {caps[-1]:.3f} | {_fmt(ttfts[-1])} | {_fmt(s['ttft_s']['p90'])}"
-                     f" | {_fmt(tbts[-1])} | {_fmt(1000 * s['tbt_s']['p90'])} | {s['rejected']} |")
-    best = FIGURE15_SPLITS[max(range(len(caps)), key=caps.__getitem__)]
-    lines += ["", f"Paper: {paper.FIGURE15_CLAIM}. Ours: the best split is {best[0]}:{best[1]}.",
-              ""]
+        found = find_capacity(
+            lambda speed, p=p, d=d: effective_share(  # type: ignore[misc]
+                ctx.sim(policy="global_cache", num_prefill=p, num_decode=d, speed=speed),
+                slo_s, tbt_s), ctx.base.speed, 0.9, 8, 0.05)
+        caps.append(found.best_speed or 0.0)
+        lines.append(f"| {p}:{d} | {shares[-1]:.3f} | {_fmt(ttfts[-1])} | "
+                     f"{_fmt(s['ttft_s']['p90'])} | {_fmt(tbts[-1])} | "
+                     f"{_fmt(1000 * s['tbt_s']['p90'])} | {s['rejected']} | {caps[-1]:.3g}x |")
+    best = FIGURE15_SPLITS[max(range(len(shares)), key=shares.__getitem__)]
+    best_cap = FIGURE15_SPLITS[max(range(len(caps)), key=caps.__getitem__)]
+    lines += ["", f"Paper: {paper.FIGURE15_CLAIM}. Ours: the best split is {best[0]}:{best[1]}"
+              f" by the share at speed {ctx.base.speed:g}, {best_cap[0]}:{best_cap[1]} by "
+              f"capacity. Mean TBT {min(tbts):.0f}-{max(tbts):.0f} ms across the splits (paper's "
+              "Figure 15b: 40-50 ms).", ""]
+    ctx.data.update({"splits": [f"{p}:{d}" for p, d in FIGURE15_SPLITS],
+                     "effective_share": shares, "capacity": caps, "mean_ttft_s": ttfts,
+                     "mean_tbt_ms": tbts})
     xs = [float(p) for p, _ in FIGURE15_SPLITS]
     plot_lines(ctx.out / f"figure15_{ctx.stem}.png", f"Figure 15: P:D split, {ctx.stem}",
-               [("prefill nodes (of 16)", "effective request capacity", {"ours": (xs, caps)}),
+               [("prefill nodes (of 16)", "capacity (highest speed)", {"ours": (xs, caps)}),
                 ("prefill nodes (of 16)", "mean TTFT (s)", {"ours": (xs, ttfts)}),
                 ("prefill nodes (of 16)", "mean TBT (ms)", {"ours": (xs, tbts)})])
     return lines
@@ -244,10 +276,18 @@ def _register_capacity() -> None:
 _register_capacity()
 
 
+@dataclass(frozen=True)
+class Report:
+    """A written report: its markdown file and the experiment's numbers (`--json`)."""
+
+    path: Path
+    data: dict[str, Any]
+
+
 def run_experiment(name: str, trace_path: Path, out: Path, speed: float = 1.0,
                    max_requests: int | None = None, profile: str = SimConfig.profile,
-                   seed: int = 0, ttft_slo_s: float = SimConfig.ttft_slo_s) -> Path:
-    """Run experiment `name` on the trace; write its markdown and PNG into `out`; return the .md."""
+                   seed: int = 0, ttft_slo_s: float = SimConfig.ttft_slo_s) -> Report:
+    """Run experiment `name` on the trace; write its markdown and PNG into `out`."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(sorted(EXPERIMENTS))}")
     base = SimConfig(speed=speed, max_requests=max_requests, profile=profile, seed=seed,
@@ -255,7 +295,8 @@ def run_experiment(name: str, trace_path: Path, out: Path, speed: float = 1.0,
     trace = load_trace(trace_path)
     out.mkdir(parents=True, exist_ok=True)
     command = (f"kvcake reproduce {name} --trace {trace_path} --out {out} --speed {speed:g}"
-               + ("" if max_requests is None else f" --max-requests {max_requests}"))
+               + ("" if max_requests is None else f" --max-requests {max_requests}")
+               + ("" if ttft_slo_s == SimConfig.ttft_slo_s else f" --ttft-slo-s {ttft_slo_s:g}"))
     ctx = Context(trace, trace_path, base, out, command, paper.workload_of(trace_path.name))
     ctx.started_s = time.perf_counter()
     lines = EXPERIMENTS[name](ctx)
@@ -264,7 +305,7 @@ def run_experiment(name: str, trace_path: Path, out: Path, speed: float = 1.0,
               f"({ctx.runs} simulated runs, {elapsed:.0f} s wall on the development machine.)", ""]
     path = out / f"{name}_{ctx.stem}.md"
     path.write_text("\n".join(lines))
-    return path
+    return Report(path, ctx.data)
 
 
 def effective_share(result: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> float:

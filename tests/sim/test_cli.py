@@ -181,12 +181,12 @@ def _figure13(report: str) -> None:
 
 def _figure15(report: str) -> None:
     rows = _table(report, "P:D")
-    assert [r[0] for r in rows] == ["4:12", "6:10", "8:8", "10:6", "12:4"]
+    assert [r[0] for r in rows] == ["5:11", "6:10", "7:9", "8:8", "9:7", "10:6", "11:5"]
     assert _non_increasing([_num(r[2]) for r in rows])  # more prefill nodes: lower TTFT
     assert _non_increasing([-_num(r[4]) for r in rows])  # fewer decode nodes: higher TBT
     caps = [_num(r[1]) for r in rows]
     best = rows[caps.index(max(caps))][0]
-    assert f"Ours: the best split is {best}." in report
+    assert f"Ours: the best split is {best} by the share" in report
 
 
 def _capacity(report: str) -> None:

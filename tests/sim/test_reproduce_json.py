@@ -1,0 +1,54 @@
+"""`kvcake reproduce EXPERIMENT --json`: one JSON object of the experiment's numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcake.cli import main
+from kvcake.sim.tracegen import TraceGenConfig, generate_trace
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "small.jsonl"
+    generate_trace(TraceGenConfig(num_requests=60, rate_per_s=4.0, seed=5)).write(path)
+    return path
+
+
+def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1
+    data = json.loads(out)
+    assert isinstance(data, dict)
+    return data
+
+
+def test_capacity_json_has_exactly_the_capacities_and_gains(
+        trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(["reproduce", "capacity", "--trace", str(trace), "--out", str(tmp_path / "r"),
+                  "--max-requests", "25", "--json"], capsys)
+    assert set(data) == {"tbt_slo_ms", "systems", "gain_vs_best_baseline"}
+    assert data["tbt_slo_ms"] == [100, 200, 300]
+    systems = data["systems"]
+    assert isinstance(systems, dict)
+    assert sorted(systems) == ["mooncake", "vllm", "vllm_chunked_prefill", "vllm_prefix_caching"]
+    for caps in systems.values():
+        assert len(caps) == 3 and all(c >= 0 for c in caps)
+    for i, gain in enumerate(data["gain_vs_best_baseline"]):  # type: ignore[arg-type]
+        best = max(systems[b][i] for b in systems if b != "mooncake")
+        assert gain == pytest.approx(systems["mooncake"][i] / best - 1)
+    report = (tmp_path / "r" / "capacity_small.md").read_text()
+    assert "| capacity (highest speed) of |" in report
+
+
+@pytest.mark.parametrize("experiment", ["figure5", "figure9", "figure10"])
+def test_every_experiment_prints_its_numbers_as_json(
+        experiment: str, trace: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(["reproduce", experiment, "--trace", str(trace), "--out", str(tmp_path / "r"),
+                  "--max-requests", "25", "--json"], capsys)
+    assert data and all(isinstance(k, str) for k in data)
