@@ -92,7 +92,8 @@ class Kernel:
         raise ValueError(f"linear backend {backend!r}: choose from {', '.join(BACKENDS)}")
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.run(x, self.choice[bucket_of(x.shape[0])])
+        rows = x.shape[0]  # 0 rows: a step whose chunks all continue a prompt samples nothing
+        return self.run(x, self.choice[bucket_of(rows)] if rows else "aten")
 
 
 class Linear(nn.Linear):

@@ -1,0 +1,114 @@
+"""Linear layers: every GEMM backend keeps the logits within 1e-4 of transformers; the
+start-up choice only ever picks an eligible backend, and keeps torch's default on a tie."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcake.engine.config import EngineConfig
+from kvcake.engine.engine import Engine
+from kvcake.engine.linear import BACKENDS, BUCKETS, Kernel, Linear, bucket_of, tune
+from kvcake.engine.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [int(x) for x in torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(5))]
+
+
+@pytest.fixture(scope="module")
+def hf_logits(hf_dir: Path) -> torch.Tensor:
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        return hf.eval()(torch.tensor([PROMPT])).logits[0].float()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", [1, 7, 100])  # one row (GEMV), a few, many: every bucket
+def test_every_backend_matches_transformers(hf_dir: Path, hf_logits: torch.Tensor, backend: str,
+                                            chunk: int) -> None:
+    engine = Engine(str(hf_dir), EngineConfig(kv_cache_bytes=2**22, device="cpu",
+                                              max_num_batched_tokens=chunk,
+                                              linear_backend=backend))
+    wanted = backend if backend != "mkl_gemv" or chunk == 1 else "aten"
+    assert engine.model.lm_head.kernel is not None
+    assert engine.model.lm_head.kernel.choice[bucket_of(chunk)] == wanted
+    _, ours = engine.prompt_logits(PROMPT)
+    assert (ours - hf_logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_equals_f_linear_with_bias(backend: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    kernel = Kernel(w, b)
+    kernel.prepare(backend)
+    for rows in (1, 3, 70):
+        if backend == "mkl_gemv" and rows != 1:
+            continue
+        x = torch.randn(rows, 40, generator=gen)
+        assert torch.allclose(kernel.run(x, backend), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_rows_give_an_empty_result_on_every_backend(backend: str) -> None:
+    layer = Linear(16, 24)
+    tune([layer], backend)
+    assert layer(torch.empty(0, 16)).shape == (0, 24)
+
+
+def test_a_prompt_longer_than_the_token_budget_runs_with_the_one_row_backend() -> None:
+    # Its first chunk samples nothing: the lm_head gets 0 rows (regression: an assertion).
+    engine = Engine("tiny", EngineConfig(kv_cache_bytes=2**22, device="cpu",
+                                         max_num_batched_tokens=32, linear_backend="mkl_gemv"))
+    engine.add_request("long", list(range(3, 103)), SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _layers() -> list[Linear]:
+    torch.manual_seed(0)
+    return [Linear(64, 96), Linear(64, 96, bias=False), Linear(96, 64)]
+
+
+def test_auto_keeps_the_default_when_nothing_is_clearly_faster() -> None:
+    ticks = itertools.count()
+    layers = _layers()
+    choices = tune(layers, "auto", clock=lambda: float(next(ticks)))  # every call takes 1 tick
+    assert {c.shape for c in choices} == {(96, 64), (64, 96)}  # one measurement per shape
+    for layer in layers:
+        assert layer.kernel is not None and layer.kernel.choice == ["aten"] * len(BUCKETS)
+
+
+def test_auto_choices_are_eligible_and_packed_forms_unused_are_dropped() -> None:
+    layers = _layers()
+    for choice in tune(layers, "auto"):
+        assert all(b in BACKENDS for b in choice.backends)
+        assert all(b != "mkl_gemv" for b in choice.backends[1:])  # one-row packing only
+    x = torch.randn(5, 64)
+    for layer in layers[:2]:
+        kernel = layer.kernel
+        assert kernel is not None
+        assert (kernel._onednn is None) == ("onednn" not in kernel.choice)
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)
+
+
+def test_forced_backend_applies_where_it_can_and_non_fp32_is_left_alone() -> None:
+    layers = _layers()
+    tune(layers, "mkl_gemv")
+    assert layers[0].kernel is not None
+    assert layers[0].kernel.choice == ["mkl_gemv"] + ["aten"] * (len(BUCKETS) - 1)
+    half = Linear(8, 8).to(torch.bfloat16)
+    tune([half], "onednn")
+    assert half.kernel is None
+
+
+def test_bad_backend_names_say_what_to_choose() -> None:
+    with pytest.raises(ValueError, match="linear_backend must be one of"):
+        EngineConfig(linear_backend="mkl")
+    with pytest.raises(ValueError, match="choose from"):
+        tune(_layers(), "fast")
