@@ -357,6 +357,23 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         print(f"| {label} | {' | '.join(cells)} |")
 
 
+SUMMARY = (("probe_ttft_cold", "probe.ttft_cold_ms"), ("probe_mean_tbt", "probe.mean_tbt_ms"),
+           ("trace_ttft_p50", "trace.median_ttft_ms"), ("trace_ttft_p90", "trace.p90_ttft_ms"),
+           ("trace_tbt_p50", "trace.median_tbt_ms"), ("trace_tbt_p90", "trace.p90_tbt_ms"))
+
+
+def summary_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """ours / vLLM per summary metric: the first kvcake and the first vLLM column."""
+    peer = next((n for n in results if n.startswith("vllm")), None)
+    ours = next((n for n in results if not n.startswith("vllm")), None)
+    out: dict[str, float | None] = {}
+    for key, path in SUMMARY:
+        mine = None if ours is None else lookup(results[ours], path)
+        base = None if peer is None else lookup(results[peer], path)
+        out[key] = None if mine is None or not base else round(mine / base, 4)
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -396,6 +413,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--run-dir", type=Path, default=Path("/tmp/kvcake-vs-vllm-run"))
     p.add_argument("--out", type=Path, help="write all results as JSON here")
+    p.add_argument("--json-summary", action="store_true",
+                   help='print one last line {"ratios": {...}}: the first kvcake system / the '
+                        'first vLLM system for probe_ttft_cold, probe_mean_tbt, trace_ttft_p50, '
+                        'trace_ttft_p90, trace_tbt_p50, trace_tbt_p90 (null when not measured)')
     args = p.parse_args()
     try:
         args.systems = parse_systems(args.systems, args.kvcake_dtype, args.vllm_dtype)
@@ -439,6 +460,8 @@ def main() -> int:
                                         "started": started, "load_before": load_before,
                                         "load_after": load_after, "results": results},
                                        indent=2) + "\n")
+    if args.json_summary:
+        print(json.dumps({"ratios": summary_ratios(results)}))
     return 0
 
 
