@@ -38,6 +38,7 @@ from itertools import repeat
 from operator import itemgetter
 
 from kvcake.conductor.config import Admission, ConductorConfig, Policy
+from kvcake.conductor.cpp import cpp_groups, pipelined_prefill_s
 from kvcake.conductor.decision import (
     Decision,
     DecodeEstimate,
@@ -113,6 +114,8 @@ class Conductor:
         self._placed: dict[str, tuple[str, str]] = {}  # request -> (prefill_id, decode_id)
         self._last_decode_estimates: dict[str, DecodeEstimate] = {}  # instance -> its last one
         self._prefill_pool: tuple[str, ...] = ()  # the keys of _queues, shared by decisions
+        self._cpp_groups: tuple[tuple[str, ...], ...] = ()  # CPP: the pool cut into groups
+        self._group_of: dict[str, tuple[str, ...]] = {}  # CPP request -> its group
         self._predicted_prefill_s: dict[tuple[int, int], float] = {}  # (prompt, prefix) -> s
         for instance_id in prefill_ids:
             self.add_prefill_instance(instance_id)
@@ -133,7 +136,7 @@ class Conductor:
         if instance_id in self._queues:
             raise ValueError(f"prefill instance {instance_id!r} is already registered")
         self._queues[instance_id] = PrefillQueue()
-        self._prefill_pool = tuple(self._queues)
+        self._pool_changed()
         self.index.add_holder(instance_id)
 
     def add_decode_instance(self, instance_id: str) -> None:
@@ -144,11 +147,21 @@ class Conductor:
     def remove_instance(self, instance_id: str) -> None:
         """Forget an instance (it died or was drained), its queue and its cached blocks."""
         self._queues.pop(instance_id, None)
-        self._prefill_pool = tuple(self._queues)
+        self._pool_changed()
         self._decodes.pop(instance_id, None)
         self._last_decode_estimates.pop(instance_id, None)
         self.index.remove_holder(instance_id)
         self.pending.remove_holder(instance_id)
+
+    def _pool_changed(self) -> None:
+        self._prefill_pool = tuple(self._queues)
+        if self.config.cpp_min_tokens is not None:
+            self._cpp_groups = cpp_groups(self._prefill_pool, self.config.cpp_nodes)
+
+    @property
+    def cpp_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The CPP groups (consecutive runs of `cpp_nodes` prefill instances); () when off."""
+        return self._cpp_groups
 
     def set_transfer_bandwidth(self, bytes_per_s: float) -> None:
         """The current KVCache loading speed (e.g. measured by the transfer engine)."""
@@ -183,8 +196,15 @@ class Conductor:
         match = self.index.match(req.block_keys)
         local_blocks = self._local_blocks(req, match)
         source = self._fetch_source(match)
-        candidates, ttfts = self._estimate_prefills(req, match, local_blocks, source, now_s)
-        chosen_at = self._choose_prefill(candidates, ttfts)
+        group: tuple[str, ...] = ()
+        if self._uses_cpp(req):
+            candidates, ttfts, local_blocks = self._estimate_cpp(req, match, local_blocks, source,
+                                                                 now_s)
+            chosen_at = min(range(len(ttfts)), key=ttfts.__getitem__)
+            group = self._cpp_groups[chosen_at]
+        else:
+            candidates, ttfts = self._estimate_prefills(req, match, local_blocks, source, now_s)
+            chosen_at = self._choose_prefill(candidates, ttfts)
         chosen = candidates[chosen_at]
         ttft_s = chosen.ttft_s
         decode_candidates = self._estimate_decodes(req, chosen.instance_id, now_s, ttft_s)
@@ -193,12 +213,13 @@ class Conductor:
         if rejection is not None:
             return rejection
         fetch = self._fetch_plan(req, chosen, local_blocks[chosen_at], source)
-        self._book(req, now_s, chosen, best_decode.instance_id, fetch)
-        return Placement._with_lazy_candidates(
+        self._book(req, now_s, chosen, best_decode.instance_id, fetch, group)
+        placement = Placement._with_lazy_candidates(
             candidates, request_id=req.request_id, prefill_id=chosen.instance_id,
             decode_id=best_decode.instance_id, prefix_len=chosen.prefix_len, fetch=fetch,
             predicted_ttft_s=ttft_s, predicted_tbt_s=best_decode.tbt_s,
-            decode_candidates=decode_candidates)
+            decode_candidates=decode_candidates, prefill_group=group)
+        return placement
 
     def _reuse_len(self, req: ScheduleRequest, num_blocks: int) -> int:
         # The last prompt token is always computed: its logits give the first output token.
@@ -246,8 +267,36 @@ class Conductor:
             _turn_down_slow_fetches(plans, queues, ttfts)
         return LazyPrefillCandidates(pool, tuple(plans), tuple(queues)), ttfts
 
+    # ---- chunked pipeline parallelism ---------------------------------------------------------
+
+    def _uses_cpp(self, req: ScheduleRequest) -> bool:
+        threshold = self.config.cpp_min_tokens
+        return threshold is not None and req.prompt_len >= threshold and bool(self._cpp_groups)
+
+    def _estimate_cpp(self, req: ScheduleRequest, match: PrefixMatch, blocks: list[int],
+                      source: str | None,
+                      now_s: float) -> tuple[LazyPrefillCandidates, list[float], list[int]]:
+        """Algorithm 1 over the CPP groups instead of the instances: a group reuses the prefix
+        all its members hold, waits for its busiest member, and prefills in
+        `pipelined_prefill_s`. Candidates are named by each group's first instance; returns
+        them, their TTFTs and each group's local prefix blocks."""
+        position = {instance_id: i for i, instance_id in enumerate(self._prefill_pool)}
+        queues = self._queues
+        group_blocks, group_queues = [], []
+        for group in self._cpp_groups:
+            group_blocks.append(min(blocks[position[m]] for m in group))
+            group_queues.append(max(queues[m].queue_s(now_s) for m in group))
+        predicted: dict[int, float] = {}  # prefix_len -> pipelined prefill seconds
+        plans = [self._plan_prefill(req, match, n, source, predicted, pipelined=True)
+                 for n in group_blocks]
+        ttfts = [plan[2] + queue_s + plan[3] for plan, queue_s in zip(plans, group_queues,
+                                                                     strict=True)]
+        leads = tuple(group[0] for group in self._cpp_groups)
+        return LazyPrefillCandidates(leads, tuple(plans), tuple(group_queues)), ttfts, group_blocks
+
     def _plan_prefill(self, req: ScheduleRequest, match: PrefixMatch, num_blocks: int,
-                      source: str | None, predicted: dict[int, float]) -> _Plan:
+                      source: str | None, predicted: dict[int, float],
+                      pipelined: bool = False) -> _Plan:
         """Fetch or recompute, for an instance holding `num_blocks` prefix blocks (Algorithm 1)."""
         cfg = self.config
         local_len = self._reuse_len(req, num_blocks)
@@ -257,13 +306,14 @@ class Conductor:
             fetch_bytes = (best_len - local_len) * self._kv_bytes_per_token
             backlog = self._inflight_bytes.get(source, 0)
             transfer_s = (backlog + fetch_bytes) / self._bandwidth
-            recompute_s = (self._prefill_s(req, local_len, predicted)
+            recompute_s = (self._prefill_s(req, local_len, predicted, pipelined)
                            if cfg.fetch_only_if_faster else None)
-            return (local_len, best_len, transfer_s, self._prefill_s(req, best_len, predicted),
-                    recompute_s)
-        return local_len, local_len, 0.0, self._prefill_s(req, local_len, predicted), None
+            return (local_len, best_len, transfer_s,
+                    self._prefill_s(req, best_len, predicted, pipelined), recompute_s)
+        return local_len, local_len, 0.0, self._prefill_s(req, local_len, predicted, pipelined), None
 
-    def _prefill_s(self, req: ScheduleRequest, prefix_len: int, predicted: dict[int, float]) -> float:
+    def _prefill_s(self, req: ScheduleRequest, prefix_len: int, predicted: dict[int, float],
+                   pipelined: bool = False) -> float:
         if prefix_len not in predicted:
             # The model is a pure function of its arguments, and prompt lengths repeat: keep its
             # answers (a bounded table, cleared when full) rather than ask again.
@@ -273,6 +323,10 @@ class Conductor:
                 if len(self._predicted_prefill_s) >= _MAX_PREDICTIONS:
                     self._predicted_prefill_s.clear()
                 seconds = self._predicted_prefill_s[key] = self._prefill_model.predict(*key)
+            if pipelined:
+                cfg = self.config
+                seconds = pipelined_prefill_s(seconds, req.prompt_len - prefix_len,
+                                              cfg.cpp_nodes, cfg.cpp_chunk_tokens)
             predicted[prefix_len] = seconds
         return predicted[prefix_len]
 
@@ -359,9 +413,13 @@ class Conductor:
                          chosen.transfer_s)
 
     def _book(self, req: ScheduleRequest, now_s: float, chosen: PrefillEstimate, decode_id: str,
-              fetch: FetchPlan | None) -> None:
+              fetch: FetchPlan | None, group: tuple[str, ...] = ()) -> None:
         rid = req.request_id
-        self._queues[chosen.instance_id].add(rid, chosen.prefill_s)
+        members = group or (chosen.instance_id,)
+        if group:  # the pipeline holds every member for its whole duration
+            self._group_of[rid] = group
+        for member in members:
+            self._queues[member].add(rid, chosen.prefill_s)
         context = req.prompt_len + req.max_output_len // 2
         self._decodes[decode_id].expect(rid, now_s + chosen.ttft_s, context, req.max_output_len)
         self._placed[rid] = (chosen.instance_id, decode_id)
@@ -369,16 +427,24 @@ class Conductor:
             self._inflight_bytes[fetch.source] = self._inflight_bytes.get(fetch.source, 0) + fetch.num_bytes
             self._transfers[rid] = (fetch.source, fetch.num_bytes)
         if self.config.index_on_placement:  # local to the instance from now, fetchable once stored
-            self.pending.add(rid, (chosen.instance_id,), req.block_keys)
+            self.pending.add(rid, members, req.block_keys)
 
     # ---- reports from the caller --------------------------------------------------------------
 
     def on_prefill_started(self, instance_id: str, request_id: str, now_s: float) -> None:
-        self._queue(instance_id).start(request_id, now_s)
+        """The prefill began (a CPP request: on its group; report it for any member)."""
+        for member in self._group_of.get(request_id, (instance_id,)):
+            self._queue(member).start(request_id, now_s)
 
     def on_prefill_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
-        """The prefill ended; its blocks stop being pending (report them with `on_blocks_stored`)."""
-        self._queue(instance_id).remove(request_id)
+        """The prefill ended; its blocks stop being pending (report them with `on_blocks_stored`,
+        for every member of a CPP group)."""
+        group = self._group_of.pop(request_id, None)
+        if group is None:
+            self._queue(instance_id).remove(request_id)
+        for member in group or ():
+            if member in self._queues:
+                self._queues[member].remove(request_id)
         self.pending.release(request_id)
 
     def on_transfer_done(self, request_id: str, now_s: float) -> None:
@@ -442,8 +508,9 @@ class Conductor:
         if placed is None:
             return
         prefill_id, decode_id = placed
-        if prefill_id in self._queues:
-            self._queues[prefill_id].remove(request_id)
+        for member in self._group_of.pop(request_id, (prefill_id,)):
+            if member in self._queues:
+                self._queues[member].remove(request_id)
         if decode_id in self._decodes:
             self._decodes[decode_id].remove(request_id)
 

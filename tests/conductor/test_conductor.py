@@ -431,3 +431,34 @@ def test_uniform_decode_time_forecasts_every_request_to_finish_after_t_d() -> No
     c.on_decode_joined("d0", "a", 1.0)
     assert c.decode_load("d0").next_finish_after(1.0) == pytest.approx(3.0)
     assert c.decode_load("d0").batch_at(2.9)[0] == 1 and c.decode_load("d0").batch_at(3.0)[0] == 0
+
+
+def test_cpp_places_long_prompts_on_a_group_predicted_as_a_pipeline() -> None:
+    c = make(num_prefill=5, cpp_min_tokens=3000, cpp_nodes=2, cpp_chunk_tokens=1000)
+    assert c.cpp_groups == (("p0", "p1"), ("p2", "p3"))  # p4: the remainder, prefills alone
+    busy(c, "p1", 2.0)
+    long = placed(c.schedule(request("long", prompt_len=4000), 0.0))
+    # Group (p0, p1) waits for p1's 2 s; (p2, p3) is idle: 4 chunks on 2 nodes take 5/8 of 4 s.
+    assert long.prefill_group == ("p2", "p3") and long.prefill_id == "p2"
+    assert long.chosen.prefill_s == pytest.approx(4.0 * (4 + 2 - 1) / (4 * 2))
+    assert [cand.instance_id for cand in long.prefill_candidates] == ["p0", "p2"]
+    assert c.queue_s("p2", 0.0) == c.queue_s("p3", 0.0) == pytest.approx(2.5)
+    short = placed(c.schedule(request("short", prompt_len=200, first_key=500), 0.0))
+    assert short.prefill_group == () and short.prefill_id in ("p0", "p4")
+    c.on_prefill_started("p2", "long", 0.0)
+    c.on_prefill_finished("p2", "long", 2.5)
+    assert c.queue_s("p2", 2.5) == c.queue_s("p3", 2.5) == 0.0
+
+
+def test_cpp_group_reuses_only_the_prefix_every_member_holds_and_aborts_free_all() -> None:
+    c = make(num_prefill=2, cpp_min_tokens=3000, cpp_nodes=2, cpp_chunk_tokens=1000)
+    c.on_blocks_stored("p0", range(100))
+    d = placed(c.schedule(request("a", prompt_len=4000, num_keys=100), 0.0))
+    # p1 lacks the blocks: the group fetches them to itself (any remote prefix is fetched).
+    assert d.prefill_group == ("p0", "p1") and d.fetch is not None and d.chosen.local_len == 0
+    c.on_request_aborted("a")
+    assert c.queue_s("p0", 0.0) == c.queue_s("p1", 0.0) == 0.0
+    with pytest.raises(ValueError, match="cpp_nodes"):
+        ConductorConfig(cpp_min_tokens=100, cpp_nodes=1)
+    with pytest.raises(ValueError, match="1,000"):
+        ConductorConfig(cpp_chunk_tokens=512)
