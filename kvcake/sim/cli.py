@@ -75,6 +75,13 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=_D.seed, help="seed of all randomness")
     p.add_argument("--ttft-slo-s", type=_positive_float, default=_D.ttft_slo_s)
     p.add_argument("--tbt-slo-ms", type=_positive_float, default=_D.tbt_slo_ms)
+    p.add_argument("--cpp-min-tokens", type=parse_tokens, default=_D.cpp_min_tokens,
+                   help="chunked pipeline parallelism: prompts of at least N tokens are "
+                        "prefilled by a group of --cpp-nodes prefill nodes (default: off)")
+    p.add_argument("--cpp-nodes", type=_positive_int, default=_D.cpp_nodes,
+                   help="prefill nodes per CPP group (X)")
+    p.add_argument("--cpp-chunk-tokens", type=_positive_int, default=_D.cpp_chunk_tokens,
+                   help="tokens per CPP chunk (>= 1000)")
 
 
 def register(subparsers: Any) -> None:
@@ -86,8 +93,19 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--decode", type=_positive_int, default=_D.num_decode,
                      help="decode instances (nodes)")
     sim.add_argument("--policy", choices=POLICIES, default=_D.policy)
-    sim.add_argument("--admission", choices=("none", "slo", "early"), default=_D.admission,
-                     help="when the Conductor rejects (colocated never rejects)")
+    sim.add_argument("--admission",
+                     choices=("none", "slo", "early", "prediction", "decode_after_prefill"),
+                     default=_D.admission,
+                     help="when the Conductor rejects (colocated never rejects): slo = the decode "
+                          "load now; early (= prediction) = forecast at prefill end; "
+                          "decode_after_prefill = TBT checked once the prefill is spent")
+    sim.add_argument("--predicted-output-len", type=_positive_int, default=None,
+                     help="output length the Conductor is told (default: the trace's mean)")
+    sim.add_argument("--uniform-decode-s", type=_positive_float, default=None,
+                     help="the Conductor's uniform decode time t_d per request (default: "
+                          "predicted steps)")
+    sim.add_argument("--prefill-prediction-error", type=float, default=0.0,
+                     help="seeded multiplicative error of prefill predictions (0.1 = +-10%%)")
     sim.add_argument("--kvcache-balancing-threshold", type=float,
                      default=_D.kvcache_balancing_threshold)
     sim.add_argument("--local-cache-tokens", type=parse_tokens, default=None,
@@ -148,7 +166,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         local_cache_tokens=args.local_cache_tokens, store_tokens=args.store_tokens,
         nic_gbps=args.nic_gbps, chunked_prefill=args.chunked_prefill,
         chunk_budget_tokens=args.chunk_budget_tokens, prefix_cache=not args.no_prefix_cache,
-        max_batch_size=args.max_batch_size,
+        max_batch_size=args.max_batch_size, cpp_min_tokens=args.cpp_min_tokens,
+        cpp_nodes=args.cpp_nodes, cpp_chunk_tokens=args.cpp_chunk_tokens,
+        predicted_output_len=args.predicted_output_len, uniform_decode_s=args.uniform_decode_s,
+        prefill_prediction_error=args.prefill_prediction_error,
     )
 
 
@@ -187,7 +208,9 @@ def _reproduce(args: argparse.Namespace) -> int:
 
     report = run_experiment(args.experiment, args.trace, args.out, speed=args.speed,
                             max_requests=args.max_requests, profile=args.profile, seed=args.seed,
-                            ttft_slo_s=args.ttft_slo_s)
+                            ttft_slo_s=args.ttft_slo_s, tbt_slo_ms=args.tbt_slo_ms,
+                            cpp_min_tokens=args.cpp_min_tokens, cpp_nodes=args.cpp_nodes,
+                            cpp_chunk_tokens=args.cpp_chunk_tokens)
     print(json.dumps(report.data, sort_keys=True) if args.json else report.path)
     return 0
 

@@ -196,6 +196,7 @@ class Cluster:
         if self.config.colocated:
             return self._place_colocated(state, event.time_s)
         state.prefix_len = decision.prefix_len
+        state.prefill_group = tuple(self._prefill_index[m] for m in decision.prefill_group)
         if decision.fetch is None:
             return self._enqueue_prefill(state, event.time_s)
         state.fetched_len = decision.fetch.num_tokens
@@ -235,45 +236,77 @@ class Cluster:
     def _fetch_landed(self, state: RequestState, now_s: float) -> list[Event]:
         self.conductor.on_transfer_done(state.request_id, now_s)
         state.fetch_s = now_s - state.arrival.arrival_s
-        p = self._prefill_index[state.prefill_instance or ""]
         keys = state.arrival.block_keys
-        self._cache_insert(p, keys[: -(-state.prefix_len // self.config.block_size)])
+        for p in self._prefill_nodes(state):  # a CPP group: every member keeps its layers
+            self._cache_insert(p, keys[: -(-state.prefix_len // self.config.block_size)])
         return self._enqueue_prefill(state, now_s)
 
+    def _prefill_nodes(self, state: RequestState) -> tuple[int, ...]:
+        return state.prefill_group or (self._prefill_index[state.prefill_instance or ""],)
+
     def _enqueue_prefill(self, state: RequestState, now_s: float) -> list[Event]:
-        p = self._prefill_index[state.prefill_instance or ""]
-        instance = self.prefills[p]
         block = self.config.block_size
         keys = state.arrival.block_keys
-        instance.cache.touch(keys[: -(-state.prefix_len // block)])
-        prefill_s = self.cost.prefill_time_s(state.arrival.input_len, state.prefix_len)
-        event = instance.enqueue(now_s, QueuedPrefill(state.index, prefill_s))
+        a, cfg = state.arrival, self.config
+        for p in self._prefill_nodes(state):
+            self.prefills[p].cache.touch(keys[: -(-state.prefix_len // block)])
+        if state.prefill_group:  # CPP: one item in every member's queue, started together
+            prefill_s = self.cost.cpp_prefill_time_s(a.input_len, state.prefix_len,
+                                                     len(state.prefill_group), cfg.cpp_chunk_tokens)
+            item = QueuedPrefill(state.index, prefill_s, state.prefill_group)
+            for p in state.prefill_group:
+                self.prefills[p].enqueue(now_s, item)
+            return self._start_gang(state.prefill_group[0], now_s)
+        p = self._prefill_index[state.prefill_instance or ""]
+        prefill_s = self.cost.prefill_time_s(a.input_len, state.prefix_len)
+        event = self.prefills[p].enqueue(now_s, QueuedPrefill(state.index, prefill_s))
         return self._prefill_started(p, now_s, event)
 
     def _prefill_started(self, p: int, now_s: float, event: Event | None) -> list[Event]:
-        """Report a prefill that just started and start streaming its KV to its decode node."""
+        """Report a prefill that just started on p (or a CPP prefill now heading p's queue, if
+        its whole group is free) and start streaming its KV to its decode node."""
         if event is None:
-            return []
+            return self._start_gang(p, now_s)
         started = self.prefills[p].running
         assert started is not None
+        return [event, *self._report_start(p, started, now_s)]
+
+    def _start_gang(self, p: int, now_s: float) -> list[Event]:
+        """Start the CPP prefill heading p's queue if every member of its group is free for it."""
+        instance = self.prefills[p]
+        if instance.running is not None or not instance.queue or not instance.queue[0].group:
+            return []
+        item = instance.queue[0]
+        if not all(self.prefills[m].ready_for(item) for m in item.group):
+            return []
+        events = [self.prefills[m].start_gang(now_s) for m in item.group]
+        return events + self._report_start(item.group[0], item, now_s)
+
+    def _report_start(self, p: int, started: QueuedPrefill, now_s: float) -> list[Event]:
         state = self.states[started.req]
         state.prefill_start_s = now_s
         self.conductor.on_prefill_started(self.prefill_ids[p], state.request_id, now_s)
         d = self._decode_index[state.decode_instance or ""]
-        self._start_flow(now_s, _KV, state.index, p, self.config.num_prefill + d,
-                         state.arrival.input_len * self.kv_per_token)
-        return [event, *self._flow_event()]
+        senders = started.group or (p,)  # each CPP member streams its own layers' KV
+        state.pending_kv = len(senders)
+        for sender in senders:
+            self._start_flow(now_s, _KV, state.index, sender, self.config.num_prefill + d,
+                             state.arrival.input_len * self.kv_per_token / len(senders))
+        return self._flow_event()
 
     # ---- completions -------------------------------------------------------------------------
 
     def _on_prefill_done(self, event: Event) -> list[Event]:
         p, now_s = event.target, event.time_s
         done, nxt = self.prefills[p].on_done(now_s)
+        if done.group and p != done.group[0]:  # a CPP member: the lead reports the request
+            return self._prefill_started(p, now_s, nxt)
         state = self.states[done.req]
         state.prefill_done = True
         state.prefill_s = done.prefill_s
         self.conductor.on_prefill_finished(self.prefill_ids[p], state.request_id, now_s)
-        self._cache_insert(p, state.arrival.block_keys)
+        for member in done.group or (p,):
+            self._cache_insert(member, state.arrival.block_keys)
         if self.store is not None:
             evicted = self.store.insert(state.arrival.block_keys)
             self.conductor.on_blocks_stored(STORE, state.arrival.block_keys)
@@ -347,6 +380,9 @@ class Cluster:
                 if state.pending_fetches == 0:
                     events.extend(self._fetch_landed(state, event.time_s))
             else:
+                state.pending_kv -= 1
+                if state.pending_kv > 0:
+                    continue
                 state.kv_arrived = True
                 if state.prefill_done and state.rejected is None:
                     state.kv_wait_s = event.time_s - (state.first_token_s or event.time_s)

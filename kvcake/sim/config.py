@@ -78,7 +78,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
-        admissions = tuple(a.value for a in Admission)
+        admissions = (*(a.value for a in Admission), "prediction")
         if self.admission not in admissions:
             raise ValueError(f"admission must be one of {', '.join(admissions)}; "
                              f"got {self.admission!r}")

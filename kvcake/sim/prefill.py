@@ -21,8 +21,12 @@ from kvcake.sim.events import Event, EventKind
 
 @dataclass(frozen=True, slots=True)
 class QueuedPrefill:
+    """A prefill to run; `group`: the instances of a CPP pipeline (the same item is queued on
+    each, and starts only when it heads every member's queue and all are idle)."""
+
     req: int
     prefill_s: float
+    group: tuple[int, ...] = ()
 
 
 class PrefillInstance:
@@ -56,9 +60,22 @@ class PrefillInstance:
         """The prefill that the last `_start` began (the cluster reports it to the Conductor)."""
         return self.running
 
+    def ready_for(self, item: QueuedPrefill) -> bool:
+        """Idle with `item` at the head of the queue (a CPP prefill waits for all members)."""
+        return self.running is None and bool(self.queue) and self.queue[0] is item
+
+    def start_gang(self, now_s: float) -> Event:
+        """Start the CPP prefill at the head of the queue (the cluster checked every member)."""
+        if not self.queue or not self.queue[0].group or self.running is not None:
+            raise RuntimeError(f"prefill instance {self.index} has no CPP prefill ready to start")
+        return self._run_head(now_s)
+
     def _start(self, now_s: float) -> Event | None:
-        if not self.queue:
-            return None
+        if not self.queue or self.queue[0].group:
+            return None  # a CPP prefill starts when its whole group is free (start_gang)
+        return self._run_head(now_s)
+
+    def _run_head(self, now_s: float) -> Event:
         self.running = self.queue.popleft()
         self.running_since_s = now_s
         return Event(now_s + self.running.prefill_s, EventKind.PREFILL_DONE, self.index)

@@ -43,6 +43,8 @@ class RequestState:
     prefill_done: bool = False
     kv_arrived: bool = False
     prefill_start_s: float | None = None
+    prefill_group: tuple[int, ...] = ()  # CPP: the prefill nodes of its pipeline
+    pending_kv: int = 0  # KV hand-off flows still in flight (one per sending prefill node)
     prefill_s: float = 0.0  # prefill compute seconds spent on it (wasted if rejected after)
     decode_join_s: float | None = None
 

@@ -43,8 +43,11 @@ class Context:
     @property
     def stem(self) -> str:
         """File-name part: the trace's name, and the speed when it is not the trace's own."""
-        speed = "" if self.base.speed == 1.0 else f"_speed{self.base.speed:g}"
-        return self.trace_path.stem.replace("_trace", "") + speed
+        b = self.base
+        speed = "" if b.speed == 1.0 else f"_speed{b.speed:g}"
+        ttft = "" if b.ttft_slo_s == SimConfig.ttft_slo_s else f"_ttft{b.ttft_slo_s:g}s"
+        cpp = "" if b.cpp_min_tokens is None else f"_cpp{b.cpp_nodes}"
+        return self.trace_path.stem.replace("_trace", "") + speed + ttft + cpp
 
     def sim(self, **changes: Any) -> SimResult:
         self.runs += 1
@@ -286,17 +289,24 @@ class Report:
 
 def run_experiment(name: str, trace_path: Path, out: Path, speed: float = 1.0,
                    max_requests: int | None = None, profile: str = SimConfig.profile,
-                   seed: int = 0, ttft_slo_s: float = SimConfig.ttft_slo_s) -> Report:
+                   seed: int = 0, ttft_slo_s: float = SimConfig.ttft_slo_s,
+                   tbt_slo_ms: float = SimConfig.tbt_slo_ms,
+                   cpp_min_tokens: int | None = None, cpp_nodes: int = SimConfig.cpp_nodes,
+                   cpp_chunk_tokens: int = SimConfig.cpp_chunk_tokens) -> Report:
     """Run experiment `name` on the trace; write its markdown and PNG into `out`."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(sorted(EXPERIMENTS))}")
     base = SimConfig(speed=speed, max_requests=max_requests, profile=profile, seed=seed,
-                     ttft_slo_s=ttft_slo_s)
+                     ttft_slo_s=ttft_slo_s, tbt_slo_ms=tbt_slo_ms, cpp_min_tokens=cpp_min_tokens,
+                     cpp_nodes=cpp_nodes, cpp_chunk_tokens=cpp_chunk_tokens)
     trace = load_trace(trace_path)
     out.mkdir(parents=True, exist_ok=True)
     command = (f"kvcake reproduce {name} --trace {trace_path} --out {out} --speed {speed:g}"
                + ("" if max_requests is None else f" --max-requests {max_requests}")
-               + ("" if ttft_slo_s == SimConfig.ttft_slo_s else f" --ttft-slo-s {ttft_slo_s:g}"))
+               + ("" if ttft_slo_s == SimConfig.ttft_slo_s else f" --ttft-slo-s {ttft_slo_s:g}")
+               + ("" if tbt_slo_ms == SimConfig.tbt_slo_ms else f" --tbt-slo-ms {tbt_slo_ms:g}")
+               + ("" if cpp_min_tokens is None else
+                  f" --cpp-min-tokens {cpp_min_tokens} --cpp-nodes {cpp_nodes}"))
     ctx = Context(trace, trace_path, base, out, command, paper.workload_of(trace_path.name))
     ctx.started_s = time.perf_counter()
     lines = EXPERIMENTS[name](ctx)
