@@ -9,7 +9,10 @@ The same layout for every system: one storage process, one client process that p
             pure Mooncake client process that puts and gets (PyPI
             mooncake-transfer-engine-non-cuda in its own venv, set up by
             ../shared/tools/peers/mooncake_store_setup.sh), TCP protocol
-Objects of 64 KiB, 1 MiB, 16 MiB: put and get GB/s and ops/s; batch get of 64 x 1 MiB; and the
+Objects of 64 KiB, 1 MiB, 16 MiB: put and get GB/s and ops/s; batch get of 64 x 1 MiB measured
+like with like both ways: returning new `bytes` (ours `get_batch`, Redis `mget`, Mooncake
+`get_batch`) and into buffers allocated before the clock starts (ours `get_batch_into`, Mooncake
+`batch_get_into` into a registered buffer; Redis has no such call); and the
 transfer engine alone (benchmarks/transfer_bench.py). Systems take turns for `--rounds` rounds
 and each keeps its best figure (the machine is shared; interleaving gives all the same chances).
 
@@ -43,7 +46,7 @@ BATCH = 64
 GB = 1e9
 
 MOONCAKE_WORKER = r'''
-import json, sys, time
+import ctypes, json, sys, time
 from mooncake.store import MooncakeDistributedStore
 role, master_port, segment, local_buffer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 store = MooncakeDistributedStore()
@@ -69,9 +72,25 @@ for line in sys.stdin:
     elif cmd["op"] == "batch":
         bad = sum(store.put(k, value) != 0 for k in keys)
         t0 = time.perf_counter()
-        got = store.get_batch(keys)
+        got = store.get_batch(keys)  # new bytes objects
         t1 = time.perf_counter()
-        out = {"batch_get_s": t1 - t0, "put_errors": bad, "get_ok": all(g == value for g in got)}
+        ok = all(g == value for g in got)
+        # into buffers allocated, touched and registered before the clock starts
+        total = cmd["n"] * cmd["size"]
+        buf = (ctypes.c_char * total)()
+        base = ctypes.addressof(buf)
+        ctypes.memset(base, 1, total)
+        registered = store.register_buffer(base, total) == 0
+        ptrs = [base + i * cmd["size"] for i in range(cmd["n"])]
+        t2 = time.perf_counter()
+        sizes = store.batch_get_into(keys, ptrs, [cmd["size"]] * cmd["n"])
+        t3 = time.perf_counter()
+        view = memoryview(buf).cast("B")
+        ok_into = registered and list(sizes) == [cmd["size"]] * cmd["n"] and all(
+            view[i * cmd["size"]:(i + 1) * cmd["size"]] == value for i in range(cmd["n"]))
+        store.unregister_buffer(base)
+        out = {"batch_get_s": t1 - t0, "batch_get_into_s": t3 - t2, "put_errors": bad,
+               "get_ok": ok and ok_into}
     for k in keys:
         store.remove(k)
     print(json.dumps(out), flush=True)
@@ -129,12 +148,16 @@ class Ours:
         keys = [f"{prefix}-{i}" for i in range(n)]
         value = bytes([7]) * size
         self.client.put_batch(keys, [value] * n)
-        buffers = [bytearray(size) for _ in keys]
         t0 = time.perf_counter()
-        sizes = self.client.get_batch_into(keys, buffers)
+        got = self.client.get_batch(keys)  # new bytes objects
         t1 = time.perf_counter()
+        buffers = [bytearray(size) for _ in keys]  # allocated (and zeroed) before the clock
+        t2 = time.perf_counter()
+        sizes = self.client.get_batch_into(keys, buffers)
+        t3 = time.perf_counter()
         self.client.remove_batch(keys)
-        return {"batch_get_s": t1 - t0, "get_ok": sizes == [size] * n and buffers[0] == value}
+        ok = got == [value] * n and sizes == [size] * n and all(b == value for b in buffers)
+        return {"batch_get_s": t1 - t0, "batch_get_into_s": t3 - t2, "get_ok": ok}
 
     def stop(self) -> None:
         if self.client is not None:
@@ -291,8 +314,11 @@ def measure(systems: list[Any], rounds: int) -> dict[str, dict[str, float]]:
             out = system.batch(1 << 20, BATCH, f"r{r}-batch")
             if not out.get("get_ok"):
                 raise RuntimeError(f"{system.name} batch get returned wrong bytes: {out}")
-            keep(system.name, "batch64x1MiB.get.gbps", BATCH * (1 << 20) / out["batch_get_s"] / GB)
-            keep(system.name, "batch64x1MiB.get.ops", BATCH / out["batch_get_s"])
+            for op in ("get", "get_into"):
+                if f"batch_{op}_s" in out:
+                    seconds = out[f"batch_{op}_s"]
+                    keep(system.name, f"batch64x1MiB.{op}.gbps", BATCH * (1 << 20) / seconds / GB)
+                    keep(system.name, f"batch64x1MiB.{op}.ops", BATCH / seconds)
     return best
 
 
@@ -300,7 +326,7 @@ def report(best: dict[str, dict[str, float]]) -> str:
     peers = [p for p in ("redis", "mooncake") if p in best]
     ours = [s for s in best if s.startswith("ours")]
     metrics = [f"{label}.{op}" for label in SIZES for op in ("put", "get")] + [
-        "batch64x1MiB.get"]
+        "batch64x1MiB.get", "batch64x1MiB.get_into"]
     head = f"{'metric':18s}" + "".join(f"{s:>20s}" for s in [*ours, *peers])
     head += "".join(f"{s + ' / best peer':>24s}" for s in ours)
     lines = ["GB/s (ops/s)", head]
@@ -316,6 +342,9 @@ def report(best: dict[str, dict[str, float]]) -> str:
             ratio = f"{value / peer_best:.2f}x" if value and peer_best else "n/a"
             row += f"{ratio:>24s}"
         lines.append(row)
+    lines.append("batch64x1MiB.get: new bytes objects (ours get_batch, Redis mget, Mooncake "
+                 "get_batch); batch64x1MiB.get_into: into buffers allocated before the clock "
+                 "(ours get_batch_into, Mooncake batch_get_into; Redis has no such call)")
     for system in ours:
         extra = [f"{label} {best[system][f'{label}.get_into.gbps']:.3f}" for label in SIZES
                  if f"{label}.get_into.gbps" in best[system]]

@@ -9,9 +9,11 @@ The put path is `ObjectWriter` (writer.py): put_start goes without the checksum,
 computes while the master allocates and sends with the commit, acknowledged before `put` returns.
 The get path is `ObjectReader` (reader.py): every read is checked (version + xxh3-64 checksum), a
 replica that fails is skipped for the next, the master is asked again after every replica failed
-(which may say the object is gone: KeyError), and each read lease is released (one-way) as soon
-as the read is over. On any error the contents of a caller's destination buffer are undefined.
-This class owns how bytes move (its transfer engine and direct path) and the lifecycle.
+(which may say the object is gone: KeyError), and each read lease is released (one-way, sent
+with the next request to the master) as soon as the read is over. `get_batch` returns new
+`bytes`, `get_batch_into` fills the caller's buffers. On any error the contents of a caller's
+destination buffer are undefined. This class owns how bytes move (its transfer engine and direct
+path) and the lifecycle.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ after every replica failed the reader asks the master again, which may say the o
 
 Each descriptor the master hands out comes with a read lease (the object is neither evicted nor
 its range reused while it is held); the reader releases it, in a one-way message, as soon as the
-read is over.
+read is over. A remote master gets that message with the client's next request (the same send:
+no system call or master wake-up of its own), so a client that goes quiet holds its last leases
+until then or `lease_s`; holding a lease longer is always safe, it only delays eviction.
 """
 
 from __future__ import annotations
