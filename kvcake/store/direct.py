@@ -61,6 +61,8 @@ class DirectPath:
         self._kind = checksums.parse(config.checksum, "TransferConfig.checksum")
         self._host_id = local_host_id()  # reads /proc each call: once is enough
         self._local = threading.local()
+        # (shm_name, host_id, address) -> endpoint key: fixed by the config, so built once
+        self._keys: dict[tuple[str | None, str, str], EndpointKey] = {}
         self._all: list[Transport] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -109,7 +111,10 @@ class DirectPath:
                used: dict[EndpointKey, Transport], waiting: list[PipelinedTransport]) -> None:
         """Send one request (pipelined transports: its completion is read later), or move it."""
         segment = request.segment
-        key = self._endpoint_key(segment.shm_name, segment.host_id, segment.address)
+        route = (segment.shm_name, segment.host_id, segment.address)
+        key = self._keys.get(route)
+        if key is None:
+            key = self._keys[route] = self._endpoint_key(*route)
         transport = used[key] = self._endpoint(key)
         view = buffer_view(request.buffer, writable=request.op is TransferOp.READ)
         if request.length is not None:

@@ -29,9 +29,8 @@ from kvcake.store.errors import (
 )
 from kvcake.store.layout import HEADER_BYTES
 from kvcake.store.master_api import Master, unwrap
-from kvcake.store.replica_io import check_room, read_requests, valid
+from kvcake.store.replica_io import check_room, read_requests, segment_of, valid
 from kvcake.transfer import (
-    SegmentDesc,
     TransferError,
     TransferOp,
     TransferRequest,
@@ -123,8 +122,8 @@ class ObjectReader:
             for (_, meta), offset in zip(jobs, offsets, strict=True):
                 replica = meta["replicas"][0]
                 whole = scratch[offset:offset + HEADER_BYTES + int(meta["size_bytes"])]
-                requests.append(TransferRequest(TransferOp.READ, whole, SegmentDesc.from_dict(
-                    replica["segment"]), replica["offset"]))
+                requests.append(TransferRequest(TransferOp.READ, whole,
+                                                segment_of(replica["segment"]), replica["offset"]))
             batch_ok = True
             try:
                 if requests:
@@ -211,8 +210,8 @@ class ObjectReader:
             for replica in meta["replicas"]:
                 if whole is not None:
                     header = whole[:HEADER_BYTES]
-                    requests = [TransferRequest(TransferOp.READ, whole, SegmentDesc.from_dict(
-                        replica["segment"]), replica["offset"])]
+                    requests = [TransferRequest(TransferOp.READ, whole,
+                                                segment_of(replica["segment"]), replica["offset"])]
                 else:
                     requests = read_requests(replica, meta, header, dest)
                 try:

@@ -23,13 +23,33 @@ JOIN_BYTES = 256 << 10  # objects up to this size are written with their header 
 CHECKED = True
 
 
+_SEGMENTS: dict[tuple[Any, ...], SegmentDesc] = {}
+_MAX_SEGMENTS = 1024  # distinct segment descriptors remembered (one per node in a cluster)
+
+
+def segment_of(values: dict[str, Any]) -> SegmentDesc:
+    """`SegmentDesc.from_dict` of a replica's segment, built once per distinct descriptor (every
+    descriptor the master hands out for a node repeats the same few fields)."""
+    key = tuple(values.items())
+    try:
+        segment = _SEGMENTS.get(key)
+    except TypeError:  # an unhashable field: not a descriptor a node sends; let from_dict judge
+        return SegmentDesc.from_dict(values)
+    if segment is None:
+        segment = SegmentDesc.from_dict(values)
+        if len(_SEGMENTS) >= _MAX_SEGMENTS:
+            _SEGMENTS.clear()
+        _SEGMENTS[key] = segment
+    return segment
+
+
 def write_requests(view: memoryview, checksum: int,
                    descs: list[dict[str, Any]]) -> list[TransferRequest]:
     """Header + payload into every replica; small objects as one request (copying is cheaper
     than a second slice). Each asks for a digest where it crosses TCP (`CHECKED`)."""
     requests = []
     for desc in descs:
-        segment = SegmentDesc.from_dict(desc["segment"])
+        segment = segment_of(desc["segment"])
         header = pack_header(checksum, desc["version"], len(view))
         if len(view) <= JOIN_BYTES:
             requests.append(TransferRequest(TransferOp.WRITE, header + view, segment,
@@ -52,7 +72,7 @@ def check_room(key: str, meta: dict[str, Any], dest: memoryview) -> None:
 def read_requests(replica: dict[str, Any], meta: dict[str, Any], header: bytearray | memoryview,
                   dest: memoryview) -> list[TransferRequest]:
     """The header into `header`, the payload into `dest` (two requests: `dest` is the caller's)."""
-    segment = SegmentDesc.from_dict(replica["segment"])
+    segment = segment_of(replica["segment"])
     requests = [TransferRequest(TransferOp.READ, header, segment, replica["offset"])]
     size = int(meta["size_bytes"])
     if size:

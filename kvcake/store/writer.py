@@ -18,8 +18,8 @@ from kvcake.store.layout import HEADER_BYTES, pack_header, payload_checksum
 from kvcake.store.master_api import Master, unwrap
 from kvcake.store.reader import Transfer
 from kvcake.store.remote import RemoteMaster
-from kvcake.store.replica_io import CHECKED, JOIN_BYTES, write_requests
-from kvcake.transfer import SegmentDesc, TransferError, TransferOp, TransferRequest, buffer_view
+from kvcake.store.replica_io import CHECKED, JOIN_BYTES, segment_of, write_requests
+from kvcake.transfer import TransferError, TransferOp, TransferRequest, buffer_view
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class ObjectWriter:
             # JOIN_BYTES one joined request is cheaper (one send and one reply instead of two:
             # 64 KiB puts took ~45 us less; the copy and its digest cost a few us).
             _, view, checksum, (desc,) = allocated[0]
-            segment = SegmentDesc.from_dict(desc["segment"])
+            segment = segment_of(desc["segment"])
             header = pack_header(checksum, desc["version"], len(view))
             requests = [TransferRequest(TransferOp.WRITE, header, segment, desc["offset"],
                                         checksum_tcp=CHECKED)]
