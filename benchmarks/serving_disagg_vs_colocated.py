@@ -5,7 +5,7 @@
         --scale-tokens 0.03125 --capacity-requests 100 --capacity-probes 5 \
         --capacity-start-speed 4      # ~6 minutes on 2 contended cores
 
-Each system is a cluster started by `kvcake.server.launcher` (worker processes, the same
+Each system is a cluster started by `kvcake.server.cluster.launcher` (worker processes, the same
 frontend, the same Conductor code): (a) 1 prefill + 1 decode worker with the store (policy
 global_cache), (b) 2 colocated workers (policy colocated: local prefix cache only, no store).
 `kvcake bench` replays the same scaled slice of the trace against each, twice: a cold pass
@@ -39,9 +39,9 @@ from typing import Any
 
 from kvcake.conductor import Admission, ConductorConfig
 from kvcake.engine.config import EngineConfig
-from kvcake.server.api import ApiServer, create_app
-from kvcake.server.cluster_config import ClusterConfig
-from kvcake.server.launcher import Cluster
+from kvcake.server.cluster.config import ClusterConfig
+from kvcake.server.cluster.launcher import Cluster
+from kvcake.server.frontend.api import ApiServer, create_app
 
 FIELDS = ("completed", "failed", "effective_request_capacity", "mean_ttft_ms", "p90_ttft_ms",
           "mean_tbt_ms", "p90_tbt_ms", "mean_tpot_ms", "request_throughput")
@@ -157,7 +157,7 @@ def streaming_run(layerwise: bool, engine: EngineConfig,
 
     import numpy as np
 
-    from kvcake.server.backend import GenerateRequest
+    from kvcake.server.frontend.backend import GenerateRequest
     from kvcake.types import RequestId
 
     config = ClusterConfig.simple(1, 1, engine=engine, conductor=ConductorConfig(
@@ -203,9 +203,10 @@ def transport_run(engine: EngineConfig, args: argparse.Namespace) -> dict[str, A
 
     import numpy as np
 
-    from kvcake.messages import MessageLink
-    from kvcake.server.launcher import worker_argv
-    from kvcake.server.worker import Role, Worker, WorkerConfig
+    from kvcake.server.cluster.launcher import worker_argv
+    from kvcake.server.worker.config import Role, WorkerConfig
+    from kvcake.server.worker.messages import MessageLink
+    from kvcake.server.worker.worker import Worker
 
     decode_cfg = WorkerConfig(role=Role.DECODE, engine=engine, worker_id="bench-d",
                               num_threads=1)
@@ -242,7 +243,7 @@ class _Prefiller:
     SAMPLING = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
 
     def __init__(self, worker: Any, decode_link: Any, decode_pid: int) -> None:
-        from kvcake.messages import MessageLink
+        from kvcake.server.worker.messages import MessageLink
 
         self.worker, self.d, self.decode_pid = worker, decode_link, decode_pid
         self.p = MessageLink.connect(worker.address)
@@ -250,7 +251,13 @@ class _Prefiller:
         self.decode_cpu_s = 0.0
 
     def one(self, rid: str, prompt: list[int], counted: bool) -> None:
-        from kvcake.messages import Abort, KvReserved, PrefillDone, PrefillOrder, ReserveKv
+        from kvcake.server.worker.messages import (
+            Abort,
+            KvReserved,
+            PrefillDone,
+            PrefillOrder,
+            ReserveKv,
+        )
 
         rid = f"{self.worker.worker_id}-{rid}"
         cpu_before = _cpu_s(self.decode_pid)
@@ -280,7 +287,7 @@ class _Prefiller:
 
 def _next_of(link: Any, kind: type) -> Any:
     """The next message of `kind` on `link` (reports in between skipped); exits on a failure."""
-    from kvcake.messages import RequestFailed
+    from kvcake.server.worker.messages import RequestFailed
 
     while True:
         message = link.recv()

@@ -21,9 +21,9 @@ _COMMANDS = {
     "reproduce": "kvcake.sim.cli",
     "trace": "kvcake.sim.cli",
     "store": "kvcake.store.cli",
-    "serve": "kvcake.server.cli",
-    "worker": "kvcake.server.cluster_cli",
-    "profile": "kvcake.server.cluster_cli",
+    "serve": "kvcake.server.cli.serve",
+    "worker": "kvcake.server.cli.worker",
+    "profile": "kvcake.server.cli.worker",
     "bench": "kvcake.bench.cli",
 }
 

@@ -12,8 +12,8 @@ import pytest
 from kvcake.bench.prompts import PromptBuilder
 from kvcake.cli import main
 from kvcake.engine.config import EngineConfig
-from kvcake.server.api import ApiServer, create_app
-from kvcake.server.local_backend import LocalBackend, LocalBackendConfig
+from kvcake.server.frontend.api import ApiServer, create_app
+from kvcake.server.frontend.local_backend import LocalBackend, LocalBackendConfig
 
 
 @pytest.fixture(scope="module")

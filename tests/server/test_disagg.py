@@ -14,10 +14,10 @@ from kvcake import LLM, SamplingParams
 from kvcake.conductor import ConductorConfig
 from kvcake.engine.config import EngineConfig
 from kvcake.hashing import block_keys
-from kvcake.server.backend import GenerateRequest, TokenEvent
-from kvcake.server.cluster_config import ClusterConfig
-from kvcake.server.disagg_backend import STORE_HOLDER, DisaggBackend
-from kvcake.server.launcher import Cluster
+from kvcake.server.cluster.backend import STORE_HOLDER, DisaggBackend
+from kvcake.server.cluster.config import ClusterConfig
+from kvcake.server.cluster.launcher import Cluster
+from kvcake.server.frontend.backend import GenerateRequest, TokenEvent
 from kvcake.types import RequestId
 
 # Chunked prefill above 128 tokens: the long prompts below take several steps.
@@ -200,8 +200,9 @@ def test_colocated_workers_behind_the_launcher(tmp_path_factory: pytest.TempPath
 
 def test_a_worker_started_elsewhere_joins_by_address(tmp_path_factory: pytest.TempPathFactory,
                                                      llm: LLM) -> None:
-    from kvcake.server.cluster_config import WorkerSpec
-    from kvcake.server.worker import Role, Worker, WorkerConfig
+    from kvcake.server.cluster.config import WorkerSpec
+    from kvcake.server.worker.config import Role, WorkerConfig
+    from kvcake.server.worker.worker import Worker
 
     # As if started on another host with `kvcake worker --role decode --port P` (no store node).
     with Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="remote-d",

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from kvcake import LLM, SamplingParams
-from kvcake.server.api import ApiServer, create_app
-from kvcake.server.launcher import Cluster
+from kvcake.server.cluster.launcher import Cluster
+from kvcake.server.frontend.api import ApiServer, create_app
 from tests.server.checks import check_curl_stream, check_min_tokens_masks_stop_ids
 from tests.server.test_disagg import ENGINE, cluster_config
 

@@ -18,8 +18,8 @@ SCRIPT = """
 import sys
 from kvcake.conductor import ConductorConfig
 from kvcake.engine.config import EngineConfig
-from kvcake.server.cluster_config import ClusterConfig
-from kvcake.server.launcher import serve_disaggregated
+from kvcake.server.cluster.config import ClusterConfig
+from kvcake.server.cluster.launcher import serve_disaggregated
 config = ClusterConfig.simple(1, 1, port=0, engine=EngineConfig(kv_cache_bytes=8 << 20),
                               conductor=ConductorConfig(admission="none"),
                               profile_dir=sys.argv[1])

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvcake import LLM
-from kvcake.server.backend import GenerateRequest
-from kvcake.server.disagg_backend import DisaggBackend
-from kvcake.server.launcher import Cluster
+from kvcake.server.cluster.backend import DisaggBackend
+from kvcake.server.cluster.launcher import Cluster
+from kvcake.server.frontend.backend import GenerateRequest
 from kvcake.store import StoreClient
 from kvcake.types import RequestId
 from tests.server.test_disagg import (

@@ -1,0 +1,254 @@
+"""The disaggregated backend: the Conductor in the frontend, prefill and decode workers behind it.
+
+Lifecycle of one request (the `Backend` contract of frontend/backend.py on the outside):
+  generate()   block keys of the prompt (the workers' namespace and block size) ->
+               `Conductor.schedule` with the live view -> Rejection: `Rejected` (HTTP 429) |
+               Placement (p, d, fetch plan): `ReserveKv` to d (d's engine reserves the KV
+               blocks, waiting while its pool is full) -> `KvReserved` -> `PrefillOrder` to p,
+               which writes the KV straight into those blocks of d's pool;
+  PrefillDone  first token to the client (TTFT), `DecodeOrder` to d (colocated: p decodes);
+  DecodeAdmitted  d committed the reservation;  Tokens  stream to the client.
+  An aborted request's reservation is cancelled (`Abort` to d) only once p acked, so nothing
+  writes blocks d may hand out again.
+  A worker whose link drops, or that leaves a ping unanswered for `worker_timeout_s` (a hung
+  engine loop), is removed from the Conductor; its requests end with an error event, later
+  requests go to the survivors.
+
+This module wires the nouns and owns the one lock: router.py (admission, the
+Conductor's live view: prefill workers' `KvEvents`, `StoreEvents` under holder "store",
+membership), flights.py (the requests in flight and the orders that move them),
+worker_set.py (the links, reader threads and liveness), flight.py (a `Flight`,
+`TransferTotals`), store_audit.py (holder "store" kept true), monitor.py (paces
+`check_workers()` and `audit_store()`).
+Threads: one reader per worker link and the monitor; every shared structure is guarded by
+`_lock` (the parts are not thread-safe); tokens reach the HTTP side through
+`loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from kvcake.clock import Clock, SystemClock
+from kvcake.conductor import Conductor, ConductorConfig
+from kvcake.conductor.predictor import DecodeModel, PrefillModel
+from kvcake.server.cluster.flight import Flight, Stage, TransferTotals, sampling_of
+from kvcake.server.cluster.flights import Flights
+from kvcake.server.cluster.monitor import Monitor, MonitorConfig
+from kvcake.server.cluster.router import STORE_HOLDER, Router, schedule_request
+from kvcake.server.cluster.store_audit import StoreAudit
+from kvcake.server.cluster.worker_set import WorkerSet
+from kvcake.server.frontend.backend import (
+    BackendStats,
+    GenerateRequest,
+    QueueTokenStream,
+    TokenEvent,
+)
+from kvcake.server.frontend.model_front import ModelFront
+from kvcake.server.worker.messages import Hello, KvEvents, Message, StoreEvents
+from kvcake.store import StoreClient
+
+__all__ = ["STORE_HOLDER", "DisaggBackend", "DisaggConfig", "Stage", "TransferTotals"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """What the disaggregated backend serves and how it watches its workers."""
+
+    model: str  # preset name or Hugging Face directory (config and tokenizer only)
+    worker_addresses: tuple[str, ...]  # HOST:PORT of each worker's control link (list: taken)
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    store_master: str | None = None  # HOST:PORT: turns the store audit on
+    # False leaves `check_workers()` and `audit_store()` to the caller (tests, manual clock).
+    run_monitor: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.worker_addresses, str):
+            raise ValueError(f"worker_addresses: pass a list of HOST:PORT strings, not the "
+                             f"single string {self.worker_addresses!r}")
+        if not self.worker_addresses:
+            raise ValueError("worker_addresses: pass at least one worker address (HOST:PORT)")
+        object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
+
+
+class DisaggBackend(ModelFront):
+    """See the module docstring. `start()` connects to the workers; `close()` disconnects."""
+
+    def __init__(self, config: DisaggConfig, prefill_model: PrefillModel,
+                 decode_model: DecodeModel, clock: Clock | None = None) -> None:
+        super().__init__(config.model)
+        self.config = config
+        self._prefill_model, self._decode_model = prefill_model, decode_model
+        self.clock = clock or SystemClock()
+        self._lock = threading.RLock()
+        self._workers = WorkerSet()
+        self.totals = TransferTotals()
+        self._layout: Hello | None = None
+        self._router: Router | None = None
+        self._book: Flights | None = None
+        self._store: StoreClient | None = None
+        self._monitor: Monitor | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> DisaggBackend:
+        """Connect to the workers and start reading them; on any failure, everything opened so
+        far is closed again before the error propagates."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> DisaggBackend:
+        cfg = self.config
+        hellos = self._workers.connect(cfg.worker_addresses, cfg.monitor.worker_timeout_s)
+        self._layout = hellos[0]
+        audit: StoreAudit | None = None  # made before the readers start: it sees every StoreEvents
+        if cfg.store_master is not None and cfg.monitor.store_audit_max_keys > 0:
+            self._store = StoreClient(cfg.store_master)
+            audit = StoreAudit(self._layout.namespace, cfg.monitor.store_audit_max_keys)
+        self._router = Router.for_workers(cfg.conductor, hellos, self._prefill_model,
+                                          self._decode_model, audit)
+        self._book = Flights(self._workers, self._router, self.clock, self.totals)
+        self._workers.start_readers(self._on_message, self._on_worker_lost)
+        if cfg.run_monitor:
+            self._monitor = Monitor(cfg.monitor, self.check_workers,
+                                    self.audit_store if self._store is not None else None)
+            self._monitor.start()
+        return self
+
+    def close(self, shutdown_workers: bool = False) -> None:
+        """Fail what is in flight and disconnect; `shutdown_workers` also asks every worker
+        process to exit (`kvcake worker` honours it)."""
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+        with self._lock:
+            if self._book is not None:
+                self._book.fail_all("the server is shutting down")
+        self._workers.close(shutdown_workers)
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def __enter__(self) -> DisaggBackend:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- views (None before start) -------------------------------------------------------------
+    @property
+    def conductor(self) -> Conductor | None:
+        return self._router.conductor if self._router is not None else None
+
+    @property
+    def store_audit(self) -> StoreAudit | None:
+        return self._router.store_audit if self._router is not None else None
+
+    @property
+    def _flights(self) -> dict[str, Flight]:
+        """The requests in flight by id (read by tests; mutate only through `Flights`)."""
+        return self._book.by_id if self._book is not None else {}
+
+    # -- the Backend contract ------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self._hello().max_model_len
+
+    async def generate(self, request: GenerateRequest) -> QueueTokenStream:
+        sampling = sampling_of(request)
+        schedule = schedule_request(request, self._hello())
+        sink: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        with self._lock:
+            if self._router is None or self._book is None:
+                raise RuntimeError("DisaggBackend.generate() before start()")
+            placement = self._router.place(schedule, self.clock.now_s())
+            self._book.admit(Flight(request, sink, asyncio.get_running_loop(), placement,
+                                    sampling))
+        return QueueTokenStream(self.abort, request.request_id, sink)
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            waiting, running = self._book.counts() if self._book is not None else (0, 0)
+            totals = self.totals
+            return BackendStats(
+                num_waiting_requests=waiting, num_running_requests=running,
+                kv_cache_usage=self._workers.kv_cache_usage(),
+                transfer_bytes=totals.transfer_bytes,
+                extra={"kv_stream_hidden_share": totals.hidden_share,
+                       "fetched_tokens": float(totals.num_fetched_tokens),
+                       "live_workers": float(len(self._workers.live_ids()))})
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone); its reserved decode blocks are cancelled once the
+        prefill acks (nothing writes them any more)."""
+        with self._lock:
+            if self._book is not None:
+                self._book.abort(request_id)
+
+    def set_draining(self, worker_id: str, draining: bool) -> None:
+        """Stop (or resume) placing new requests on a worker; its running requests finish.
+        A resumed prefill worker starts with an empty view of its cache."""
+        with self._lock:
+            view = self._workers.get(worker_id)
+            if view is None or not view.alive:
+                raise ValueError(f"worker: no live worker {worker_id!r}")
+            assert self._router is not None
+            self._router.set_draining(worker_id, view.hello.role, draining)
+
+    def live_worker_ids(self) -> list[str]:
+        with self._lock:
+            return self._workers.live_ids()
+
+    # -- housekeeping (the monitor thread, or a test) -----------------------------------------
+    def check_workers(self) -> list[str]:
+        """Ping the live workers; fail those whose ping is unanswered for worker_timeout_s
+        (hung: their link stays open but their engine loop does not turn). Returns them."""
+        timeout_s = self.config.monitor.worker_timeout_s
+        with self._lock:
+            hung = self._workers.hung(self.clock.now_s(), self.config.monitor)
+            for worker_id in hung:
+                self._on_worker_lost(worker_id, f"did not answer a ping for {timeout_s} s")
+        return hung
+
+    def audit_store(self) -> list[int]:
+        """One store-audit round (store_audit.py): returns the block keys found gone, which
+        the Conductor no longer lists under holder "store"."""
+        router = self._router
+        if router is None or router.store_audit is None or self._store is None:
+            return []
+        return router.store_audit.run_round(self._store.exists_batch, self._lock,
+                                            router.on_store_gone)
+
+    # -- events from workers (reader threads) -----------------------------------------------
+    def _hello(self) -> Hello:
+        if self._layout is None:
+            raise RuntimeError("DisaggBackend not started")
+        return self._layout
+
+    def _on_message(self, worker_id: str, message: Message) -> None:
+        with self._lock:
+            assert self._router is not None and self._book is not None
+            if isinstance(message, KvEvents):
+                self._router.on_kv_events(worker_id, message)
+            elif isinstance(message, StoreEvents):
+                self._router.on_store_events(message)
+            elif not self._workers.on_report(worker_id, message):
+                self._book.on_message(worker_id, message)
+
+    def _on_worker_lost(self, worker_id: str, why: str = "its link closed") -> None:
+        with self._lock:
+            if not self._workers.mark_lost(worker_id):
+                return
+            log.warning("worker %s lost (%s); its requests fail, new ones go to the others",
+                        worker_id, why)
+            assert self._router is not None and self._book is not None
+            self._router.remove(worker_id)
+            self._book.on_worker_lost(worker_id)

@@ -1,0 +1,154 @@
+"""The description of one serving cluster, from `--prefill N --decode M` or a TOML file.
+
+    model = "tiny"
+    mode = "disaggregated"          # or "colocated": every worker prefills and decodes
+    [frontend]  host = "127.0.0.1"  port = 8000
+    [store]     master_host = "127.0.0.1"  master_port = 0    # the master runs in the frontend
+    [engine]    kv_cache_bytes = "64MiB"  block_size = 16     # EngineConfig keys, every worker
+    [conductor] policy = "global_cache"  tbt_slo_s = 0.3      # ConductorConfig keys
+    [monitor]   worker_timeout_s = 30  store_audit_max_keys = 2048   # MonitorConfig keys
+    [[workers]] role = "prefill"  count = 2                   # launched here, ports from the OS
+    [[workers]] role = "decode"   host = "10.0.0.7"  port = 24100  launch = false   # started
+                                  # on its host with `kvcake worker --role decode --port 24100
+                                  # --master FRONTEND:PORT`; the frontend connects to it
+
+`docs/cluster.example.toml` is a complete example. Unknown keys are errors that name the key.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvcake.conductor import ConductorConfig, Policy
+from kvcake.engine.config import EngineConfig
+from kvcake.server.cluster.monitor import MonitorConfig
+from kvcake.server.worker.config import Role
+from kvcake.units import parse_size
+
+_SIZE_KEYS = ("kv_cache_bytes", "store_dram_bytes", "staging_bytes")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks (launched workers only)
+    launch: bool = True  # False: already running at host:port
+    store_dram_bytes: int = 64 * 2**20
+    staging_bytes: int = 32 * 2**20
+    num_threads: int | None = 1
+    layerwise: bool = True  # prefill: stream KV layer by layer during compute (else after)
+    shared_memory: bool = True  # same-host KV and store bytes through shared memory (else TCP)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ValueError(f"workers.role: must be prefill, decode or colocated, got "
+                             f"{self.role!r}") from None
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"workers.port: must be in [0, 65535], got {self.port}")
+        if not self.launch and self.port == 0:
+            raise ValueError("workers.port: a worker with launch = false needs its port")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str = "tiny"
+    mode: str = "disaggregated"
+    host: str = "127.0.0.1"  # the HTTP frontend
+    port: int = 8000
+    master_host: str = "127.0.0.1"
+    master_port: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    workers: tuple[WorkerSpec, ...] = ()
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)  # pings, store audit
+    profile_dir: str | None = None  # None: kvcake.server.cluster.profiler.default_cache_dir()
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode: must be disaggregated or colocated, got {self.mode!r}")
+        roles = [w.role for w in self.workers]
+        if self.mode == "disaggregated":
+            if Role.PREFILL not in roles or Role.DECODE not in roles:
+                raise ValueError("workers: a disaggregated cluster needs at least one prefill "
+                                 "and one decode worker (--prefill N --decode M)")
+            if Role.COLOCATED in roles:
+                raise ValueError("workers: colocated workers belong in mode = \"colocated\"")
+        elif not roles or any(r is not Role.COLOCATED for r in roles):
+            raise ValueError("workers: mode colocated needs only colocated workers")
+        if self.mode == "colocated" and self.conductor.policy is not Policy.COLOCATED:
+            object.__setattr__(self, "conductor", ConductorConfig.from_dict(
+                {**_conductor_dict(self.conductor), "policy": Policy.COLOCATED}))
+        for name in ("port", "master_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name}: must be in [0, 65535], got {getattr(self, name)}")
+
+    @classmethod
+    def simple(cls, num_prefill: int, num_decode: int, **options: Any) -> ClusterConfig:
+        """`num_prefill` prefill + `num_decode` decode workers on this host (mode
+        colocated: `num_prefill` colocated workers)."""
+        if num_prefill < 1 or (options.get("mode", "disaggregated") == "disaggregated"
+                               and num_decode < 1):
+            raise ValueError(f"--prefill / --decode: need at least 1 of each, got "
+                             f"{num_prefill} and {num_decode}")
+        worker_opts = options.pop("worker", {})
+        if options.get("mode") == "colocated":
+            specs = [WorkerSpec(Role.COLOCATED, **worker_opts) for _ in range(num_prefill)]
+        else:
+            specs = [WorkerSpec(Role.PREFILL, **worker_opts) for _ in range(num_prefill)]
+            specs += [WorkerSpec(Role.DECODE, **worker_opts) for _ in range(num_decode)]
+        return cls(workers=tuple(specs), **options)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> ClusterConfig:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config {path}: not valid TOML ({exc})") from None
+        return cls.from_dict(raw, str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ClusterConfig:
+        known = {"model", "mode", "frontend", "store", "engine", "conductor", "monitor",
+                 "workers", "profile_dir"}
+        _no_unknown(raw, known, source)
+        frontend = dict(raw.get("frontend", {}))
+        _no_unknown(frontend, {"host", "port"}, f"{source} [frontend]")
+        store = dict(raw.get("store", {}))
+        _no_unknown(store, {"master_host", "master_port"}, f"{source} [store]")
+        engine = {k: parse_size(v, k) if k in _SIZE_KEYS and isinstance(v, str) else v
+                  for k, v in raw.get("engine", {}).items()}
+        workers: list[WorkerSpec] = []
+        for entry in raw.get("workers", []):
+            entry = dict(entry)
+            count = entry.pop("count", 1)
+            _no_unknown(entry, {f.name for f in fields(WorkerSpec)}, f"{source} [[workers]]")
+            for key in _SIZE_KEYS:
+                if isinstance(entry.get(key), str):
+                    entry[key] = parse_size(entry[key], key)
+            if count > 1 and entry.get("port", 0):
+                raise ValueError(f"{source} [[workers]]: count > 1 needs port = 0")
+            workers += [WorkerSpec(**entry) for _ in range(count)]
+        return cls(model=raw.get("model", "tiny"), mode=raw.get("mode", "disaggregated"),
+                   host=frontend.get("host", "127.0.0.1"), port=frontend.get("port", 8000),
+                   master_host=store.get("master_host", "127.0.0.1"),
+                   master_port=store.get("master_port", 0),
+                   engine=EngineConfig.from_dict(engine),
+                   conductor=ConductorConfig.from_dict(raw.get("conductor", {})),
+                   monitor=MonitorConfig.from_dict(raw.get("monitor", {})),
+                   workers=tuple(workers), profile_dir=raw.get("profile_dir"))
+
+
+def _conductor_dict(config: ConductorConfig) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in fields(config)}
+
+
+def _no_unknown(raw: dict[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known keys are {sorted(known)}")

@@ -1,0 +1,224 @@
+"""The requests in flight of the disaggregated backend and the orders that move them on.
+
+Life of one flight (its `Stage`, flight.py), p its prefill and d its decode worker:
+  QUEUED      placed by the Conductor, not yet sent anywhere (it leaves this stage at once:
+              d itself queues reservations its pool has no room for).
+  RESERVING   `ReserveKv` to d, whose engine reserves the KV blocks (waiting while its pool is
+              full) -> `KvReserved` names them.                  (colocated, p == d: skipped)
+  PREFILLING  `PrefillOrder` to p, which writes the KV straight into those blocks of d's pool.
+  DECODING    `PrefillDone`: the first token goes to the client (TTFT), `DecodeOrder` to d
+              (colocated: p decodes in place); `DecodeAdmitted`: d committed the reservation;
+              `Tokens` stream to the client until one carries a finish reason.
+  DONE        finished, failed or aborted; the Conductor forgets it.
+A reservation on d is cancelled (`Abort` to d) only once nothing writes its blocks: an aborted
+request's once p acked; a request whose prefill worker was lost while it might still write
+(its order out, no answer yet) never: d gets `Abort(keep_reserved=True)` and keeps the blocks
+out of use for good (p may be hung, not dead: a bounded leak on d is the price of never
+serving overwritten KV).
+
+Not thread-safe: the backend calls every method under its lock. Events reach the HTTP side
+through `Flight.emit` (any thread).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from kvcake.clock import Clock
+from kvcake.server.cluster.flight import Flight, Stage, TransferTotals
+from kvcake.server.cluster.router import Router
+from kvcake.server.cluster.worker_set import WorkerSet
+from kvcake.server.frontend.backend import FinishReason, TokenEvent
+from kvcake.server.worker.messages import (
+    Abort,
+    DecodeAdmitted,
+    KvReserved,
+    Message,
+    PrefillDone,
+    RequestFailed,
+    ReserveKv,
+    Tokens,
+)
+
+__all__ = ["Flights"]
+
+
+class Flights:
+    def __init__(self, workers: WorkerSet, router: Router, clock: Clock,
+                 totals: TransferTotals) -> None:
+        self._workers, self._router, self._clock = workers, router, clock
+        self.totals = totals  # summed over every PrefillDone
+        self.by_id: dict[str, Flight] = {}
+
+    def admit(self, flight: Flight) -> None:
+        """A placed request: send its first order (`ReserveKv` to d, or colocated the
+        `PrefillOrder` to p)."""
+        self.by_id[flight.request.request_id] = flight
+        self._dispatch(flight)
+
+    def counts(self) -> tuple[int, int]:
+        """(waiting for their first token, decoding)."""
+        flights = self.by_id.values()
+        waiting = sum(f.stage in (Stage.QUEUED, Stage.RESERVING, Stage.PREFILLING)
+                      for f in flights)
+        return waiting, sum(f.stage is Stage.DECODING for f in flights)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone); its reserved decode blocks are cancelled once the
+        prefill acks (nothing writes them any more)."""
+        flight = self.by_id.get(request_id)
+        if flight is None or flight.stage is Stage.DONE:
+            return
+        flight.aborted = True
+        placement = flight.placement
+        self._workers.send(placement.prefill_id, Abort(request_id))
+        if flight.stage is not Stage.PREFILLING:  # nothing may still write its blocks
+            if placement.decode_id != placement.prefill_id:
+                flight.reserved = False
+                self._workers.send(placement.decode_id, Abort(request_id))
+            self._finish(flight)
+        else:
+            flight.stage = Stage.DONE
+            self._router.request_ended(request_id)
+
+    def fail_all(self, why: str) -> None:
+        """End every flight with a RuntimeError(why) (the server is shutting down)."""
+        for flight in list(self.by_id.values()):
+            self._fail(flight, RuntimeError(why))
+
+    # -- events from workers -------------------------------------------------------------------
+    def on_message(self, worker_id: str, message: Message) -> None:
+        """A worker's message about one request; one about no live flight is dropped."""
+        flight = self.by_id.get(getattr(message, "request_id", ""))
+        if flight is None:
+            return
+        if isinstance(message, PrefillDone):
+            self._on_prefill_done(flight, message)
+        elif isinstance(message, KvReserved):
+            self._on_reserved(flight, message)
+        elif isinstance(message, DecodeAdmitted):
+            flight.reserved = False  # the decode engine owns the blocks now
+            self._router.decode_joined(flight.placement, message.request_id,
+                                       self._clock.now_s())
+        elif isinstance(message, Tokens):
+            reason = FinishReason(message.finish_reason) if message.finish_reason else None
+            flight.emit(TokenEvent(tuple(message.token_ids), flight.num_cached_tokens, reason))
+            if reason is not None:
+                self._finish(flight)
+        elif isinstance(message, RequestFailed):
+            if worker_id == flight.placement.prefill_id:
+                flight.prefill_writing = False
+            if flight.aborted:
+                self._finish(flight)
+            else:
+                self._fail(flight, RuntimeError(f"worker {worker_id}: {message.message}"))
+
+    def on_worker_lost(self, worker_id: str) -> None:
+        """End the flights placed on a lost worker."""
+        for flight in list(self.by_id.values()):
+            p = flight.placement
+            if worker_id not in (p.prefill_id, p.decode_id):
+                continue
+            if worker_id == p.prefill_id and flight.prefill_writing and flight.reserved:
+                # p may be hung rather than dead and still write into the blocks reserved on
+                # d: never hand them back (see the module docstring)
+                flight.reserved = False
+                flight.kv_kept = True
+            if flight.aborted:  # nothing will ack the abort now
+                if flight.kv_kept:
+                    self._workers.send(p.decode_id, Abort(flight.request.request_id,
+                                                          keep_reserved=True))
+                self._finish(flight)
+                continue
+            role = "decode" if worker_id == p.decode_id else "prefill"
+            self._fail(flight, RuntimeError(
+                f"{role} worker {worker_id} failed while serving this request; retry it"))
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def _dispatch(self, flight: Flight) -> None:
+        placement = flight.placement
+        request = flight.request
+        if not self._workers.is_live(placement.decode_id):
+            self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
+            return
+        if placement.decode_id != placement.prefill_id:
+            flight.stage = Stage.RESERVING
+            flight.reserved = True
+            # A one-token request ends at the prefill; its reservation (the engine wants
+            # max_tokens >= 2) is cancelled once the prefill acks, as an aborted one's.
+            sampling = asdict(flight.sampling)
+            sampling["max_tokens"] = max(2, sampling["max_tokens"])
+            if not self._workers.send(placement.decode_id, ReserveKv(
+                    request.request_id, list(request.prompt_token_ids), sampling)):
+                self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
+            return
+        self._send_prefill(flight)
+
+    def _on_reserved(self, flight: Flight, reserved: KvReserved) -> None:
+        if flight.stage is not Stage.RESERVING:
+            return
+        num_blocks = -(-len(flight.request.prompt_token_ids) // self._router.block_size)
+        num_cached = num_blocks - len(reserved.block_ids)
+        if num_cached < 0:
+            self._fail(flight, RuntimeError("decode worker reserved more blocks than the "
+                                            "prompt has"))
+            return
+        flight.targets = [-1] * num_cached + list(reserved.block_ids)
+        flight.kv_pool = dict(reserved.kv_pool)
+        flight.num_pool_blocks = reserved.num_pool_blocks
+        self._send_prefill(flight)
+
+    def _send_prefill(self, flight: Flight) -> None:
+        placement = flight.placement
+        order = flight.prefill_order()
+        flight.stage = Stage.PREFILLING
+        flight.prefill_writing = True
+        self._router.prefill_started(placement, flight.request.request_id, self._clock.now_s())
+        if not self._workers.send(placement.prefill_id, order):
+            self._fail(flight, RuntimeError(f"prefill worker {placement.prefill_id} is gone"))
+
+    def _on_prefill_done(self, flight: Flight, done: PrefillDone) -> None:
+        placement = flight.placement
+        now_s = self._clock.now_s()
+        flight.prefill_writing = False
+        self._router.prefill_done(placement, done, now_s)
+        self.totals.add(done)
+        if flight.aborted:
+            self._finish(flight)
+            return
+        flight.num_cached_tokens = done.num_cached_tokens
+        reason = FinishReason(done.finish_reason) if done.finish_reason else None
+        flight.emit(TokenEvent((done.first_token_id,), done.num_cached_tokens, reason))
+        if reason is not None:
+            self._finish(flight)
+            return
+        flight.stage = Stage.DECODING
+        if placement.decode_id == placement.prefill_id:  # colocated: it decodes in place
+            self._router.decode_joined(placement, done.request_id, now_s)
+            return
+        if not self._workers.send(placement.decode_id,
+                                  flight.decode_order(done.first_token_id, done.sampler_state)):
+            self._fail(flight, RuntimeError(f"decode worker {placement.decode_id} is gone"))
+
+    # -- endings -------------------------------------------------------------------------------
+    def _fail(self, flight: Flight, error: BaseException) -> None:
+        if flight.stage is not Stage.DONE and not flight.aborted:
+            flight.emit(error)
+        placement = flight.placement
+        for worker_id in {placement.prefill_id, placement.decode_id}:
+            keep = flight.kv_kept and worker_id == placement.decode_id
+            self._workers.send(worker_id, Abort(flight.request.request_id, keep_reserved=keep))
+        self._finish(flight)
+
+    def _finish(self, flight: Flight) -> None:
+        rid = flight.request.request_id
+        flight.stage = Stage.DONE
+        self._cancel_reservation(flight)
+        self.by_id.pop(rid, None)
+        self._router.request_ended(rid)  # forgets whatever is still booked
+
+    def _cancel_reservation(self, flight: Flight) -> None:
+        """Called once nothing writes the reserved blocks any more."""
+        if flight.reserved:
+            flight.reserved = False
+            self._workers.send(flight.placement.decode_id, Abort(flight.request.request_id))

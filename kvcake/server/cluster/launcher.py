@@ -1,0 +1,215 @@
+"""Starts and stops the processes of one cluster; `serve_disaggregated` runs one for `kvcake serve`.
+
+    with Cluster(ClusterConfig.simple(1, 1)) as cluster:    # master, workers, Conductor
+        cluster.backend                                     # a DisaggBackend to serve
+        cluster.kill_worker(worker_id)                      # fault injection: SIGKILL
+
+`Cluster.start()`: the store master in this process (disaggregated mode), every worker with
+`launch = true` as a child process `python -m kvcake worker ...` (or as threads in this process
+with `in_process=True`, for tests), the cached profile (measured on first use), then the
+backend connects to every worker. `close()` shuts the workers down (SIGTERM, then SIGKILL after a
+grace period) and stops the master: no orphans. Children also exit when this process dies (they
+watch their parent's pid).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from kvcake.server.cluster.backend import DisaggBackend, DisaggConfig
+from kvcake.server.cluster.config import ClusterConfig, WorkerSpec
+from kvcake.server.cluster.profiler import load_or_profile
+from kvcake.server.worker.config import Role, WorkerConfig
+from kvcake.server.worker.worker import Worker
+from kvcake.store import MasterServer, MasterService
+
+_READY_PREFIX = "kvcake worker ready"
+_START_TIMEOUT_S = 120.0
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig, *, in_process: bool = False) -> None:
+        self.config = config
+        self.in_process = in_process
+        self.master: MasterServer | None = None
+        self.backend: DisaggBackend | None = None
+        self.processes: dict[str, subprocess.Popen[str]] = {}
+        self.workers: dict[str, Worker] = {}  # in-process workers
+        self.addresses: dict[str, str] = {}  # worker id -> control address
+
+    def start(self) -> Cluster:
+        cfg = self.config
+        try:
+            if cfg.mode == "disaggregated":
+                self.master = MasterServer(MasterService(), cfg.master_host,
+                                           cfg.master_port).start()
+            for i, spec in enumerate(cfg.workers):  # children start in parallel
+                worker_id = f"{spec.role.value}-{i}"
+                if spec.launch:
+                    self._launch(worker_id, spec)
+                else:
+                    self.addresses[worker_id] = f"{spec.host}:{spec.port}"
+            for worker_id, proc in self.processes.items():
+                self.addresses[worker_id] = _await_ready(worker_id, proc)
+            threads = next((w.num_threads for w in cfg.workers if w.num_threads), None)
+            profile = load_or_profile(cfg.model, cfg.engine,
+                                      Path(cfg.profile_dir) if cfg.profile_dir else None,
+                                      num_threads=threads)
+            backend_config = DisaggConfig(
+                model=cfg.model, worker_addresses=tuple(self.addresses.values()),
+                conductor=cfg.conductor, monitor=cfg.monitor, store_master=self.master_address)
+            self.backend = DisaggBackend(backend_config, profile.prefill,
+                                         profile.decode).start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @property
+    def master_address(self) -> str | None:
+        return self.master.address if self.master is not None else None
+
+    def _worker_config(self, worker_id: str, spec: WorkerSpec) -> WorkerConfig:
+        return WorkerConfig(role=spec.role, model=self.config.model, engine=self.config.engine,
+                            host=spec.host, port=spec.port, worker_id=worker_id,
+                            master=self.master_address if spec.role is not Role.COLOCATED
+                            else None,
+                            store_dram_bytes=spec.store_dram_bytes,
+                            staging_bytes=spec.staging_bytes, num_threads=spec.num_threads,
+                            layerwise=spec.layerwise, shared_memory=spec.shared_memory)
+
+    def _launch(self, worker_id: str, spec: WorkerSpec) -> None:
+        config = self._worker_config(worker_id, spec)
+        if self.in_process:
+            worker = Worker(config).start()
+            self.workers[worker_id] = worker
+            self.addresses[worker_id] = worker.address
+            return
+        self.processes[worker_id] = subprocess.Popen(
+            worker_argv(config, os.getpid()), stdout=subprocess.PIPE, text=True,
+            start_new_session=True)
+
+    def kill_worker(self, worker_id: str) -> None:
+        """SIGKILL a launched worker (fault injection; its store node dies with it)."""
+        proc = self.processes.get(worker_id)
+        if proc is None:
+            raise ValueError(f"worker: {worker_id!r} is not a process this cluster launched")
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.backend is not None:  # workers it did not launch keep running
+            self.backend.close()
+            self.backend = None
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self.processes.clear()
+        if self.master is not None:
+            self.master.close()
+            self.master = None
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def worker_argv(config: WorkerConfig, parent_pid: int | None) -> list[str]:
+    e = config.engine
+    argv = [sys.executable, "-m", "kvcake", "worker", "--role", config.role.value,
+            "--model", config.model, "--host", config.host, "--port", str(config.port),
+            "--kv-cache-bytes", str(e.kv_cache_bytes), "--block-size", str(e.block_size),
+            "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--max-num-seqs", str(e.max_num_seqs), "--dtype", e.dtype, "--device", e.device,
+            "--seed", str(e.seed), "--store-dram-bytes", str(config.store_dram_bytes),
+            "--staging-bytes", str(config.staging_bytes)]
+    if e.max_model_len is not None:
+        argv += ["--max-model-len", str(e.max_model_len)]
+    if config.worker_id:
+        argv += ["--worker-id", config.worker_id]
+    if config.master:
+        argv += ["--master", config.master]
+    if config.num_threads:
+        argv += ["--num-threads", str(config.num_threads)]
+    if not config.layerwise:
+        argv.append("--no-layerwise")
+    if not config.shared_memory:
+        argv.append("--no-shared-memory")
+    if parent_pid is not None:
+        argv += ["--parent-pid", str(parent_pid)]
+    return argv
+
+
+def _await_ready(worker_id: str, proc: subprocess.Popen[str]) -> str:
+    """The address a child prints once it serves; RuntimeError if it dies or stays silent."""
+    assert proc.stdout is not None
+    result: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(_READY_PREFIX):
+                result.append(line.split()[-1])
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(_START_TIMEOUT_S)
+    if not result:
+        proc.kill()
+        raise RuntimeError(f"worker {worker_id} did not start (exit code {proc.poll()}); "
+                           "see its stderr above")
+    return result[0]
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_disaggregated(config: ClusterConfig) -> int:
+    """Run the cluster and the OpenAI API in the foreground until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from kvcake.conductor import freeze_heap
+    from kvcake.server.frontend.api import create_app, listen_socket
+
+    sock = listen_socket(config.host, config.port)
+    cluster = Cluster(config)
+    # SIGTERM before uvicorn installs its handlers must still tear the children down.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        cluster.start()
+        assert cluster.backend is not None
+        # The long-lived state (Conductor index, app, models) is built: keep the collector off it
+        # so that decisions do not pay for full collections over it (conductor/heap.py).
+        freeze_heap()
+        server = uvicorn.Server(uvicorn.Config(create_app(cluster.backend), log_level="warning",
+                                               lifespan="off"))
+        print(f"kvcake serve: http://{config.host}:{sock.getsockname()[1]} (model "
+              f"{config.model}, mode {config.mode}, {len(config.workers)} workers, store master "
+              f"{cluster.master_address or '-'})", file=sys.stderr, flush=True)
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.close()
+        sock.close()
+    return 0

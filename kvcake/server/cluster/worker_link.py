@@ -1,0 +1,123 @@
+"""The frontend's side of one worker: its link, its decode staging slots, load and liveness.
+
+Staging slots: a decode worker's staging segment holds `num_staging_blocks` prompt blocks; the
+frontend hands a request the slots its prompt needs before the prefill starts and takes them
+back when the decode worker admitted the request (or the request ended). `DisaggBackend` no
+longer uses them (prefill writes into blocks the decode engine reserves: `ReserveKv`); they
+serve a caller of the older staging-copy path.
+
+Liveness: `probe(now_s)` sends a `Ping` when none is outstanding and `ping_interval_s` has
+passed, and says the worker is hung when the outstanding ping is older than
+`worker_timeout_s`; `on_pong` clears it. Pure bookkeeping with the time passed in: the backend
+calls it under its lock and acts on the answer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcake.server.cluster.monitor import MonitorConfig
+from kvcake.server.worker.messages import Hello, LoadReport, Message, MessageLink, Ping, Shutdown
+
+
+@dataclass
+class WorkerLink:
+    hello: Hello
+    link: MessageLink
+    free_slots: deque[int] = field(default_factory=deque)
+    load: LoadReport | None = None
+    alive: bool = True
+    ping_seq: int = 0
+    ping_sent_s: float | None = None  # the outstanding ping; None: answered
+    last_ping_s: float | None = None
+
+    @classmethod
+    def of(cls, hello: Hello, link: MessageLink) -> WorkerLink:
+        return cls(hello, link, deque(range(hello.num_staging_blocks)))
+
+    @property
+    def worker_id(self) -> str:
+        return self.hello.worker_id
+
+    def send(self, message: Message) -> bool:
+        """False when the worker is gone (or was declared so). A send that fails (peer gone, or
+        stalled past the link's send timeout, maybe mid-frame) closes the link: the reader then
+        sees its end and the worker is declared lost the usual way."""
+        if not self.alive:
+            return False
+        try:
+            self.link.send(message)
+        except OSError:
+            self.link.close()
+            return False
+        return True
+
+    def close(self, shutdown_worker: bool = False) -> None:
+        """Disconnect; `shutdown_worker` first asks the worker process to exit."""
+        if shutdown_worker:
+            self.send(Shutdown())
+        self.alive = False
+        self.link.close()
+
+    # -- staging slots -------------------------------------------------------------------------
+    def take_slots(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` free staging slots, or None (nothing taken) when fewer are free;
+        ValueError when the segment can never hold that many."""
+        if num_blocks > self.hello.num_staging_blocks:
+            raise ValueError("prompt: longer than the decode worker's staging segment holds; "
+                             "raise --staging-bytes")
+        if len(self.free_slots) < num_blocks:
+            return None
+        return [self.free_slots.popleft() for _ in range(num_blocks)]
+
+    def give_back(self, slots: list[int]) -> None:
+        self.free_slots.extend(slots)
+
+    # -- liveness ------------------------------------------------------------------------------
+    def probe(self, now_s: float, config: MonitorConfig) -> bool:
+        """True when the worker is hung (its ping unanswered for worker_timeout_s); else sends
+        the next ping when one is due."""
+        if self.ping_sent_s is not None:
+            return now_s - self.ping_sent_s > config.worker_timeout_s
+        if self.last_ping_s is None or now_s - self.last_ping_s >= config.ping_interval_s:
+            self.ping_seq += 1
+            self.ping_sent_s = self.last_ping_s = now_s
+            self.send(Ping(self.ping_seq))  # a dead link is noticed by its reader
+        return False
+
+    def on_pong(self, seq: int) -> None:
+        if seq == self.ping_seq:
+            self.ping_sent_s = None
+
+
+def connect_workers(addresses: Sequence[str],
+                    send_timeout_s: float | None = None) -> list[WorkerLink]:
+    """Connect to every worker and read its `Hello`; every worker must share the first one's KV
+    layout (namespace, block size). ValueError naming the worker otherwise, with every link
+    opened so far closed again. `send_timeout_s`: see `MessageLink.set_send_timeout` (the
+    frontend sends under its one lock, so one stalled worker must not block it for good)."""
+    links: list[WorkerLink] = []
+    try:
+        for address in addresses:
+            link = MessageLink.connect(address)
+            if send_timeout_s is not None:
+                link.set_send_timeout(send_timeout_s)
+            first = link.recv()
+            if not isinstance(first, Hello):
+                link.close()
+                raise ValueError(f"worker {address}: expected Hello, got {first!r}")
+            links.append(WorkerLink.of(first, link))
+        layout = links[0].hello
+        for view in links:
+            hello = view.hello
+            if (hello.namespace, hello.block_size) != (layout.namespace, layout.block_size):
+                raise ValueError(f"worker {hello.worker_id}: KV namespace {hello.namespace!r} "
+                                 f"differs from {layout.namespace!r}; run every worker "
+                                 "with the same model, dtype, seed and block size")
+    except BaseException:
+        for view in links:
+            view.link.close()
+        raise
+    return links

@@ -1,0 +1,340 @@
+"""The OpenAI-compatible HTTP API over any `Backend`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
+GET /v1/models, /health, /metrics. Errors use OpenAI's body `{"error": {message, type, param,
+code}}`: 400 for invalid or unsupported input (nothing is silently ignored), 404 for an unknown
+model, 429 with `Retry-After` when the backend refuses a request, 500 for a backend failure.
+Every error leaves the server serving. A client that disconnects (streaming or not) has its
+request aborted in the backend.
+
+A stream is `data: {chunk}` events, one per backend token event (its text may be empty while a
+multi-byte character is incomplete), an optional usage chunk (`stream_options.include_usage`),
+then `data: [DONE]`. A failure after the first chunk ends the stream with `data: {"error": ...}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvcake.ids import RandomIds
+from kvcake.server.frontend.backend import Backend, FinishReason, Rejected, TokenEvent, TokenStream
+from kvcake.server.frontend.metrics import RequestTimer, ServerMetrics
+from kvcake.server.frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    build_generate_request,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    error_body,
+    parse_request,
+    prompt_token_ids,
+    usage,
+    usage_chunk,
+)
+from kvcake.types import RequestId
+
+
+class TextStream:
+    """Incremental detokenization: the new text each time tokens arrive.
+
+    Holds back text while the decoded tail is an incomplete UTF-8 character (U+FFFD), for at
+    most 4 tokens, so multi-byte characters are never split into replacement characters.
+    Decodes the whole output each time: fine for the lengths served here.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self.token_ids: list[int] = []
+        self._emitted = ""
+        self._held = 0
+
+    def push(self, token_ids: tuple[int, ...], final: bool) -> str:
+        self.token_ids.extend(token_ids)
+        text = self._decode(self.token_ids)
+        if text.endswith("\ufffd") and not final and self._held < 4:
+            self._held += len(token_ids)
+            return ""
+        self._held = 0
+        new = text[len(self._emitted):] if text.startswith(self._emitted) else ""
+        self._emitted = text
+        return new
+
+
+@dataclass
+class _Job:
+    """One admitted request as the API sees it."""
+
+    request_id: str
+    kind: str  # "completion" | "chat"
+    num_prompt_tokens: int
+    stream: TokenStream
+    timer: RequestTimer
+    include_usage: bool
+    return_token_ids: bool
+    created: int
+    text: TextStream
+    num_cached_tokens: int = 0
+    finish_reason: FinishReason = FinishReason.ABORT
+
+
+class ApiFactory:
+    """Builds the FastAPI app; one per server (its metrics are its own)."""
+
+    def __init__(self, backend: Backend, metrics: ServerMetrics | None = None,
+                 now_s: Callable[[], float] = time.monotonic,
+                 wall_s: Callable[[], float] = time.time) -> None:
+        self.backend = backend
+        self.metrics = metrics or ServerMetrics()
+        self._now_s, self._wall_s = now_s, wall_s
+        self._ids = {"completion": RandomIds("cmpl"), "chat": RandomIds("chatcmpl")}
+
+    def build(self) -> FastAPI:
+        app = FastAPI(title="kvcake", docs_url=None, redoc_url=None)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/metrics", self.render_metrics, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]
+        return app
+
+    async def _http_error(self, _request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths and wrong methods get OpenAI's error body too."""
+        return self._error(str(exc.detail), exc.status_code)
+
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def models(self) -> dict[str, Any]:
+        card = {"id": self.backend.model_name, "object": "model", "created": 0,
+                "owned_by": "kvcake", "max_model_len": self.backend.max_model_len,
+                "vocab_size": self.backend.vocab_size}
+        return {"object": "list", "data": [card]}
+
+    async def render_metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(self.metrics.render(self.backend.stats()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = parse_request(CompletionRequest, await request.body())
+            self._check_model(body.model)
+            token_ids = prompt_token_ids(body.prompt, self.backend.encode)
+            return await self._serve(request, "completion", body, token_ids, body.max_tokens)
+        except ValueError as exc:  # InvalidRequest, or a tokenizer/backend refusal
+            return self._invalid(exc)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = parse_request(ChatCompletionRequest, await request.body())
+            self._check_model(body.model)
+            token_ids = self.backend.chat_prompt([(m.role, m.text()) for m in body.messages])
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            return await self._serve(request, "chat", body, token_ids, max_tokens)
+        except ValueError as exc:  # InvalidRequest, or a tokenizer/backend refusal
+            return self._invalid(exc)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.backend.model_name:
+            raise InvalidRequest(f"model {model!r} does not exist; this server serves "
+                                 f"{self.backend.model_name!r}", "model", 404, "model_not_found")
+
+    def _invalid(self, exc: ValueError) -> JSONResponse:
+        if isinstance(exc, InvalidRequest):
+            return self._error(exc.message, exc.status, exc.param, exc.code)
+        return self._error(str(exc), 400)
+
+    def _error(self, message: str, status: int, param: str | None = None,
+               code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+        self.metrics.on_http_error(status)
+        return JSONResponse(error_body(message, status, param, code), status, headers=headers)
+
+    async def _serve(self, request: Request, kind: str,
+                     body: CompletionRequest | ChatCompletionRequest, token_ids: list[int],
+                     max_tokens: int | None) -> Response:
+        request_id = self._ids[kind].next_id()
+        gen = build_generate_request(RequestId(request_id), token_ids, body, max_tokens,
+                                     self.backend.vocab_size, self.backend.max_model_len)
+        timer = RequestTimer(self._now_s())
+        try:
+            stream = await self.backend.generate(gen)
+        except Rejected as exc:
+            self.metrics.on_rejected()
+            retry = str(max(1, math.ceil(exc.retry_after_s)))
+            return self._error(exc.reason, 429, None, "rejected", {"Retry-After": retry})
+        except ValueError:
+            raise  # the backend refuses the request as invalid: the route answers 400
+        except Exception as exc:
+            return self._error(f"the backend failed to admit the request: {exc}", 500)
+        self.metrics.on_admitted(len(token_ids))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        job = _Job(request_id, kind, len(token_ids), stream, timer, include_usage,
+                   body.return_token_ids, int(self._wall_s()), TextStream(self.backend.decode))
+        if body.stream:
+            # The background close covers a client gone before the body is ever iterated.
+            return StreamingResponse(self._sse(job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(job.stream.aclose))
+        return await self._whole(request, job)
+
+    async def _events(self, job: _Job) -> AsyncIterator[tuple[TokenEvent, str]]:
+        """The backend's events with their new text; records timing and finishes the job."""
+        try:
+            async for event in job.stream:
+                job.timer.on_tokens(self._now_s())
+                job.num_cached_tokens = event.num_cached_tokens
+                final = event.finish_reason is not None
+                if final:
+                    job.finish_reason = event.finish_reason  # type: ignore[assignment]
+                yield event, job.text.push(event.token_ids, final)
+        finally:
+            await job.stream.aclose()
+            self.metrics.on_finished(job.timer, self._now_s(), job.num_cached_tokens,
+                                     len(job.text.token_ids), job.finish_reason)
+
+    def _usage(self, job: _Job) -> dict[str, Any]:
+        return usage(job.num_prompt_tokens, len(job.text.token_ids), job.num_cached_tokens)
+
+    async def _whole(self, request: Request, job: _Job) -> Response:
+        async def collect() -> str:
+            return "".join([text async for _event, text in self._events(job)])
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():  # the client left: cancelling aborts the request
+                work.cancel()
+        if work.cancelled():
+            await job.stream.aclose()  # idempotent; covers a task cancelled before it started
+            return Response(status_code=499)
+        try:
+            text = work.result()
+        except Exception as exc:
+            return self._error(f"generation failed: {exc}", 500)
+        ids = job.text.token_ids if job.return_token_ids else None
+        if job.kind == "chat":
+            out = chat_body(job.request_id, job.created, self.backend.model_name, text,
+                            job.finish_reason, self._usage(job), ids)
+        else:
+            out = completion_body(job.request_id, job.created, self.backend.model_name, text,
+                                  job.finish_reason, self._usage(job), ids)
+        return JSONResponse(out)
+
+    async def _sse(self, job: _Job) -> AsyncIterator[str]:
+        model, first = self.backend.model_name, True
+        try:
+            async for event, text in self._events(job):
+                ids = event.token_ids if job.return_token_ids else None
+                if job.kind == "chat":
+                    chunk = chat_chunk(job.request_id, job.created, model, text,
+                                       event.finish_reason, first, ids)
+                else:
+                    chunk = completion_body(job.request_id, job.created, model, text,
+                                            event.finish_reason, None, ids)
+                first = False
+                yield _sse_data(chunk)
+        except Exception as exc:  # after the headers went out: report it in the stream
+            self.metrics.on_http_error(500)
+            yield _sse_data(error_body(f"generation failed: {exc}", 500))
+            return
+        if job.include_usage:
+            name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+            yield _sse_data(usage_chunk(name, job.request_id, job.created, model,
+                                        self._usage(job)))
+        yield "data: [DONE]\n\n"
+
+
+def _sse_data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read; only disconnect remains)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(backend: Backend, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The app serving `backend`; the caller starts and closes the backend."""
+    return ApiFactory(backend, metrics).build()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (0: the OS picks), ready before any URL is printed.
+
+    Raises ValueError naming --port when the address cannot be bound.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"--port: cannot listen on {host}:{port} ({exc})") from None
+    sock.listen(2048)
+    return sock
+
+
+class ApiServer:
+    """Runs an app with uvicorn on a background thread: for tests and embedding.
+
+    `start()` returns once the socket listens; `port` is the bound port (pass port=0 to let the
+    OS choose). `close()` stops accepting, finishes in-flight responses and joins the thread.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                      lifespan="off")
+        self._server = uvicorn.Server(self._config)
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread = threading.Thread(target=self._server.run, name="kvcake-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self._config.host}:"
+                                   f"{self._config.port}")
+            time.sleep(0.01)  # uvicorn offers no start event to wait on
+
+    @property
+    def port(self) -> int:
+        sockets = self._server.servers[0].sockets
+        return int(sockets[0].getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._config.host}:{self.port}"
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> ApiServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,295 @@
+"""One engine instance in-process, behind the `Backend` contract: the colocated serving path.
+
+The engine is single-threaded, so one engine-loop thread (started by `start()`) owns it: it
+takes commands (add, abort, stop) from a thread-safe inbox, calls `engine.step()` while any
+request is unfinished (continuous batching across every concurrent HTTP request), and hands
+each request's new tokens to that request's asyncio queue with `call_soon_threadsafe`. When
+nothing is unfinished the thread blocks on the inbox, so an idle server burns no CPU.
+
+Admission control (a real feature, not a test hook): with `max_waiting_requests = N`, a request
+that arrives while N requests are still waiting for their first token is refused with
+`Rejected` (HTTP 429, `Retry-After: retry_after_s`) before it reaches the engine.
+
+Lifecycle of one request:
+  generate() -> [admission check] -> inbox "add" -> engine.add_request (ValueError -> 400)
+  -> step() outputs -> TokenEvent per step -> final event (finish_reason) -> stream ends.
+  Closing the stream early sends "abort": the engine frees the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcake.engine.config import EngineConfig
+from kvcake.engine.engine import Engine, RequestOutput
+from kvcake.engine.sampling import SamplingParams
+from kvcake.engine.sequence import FinishReason as EngineFinish
+from kvcake.server.frontend.backend import (
+    BackendStats,
+    FinishReason,
+    GenerateRequest,
+    QueueTokenStream,
+    Rejected,
+    TokenEvent,
+)
+from kvcake.server.frontend.protocol import render_chat_text
+
+_FINISH = {EngineFinish.STOP: FinishReason.STOP, EngineFinish.LENGTH: FinishReason.LENGTH,
+           EngineFinish.ABORT: FinishReason.ABORT}
+
+
+@dataclass(frozen=True)
+class LocalBackendConfig:
+    model: str = "tiny"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_waiting_requests: int | None = None  # None: no admission limit
+    retry_after_s: float = 1.0
+    num_threads: int | None = None  # torch intra-op threads of the engine; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 or None (no limit), got "
+                             f"{self.max_waiting_requests}")
+        if not self.retry_after_s > 0:
+            raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
+
+
+@dataclass
+class _Add:
+    request: GenerateRequest
+    sink: asyncio.Queue[TokenEvent | BaseException]
+    loop: asyncio.AbstractEventLoop
+    admitted: concurrent.futures.Future[None]
+    started: bool = False  # produced its first token (no longer waiting)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class LocalBackend:
+    """See the module docstring. `start()` before `generate`; `close()` stops the thread."""
+
+    def __init__(self, engine: Engine, config: LocalBackendConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or LocalBackendConfig()
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._num_waiting = 0  # admitted, no token yet (guarded by _lock)
+        self._stats = BackendStats()
+        self._num_live = 0  # requests the engine thread holds (written by it only)
+        self._chat_template = _load_chat_template(self.config.model)
+
+    @classmethod
+    def from_config(cls, config: LocalBackendConfig) -> LocalBackend:
+        return cls(Engine(config.model, config.engine), config)
+
+    # -- the Backend contract ------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_config.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer.json; send token ids instead "
+                             "of text")
+        return self.engine.tokenizer.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        if self.engine.tokenizer is None:
+            return ""
+        return self.engine.tokenizer.decode(list(token_ids))
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        if self._chat_template is None:
+            return self.encode(render_chat_text(messages))
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        template = ImmutableSandboxedEnvironment().from_string(self._chat_template)
+        # The tokenizer adds BOS itself, so the template's own bos_token renders empty.
+        text = template.render(messages=[{"role": r, "content": c} for r, c in messages],
+                               add_generation_prompt=True, bos_token="", eos_token="")
+        return self.encode(text)
+
+    async def generate(self, request: GenerateRequest) -> QueueTokenStream:
+        """Admit `request` (Rejected when the waiting queue is full; ValueError when the engine
+        refuses it) and return its token stream."""
+        if self._thread is None:
+            raise RuntimeError("LocalBackend.generate() before start()")
+        limit = self.config.max_waiting_requests
+        with self._lock:
+            if limit is not None and self._num_waiting >= limit:
+                raise Rejected(f"{self._num_waiting} requests are already waiting for prefill "
+                               f"(limit {limit}); retry later", self.config.retry_after_s)
+            self._num_waiting += 1
+        sink: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._inbox.put(_Add(request, sink, asyncio.get_running_loop(), admitted))
+        try:
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:
+            self._abort(request.request_id)
+            raise
+        return QueueTokenStream(self._abort, request.request_id, sink)
+
+    def _abort(self, request_id: str) -> None:
+        """Thread-safe: the engine loop aborts the request at its next step."""
+        self._inbox.put(_Abort(request_id))
+
+    def stats(self) -> BackendStats:
+        return self._stats
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests in the engine now (admitted, not finished or aborted)."""
+        return self._num_live
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("LocalBackend already started")
+        self._thread = threading.Thread(target=self._loop, name="kvcake-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> LocalBackend:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the engine-loop thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)  # set here: OpenMP is per thread
+        live: dict[str, _Add] = {}
+        while True:
+            for command in self._drain(block=not self.engine.has_unfinished()):
+                if command is None:
+                    self._fail_all(live, RuntimeError("the server is shutting down"))
+                    return
+                self._apply(command, live)
+            self._num_live = len(live)
+            self._update_stats()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug in the engine: fail these requests, keep serving
+                self._fail_all(live, RuntimeError(f"engine step failed: {exc!r}"))
+                continue
+            for output in outputs:
+                self._deliver(output, live)
+            self._num_live = len(live)
+            self._update_stats()
+
+    def _drain(self, block: bool) -> list[_Add | _Abort | None]:
+        commands = [self._inbox.get()] if block else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Add | _Abort, live: dict[str, _Add]) -> None:
+        if isinstance(command, _Abort):
+            add = live.pop(command.request_id, None)
+            if add is not None:
+                self.engine.abort(command.request_id)
+                if not add.started:
+                    self._leave_waiting()
+            return
+        request = command.request
+        try:
+            self.engine.add_request(request.request_id, request.prompt_token_ids,
+                                    _sampling_params(request))
+        except Exception as exc:  # ValueError: bad input (400); anything else: a server error
+            self._leave_waiting()
+            command.admitted.set_exception(exc)
+            return
+        live[request.request_id] = command
+        command.admitted.set_result(None)
+
+    def _deliver(self, output: RequestOutput, live: dict[str, _Add]) -> None:
+        add = live.get(output.request_id)
+        if add is None:  # aborted in the meantime
+            return
+        if not add.started:
+            add.started = True
+            self._leave_waiting()
+        reason = _FINISH.get(output.finish_reason) if output.finish_reason else None
+        if output.finished:  # forget it before its reader can see the end
+            del live[output.request_id]
+            self._num_live = len(live)
+        _post(add, TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason))
+
+    def _fail_all(self, live: dict[str, _Add], error: Exception) -> None:
+        for request_id, add in list(live.items()):
+            self.engine.abort(request_id)
+            if not add.started:
+                self._leave_waiting()
+            _post(add, error)
+        live.clear()
+
+    def _leave_waiting(self) -> None:
+        with self._lock:
+            self._num_waiting -= 1
+
+    def _update_stats(self) -> None:
+        batcher, blocks = self.engine.batcher, self.engine.block_manager
+        self._stats = BackendStats(
+            num_waiting_requests=len(batcher.waiting), num_running_requests=len(batcher.running),
+            kv_cache_usage=1.0 - blocks.num_free_blocks / blocks.num_blocks)
+
+
+def _post(add: _Add, item: TokenEvent | BaseException) -> None:
+    """Hand `item` to the request's event loop; a loop already closed has no reader left."""
+    try:
+        add.loop.call_soon_threadsafe(add.sink.put_nowait, item)
+    except RuntimeError:
+        pass
+
+
+def _sampling_params(request: GenerateRequest) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=request.max_tokens, temperature=request.temperature,
+        top_k=request.top_k or None, top_p=request.top_p, seed=request.seed,
+        stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens)
+
+
+def _load_chat_template(model: str) -> str | None:
+    """The `chat_template` of a Hugging Face directory's tokenizer_config.json, if any."""
+    path = Path(model) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    raw: Any = json.loads(path.read_text()).get("chat_template")
+    return raw if isinstance(raw, str) else None

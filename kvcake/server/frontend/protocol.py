@@ -1,0 +1,306 @@
+"""OpenAI request models, their validation, and the response bodies we send back.
+
+Every request field OpenAI (or vLLM, for `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`)
+defines is either supported or accepted only at the value that means "off" (for example `n=1`,
+`echo=false`, `logprobs=null`); anything else, and any field we do not know, is an
+`InvalidRequest` (HTTP 400) that names the field and says what to change. Nothing is silently
+ignored except `user`, which OpenAI defines as an opaque end-user tag.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvcake.server.frontend.backend import FinishReason, GenerateRequest
+from kvcake.types import RequestId
+
+
+class InvalidRequest(ValueError):
+    """A request the API answers with 400 (or `status`), with an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # vLLM: -1 or 0 disables
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: choices carry `token_ids`
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+_RequestT = TypeVar("_RequestT", CompletionRequest, ChatCompletionRequest)
+
+_UNSUPPORTED_UNLESS = {  # field -> (value that means "off", what to send instead)
+    "n": (1, "send n=1 (one completion per request) or omit it"),
+    "best_of": (None, "omit best_of"),
+    "echo": (False, "omit echo or send false"),
+    "logprobs": (None, "omit logprobs (log probabilities are not returned)"),
+    "top_logprobs": (None, "omit top_logprobs"),
+    "suffix": (None, "omit suffix"),
+    "presence_penalty": (0.0, "omit presence_penalty or send 0"),
+    "frequency_penalty": (0.0, "omit frequency_penalty or send 0"),
+    "stop": (None, "use stop_token_ids (stop strings are not supported)"),
+}
+
+_FIELD_HINTS = {
+    "prompt": "must be a string, a list of token ids, or a list holding one of those",
+    "messages": "must be a non-empty list of {role, content} objects",
+    "max_tokens": "must be an integer >= 1 (or null for as many as fit)",
+    "max_completion_tokens": "must be an integer >= 1",
+    "temperature": "must be a number in [0, 2]",
+    "top_p": "must be a number in (0, 1]",
+    "top_k": "must be an integer >= 1, or 0 / -1 to disable",
+    "min_tokens": "must be an integer >= 0",
+}
+
+
+def parse_request(model: type[_RequestT], body: bytes) -> _RequestT:
+    """Validate a JSON body into `model`. Raises InvalidRequest naming the first bad field."""
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid_from(exc) from None
+    _reject_unsupported(request)
+    return request
+
+
+def _invalid_from(exc: ValidationError) -> InvalidRequest:
+    error = exc.errors(include_url=False)[0]
+    kind, loc = error["type"], error["loc"]
+    field = str(loc[0]) if loc else None
+    if kind == "json_invalid":
+        return InvalidRequest(f"the request body is not valid JSON: {error['msg']}")
+    if kind == "model_type" and not loc:
+        return InvalidRequest("the request body must be a JSON object")
+    if kind == "extra_forbidden":
+        where = ".".join(str(part) for part in loc)
+        return InvalidRequest(
+            f"unknown field {where!r}: this server does not support it; remove it", param=where
+        )
+    if kind == "missing":
+        return InvalidRequest(f"missing required field {field!r}", param=field)
+    hint = _FIELD_HINTS.get(field or "")
+    path = ".".join(str(part) for part in loc if not isinstance(part, str) or "[" not in part)
+    detail = hint if hint is not None and len(loc) <= 2 else error["msg"]
+    return InvalidRequest(f"{path}: {detail} (got {_short(error.get('input'))})", param=field)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _reject_unsupported(request: _SamplingFields) -> None:
+    for field, (off, advice) in _UNSUPPORTED_UNLESS.items():
+        value = getattr(request, field, off)
+        if value is False and field == "logprobs":  # chat's logprobs is a bool
+            continue
+        if value != off and not (field == "stop" and value in ("", [])):
+            raise InvalidRequest(f"{field}={_short(value)} is not supported: {advice}", field)
+    if request.logit_bias:
+        raise InvalidRequest("logit_bias is not supported: omit it", "logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
+
+
+def prompt_token_ids(prompt: str | list[int] | list[str] | list[list[int]],
+                     encode: Any) -> list[int]:
+    """The token ids of a completions `prompt`; a list must hold exactly one prompt."""
+    if isinstance(prompt, str):
+        return list(encode(prompt))
+    if not prompt:
+        raise InvalidRequest("prompt: must not be empty", "prompt")
+    first = prompt[0]
+    if isinstance(first, int):
+        return list(prompt)  # type: ignore[arg-type]
+    if len(prompt) != 1:
+        raise InvalidRequest(
+            f"prompt: a batch of {len(prompt)} prompts is not supported; send one per request",
+            "prompt",
+        )
+    return list(encode(first)) if isinstance(first, str) else list(first)
+
+
+def build_generate_request(request_id: RequestId, token_ids: Sequence[int],
+                           body: _SamplingFields, max_tokens: int | None,
+                           vocab_size: int, max_model_len: int) -> GenerateRequest:
+    """Check `token_ids` and the length budget, and make the backend's request."""
+    if not token_ids:
+        raise InvalidRequest("prompt: must hold at least one token", "prompt")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt"
+        )
+    bad_stop = next((t for t in body.stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad_stop is not None:
+        raise InvalidRequest(
+            f"stop_token_ids: {bad_stop} is outside the vocabulary [0, {vocab_size})",
+            "stop_token_ids",
+        )
+    room = max_model_len - len(token_ids)
+    if room < 1:
+        raise InvalidRequest(
+            f"prompt: {len(token_ids)} tokens leave no room to generate within the maximum "
+            f"model length {max_model_len}; shorten the prompt", "prompt"
+        )
+    if max_tokens is not None and max_tokens > room:
+        raise InvalidRequest(
+            f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"the maximum model length {max_model_len}; ask for at most {room} tokens",
+            "max_tokens",
+        )
+    limit = room if max_tokens is None else max_tokens
+    if body.min_tokens > limit:
+        raise InvalidRequest(f"min_tokens ({body.min_tokens}) exceeds max_tokens ({limit})",
+                             "min_tokens")
+    return GenerateRequest(
+        request_id=request_id, prompt_token_ids=tuple(token_ids), max_tokens=limit,
+        temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+        seed=body.seed, stop_token_ids=tuple(body.stop_token_ids),
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+    )
+
+
+def render_chat_text(messages: Sequence[tuple[str, str]]) -> str:
+    """The built-in chat template: one `<|role|>` header line per message, then the reply's.
+
+    Used for presets and model directories without a template of their own.
+    """
+    parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
+    return "".join(parts) + "<|assistant|>\n"
+
+
+# ---- response bodies -------------------------------------------------------------------------
+
+
+def error_body(message: str, status: int, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    kinds = {404: "not_found_error", 429: "rate_limit_error"}
+    kind = kinds.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int,
+          num_cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def completion_body(request_id: str, created: int, model: str, text: str,
+                    finish_reason: FinishReason | None, usage_: dict[str, Any] | None,
+                    token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """A /v1/completions response (with usage) or stream chunk (usage None)."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                              "finish_reason": _reason(finish_reason)}
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage_}
+
+
+def chat_body(request_id: str, created: int, model: str, text: str,
+              finish_reason: FinishReason | None, usage_: dict[str, Any],
+              token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """A non-streaming /v1/chat/completions response."""
+    message = {"role": "assistant", "content": text}
+    choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
+                              "finish_reason": _reason(finish_reason)}
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage_}
+
+
+def chat_chunk(request_id: str, created: int, model: str, text: str,
+               finish_reason: FinishReason | None, first: bool,
+               token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """One /v1/chat/completions stream chunk; the first one also carries the role."""
+    delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                              "finish_reason": _reason(finish_reason)}
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [choice], "usage": None}
+
+
+def usage_chunk(object_name: str, request_id: str, created: int, model: str,
+                usage_: dict[str, Any]) -> dict[str, Any]:
+    """The final stream chunk when `stream_options.include_usage` is set: no choices."""
+    return {"id": request_id, "object": object_name, "created": created, "model": model,
+            "choices": [], "usage": usage_}
+
+
+def _reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value

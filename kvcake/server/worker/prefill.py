@@ -1,0 +1,362 @@
+"""The prefill side of a worker (and the colocated baseline): the first three of the four steps.
+
+Lifecycle of one `PrefillOrder` on the engine-loop thread:
+  1. prefix reuse: blocks the Conductor planned to fetch are read from the store
+     (`namespace:key_hex`, verified by the store client) on the fetcher thread while the engine
+     keeps stepping, then imported into the prefix cache on the engine thread;
+     a failed or partial fetch only shortens the reused prefix (the rest is recomputed, so the
+     tokens are the same);
+  2. `add_request(prefill_only=True)`: the engine reuses the cached prefix and prefills the
+     rest, in chunks of max_num_batched_tokens;
+  3. during each step, `layer_hook(l)` submits an asynchronous write of layer l of the
+     request's blocks straight into the blocks the decode engine reserved (its KV pool
+     segment; or, for an order with `num_pool_blocks` 0, a staging segment) while layer l+1
+     computes; after the step that sampled the first token the loop waits for what is still in
+     flight (the exposed transfer time), reports `PrefillDone`, frees the blocks, and hands the
+     prompt's full blocks to the store-writer thread, which puts them into the store
+     asynchronously and reports them (`StoreEvents`).
+An order without staging blocks is a colocated request: it decodes here and streams `Tokens`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcake.engine.engine import RequestOutput
+from kvcake.engine.sequence import FinishReason
+from kvcake.hashing import key_hex
+from kvcake.server.worker.messages import (
+    Abort,
+    Message,
+    PrefillDone,
+    PrefillOrder,
+    RequestFailed,
+    StoreEvents,
+    Tokens,
+    sampling_from_wire,
+)
+from kvcake.server.worker.role import RoleHost, sampling_params
+from kvcake.store import StoreError
+from kvcake.transfer import (
+    SegmentDesc,
+    TransferError,
+    TransferOp,
+    TransferRequest,
+)
+from kvcake.types import BlockKey
+
+log = logging.getLogger(__name__)
+
+_TRANSFER_TIMEOUT_S = 30.0
+_MAX_REMEMBERED_KEYS = 200_000
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """What the fetcher thread read for an order (size None: not in the store)."""
+
+    order: PrefillOrder
+    sizes: list[int | None]
+    buffers: list[bytearray]
+
+
+@dataclass
+class _Prefill:
+    order: PrefillOrder
+    staging: SegmentDesc | None  # None: colocated (decode here)
+    num_fetched_tokens: int
+    blocks_done: int = 0  # leading blocks fully streamed in earlier steps
+    step_end_block: int = 0  # blocks this step may write (set at layer 0 of each step)
+    batches: list[Any] = field(default_factory=list)
+    first_submit_s: float | None = None
+    compute_s: float = 0.0
+    transfer_bytes: int = 0
+    first_token_sent: bool = False
+
+
+class PrefillRole:
+    def __init__(self, worker: RoleHost) -> None:
+        self.worker = worker
+        assert worker.engine is not None and worker.transfer is not None
+        self.engine = worker.engine
+        self.transfer = worker.transfer
+        self._live: dict[str, _Prefill] = {}
+        self._writes: queue.Queue[tuple[list[BlockKey], list[bytes]] | None] = queue.Queue()
+        self._put_keys: dict[int, None] = {}  # keys handed to the writer (insertion ordered)
+        self._writer: threading.Thread | None = None
+        self._in_step: list[_Prefill] = []  # requests in the step now running (set at layer 0)
+        self._fetches: queue.Queue[PrefillOrder | None] = queue.Queue()
+        self._fetching: dict[str, PrefillOrder] = {}  # handed to the fetcher, not started
+        self._fetcher: threading.Thread | None = None
+
+    # -- the role contract (role.py) ---------------------------------------------------
+    def start(self) -> None:
+        if self.worker.store is not None:
+            self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                            name=f"{self.worker.worker_id}-store-writer")
+            self._writer.start()
+            self._fetcher = threading.Thread(target=self._fetch_loop, daemon=True,
+                                             name=f"{self.worker.worker_id}-fetcher")
+            self._fetcher.start()
+
+    def close(self) -> None:
+        for thread, inbox in ((self._writer, self._writes), (self._fetcher, self._fetches)):
+            if thread is not None:
+                inbox.put(None)
+                thread.join(timeout=10)
+
+    def staging(self) -> tuple[dict[str, Any] | None, int]:
+        return None, 0
+
+    def has_pending(self) -> bool:
+        return False
+
+    def num_pending(self) -> int:
+        return len(self._fetching)
+
+    def handle(self, message: Message | _Fetched) -> None:
+        if isinstance(message, PrefillOrder):
+            self._admit(message)
+        elif isinstance(message, _Fetched):
+            if self._fetching.pop(message.order.request_id, None) is not None:
+                self._start(message.order, message)
+        elif isinstance(message, Abort):
+            if self._fetching.pop(message.request_id, None) is not None:
+                self.worker.send(RequestFailed(message.request_id, "aborted"))
+                return
+            state = self._live.pop(message.request_id, None)
+            if state is not None:
+                self.engine.abort(message.request_id)
+                # The ack tells the frontend nothing writes the staging slots any more.
+                self._wait_transfers(state)
+                self.worker.send(RequestFailed(message.request_id, "aborted"))
+
+    def step(self) -> None:
+        before = time.perf_counter()
+        self._in_step = []
+        outputs = self.engine.step(layer_hook=self._layer_hook)
+        spent = time.perf_counter() - before
+        for state in self._in_step:
+            state.compute_s += spent
+        for output in outputs:
+            self._on_output(output)
+        self._note_progress()
+
+    def after_step(self) -> None:
+        pass
+
+    # -- step 1: prefix reuse ----------------------------------------------------------------
+    def _admit(self, order: PrefillOrder) -> None:
+        try:
+            sampling_params(sampling_from_wire(order.sampling))
+        except ValueError as exc:
+            self.worker.send(RequestFailed(order.request_id, f"prefill refused: {exc}"))
+            return
+        if order.fetch_keys and self.worker.store is not None:
+            # The store read runs on the fetcher thread, so the engine keeps computing.
+            self._fetching[order.request_id] = order
+            self._fetches.put(order)
+        else:
+            self._start(order, None)
+
+    def _start(self, order: PrefillOrder, fetched: _Fetched | None) -> None:
+        rid = order.request_id
+        try:
+            params = sampling_params(sampling_from_wire(order.sampling))
+            num_fetched = self._import(fetched) if fetched is not None else 0
+            staging = SegmentDesc.from_dict(order.staging) if order.staging_blocks else None
+            self.engine.add_request(rid, order.prompt_token_ids, params,
+                                    prefill_only=staging is not None)
+        except (ValueError, KeyError) as exc:
+            self.worker.send(RequestFailed(rid, f"prefill refused: {exc}"))
+            return
+        self._live[rid] = _Prefill(order, staging, num_fetched)
+
+    def _fetch_loop(self) -> None:
+        store = self.worker.store
+        assert store is not None
+        ns, nbytes = self.engine.namespace, self.engine.pool.block_nbytes
+        while (order := self._fetches.get()) is not None:
+            keys = order.fetch_keys
+            buffers = [bytearray(nbytes) for _ in keys]
+            try:
+                sizes = store.get_batch_into([f"{ns}:{key_hex(BlockKey(k))}" for k in keys],
+                                             buffers)
+            except (StoreError, TransferError, OSError, ValueError) as exc:
+                log.warning("%s: fetch of %d blocks failed, recomputing: %s",
+                            self.worker.worker_id, len(keys), exc)
+                sizes = [None] * len(keys)
+            self.worker.post(_Fetched(order, sizes, buffers))
+
+    def _import(self, fetched: _Fetched) -> int:
+        """Import the longest usable prefix of the fetched blocks; returns its tokens."""
+        imported = 0
+        for key, size, data in zip(fetched.order.fetch_keys, fetched.sizes, fetched.buffers,
+                                   strict=True):
+            cached = self.engine.block_manager.lookup(BlockKey(key)) is not None
+            if not cached and (size != len(data)
+                               or not self.engine.import_block_kv(BlockKey(key), bytes(data))):
+                break  # later blocks are useless without this one
+            imported += not cached
+        return imported * self.engine.block_size
+
+    # -- step 3: layer-wise streaming ---------------------------------------------------------
+    def _layer_hook(self, layer_idx: int) -> None:
+        """Layer `layer_idx` of every streaming request's blocks is written: ship it now."""
+        if layer_idx == 0:
+            self._start_step()
+        if not self.worker.config.layerwise:
+            return
+        for state in self._in_step:
+            if state.staging is not None and not state.first_token_sent:
+                self._submit_layer(state, layer_idx, state.blocks_done, state.step_end_block)
+
+    def _start_step(self) -> None:
+        """Which prefills this step runs, and the blocks each may write: at most the step's
+        token budget past what was computed before (exact for one request per step; more
+        requests share the budget, and a block sent unfinished is sent again next step)."""
+        budget = self.engine.config.max_num_batched_tokens
+        bs = self.engine.block_size
+        self._in_step = []
+        for seq in self.engine.batcher.running:
+            state = self._live.get(seq.request_id)
+            if state is not None:
+                end = min(seq.num_prompt_tokens, seq.num_computed_tokens + budget)
+                state.step_end_block = -(-end // bs)
+                self._in_step.append(state)
+
+    def _submit_layer(self, state: _Prefill, layer_idx: int, first_block: int,
+                      end_block: int) -> None:
+        pool = self.engine.pool
+        staging = state.staging
+        assert staging is not None
+        block_ids = self.engine.request_block_ids(state.order.request_id)
+        staging_blocks = state.order.staging_blocks
+        num_pool_blocks = state.order.num_pool_blocks
+        # KV written into a decode engine's blocks has no end-to-end check (a store object has):
+        # where it crosses TCP, each slice carries a digest the decode side verifies; a memcpy
+        # into a same-host pool's shared memory follows the engine's `checksum_shm` (off).
+        requests = [
+            TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], staging,
+                            _target_offset(staging_blocks[i], layer_idx, num_pool_blocks,
+                                           pool.block_nbytes, pool.layer_nbytes),
+                            checksum_tcp=True)
+            for i, block_id in enumerate(block_ids[:min(end_block, len(staging_blocks))])
+            if i >= first_block and staging_blocks[i] >= 0]
+        if not requests:
+            return
+        if state.first_submit_s is None:
+            state.first_submit_s = time.perf_counter()
+        state.batches.append(self.transfer.submit(requests))
+        state.transfer_bytes += len(requests) * pool.layer_nbytes
+
+    def _note_progress(self) -> None:
+        bs = self.engine.block_size
+        for seq in self.engine.batcher.running:
+            state = self._live.get(seq.request_id)
+            if state is not None:
+                state.blocks_done = seq.num_computed_tokens // bs
+
+    # -- the end of a prefill ----------------------------------------------------------------
+    def _on_output(self, output: RequestOutput) -> None:
+        rid = output.request_id
+        state = self._live.get(rid)
+        if state is None:
+            return
+        if state.first_token_sent:  # colocated: decode tokens
+            reason = output.finish_reason.value if output.finish_reason else None
+            self.worker.send(Tokens(rid, list(output.new_token_ids), reason))
+            if output.finished:
+                del self._live[rid]
+            return
+        state.first_token_sent = True
+        ended = time.perf_counter()
+        if state.staging is not None and not self.worker.config.layerwise:
+            for layer_idx in range(self.engine.pool.num_layers):
+                self._submit_layer(state, layer_idx, 0, len(state.order.staging_blocks))
+        had_transfers = bool(state.batches)
+        error = self._wait_transfers(state)
+        exposed_s = time.perf_counter() - ended
+        span_s = time.perf_counter() - (state.first_submit_s or ended)
+        self._queue_store_write(state.order.prompt_token_ids)
+        sampler_state = self.engine.sampler_state(rid) if state.staging is not None else None
+        if state.staging is not None:
+            self.engine.release(rid)
+            del self._live[rid]
+        if error is not None:
+            self.worker.send(RequestFailed(rid, f"KV transfer to the decode worker failed: "
+                                                f"{error}"))
+            self.engine.abort(rid)
+            self._live.pop(rid, None)
+            return
+        finish = output.finish_reason
+        final = None if finish is None or finish is FinishReason.PREFILL_DONE else finish.value
+        self.worker.send(PrefillDone(
+            rid, output.new_token_ids[0], final, output.num_cached_tokens,
+            state.num_fetched_tokens, state.compute_s, span_s if had_transfers else 0.0,
+            exposed_s if had_transfers else 0.0, state.transfer_bytes, sampler_state))
+        if output.finished:
+            self._live.pop(rid, None)
+
+    def _wait_transfers(self, state: _Prefill) -> str | None:
+        error = None
+        for batch in state.batches:
+            try:
+                self.transfer.wait(batch, _TRANSFER_TIMEOUT_S).raise_for_failure()
+            except TransferError as exc:
+                error = str(exc)
+        state.batches.clear()
+        return error
+
+    # -- step 3b: new blocks to the store ----------------------------------------------------
+    def _queue_store_write(self, prompt: list[int]) -> None:
+        if self._writer is None:
+            return
+        keys, blobs = [], []
+        for key in self.engine.prompt_block_keys(prompt):
+            if int(key) in self._put_keys:
+                continue
+            data = self.engine.export_block_kv(key)
+            if data is None:
+                break
+            keys.append(key)
+            blobs.append(data)
+            self._put_keys[int(key)] = None
+        while len(self._put_keys) > _MAX_REMEMBERED_KEYS:
+            del self._put_keys[next(iter(self._put_keys))]
+        if keys:
+            self._writes.put((keys, blobs))
+
+    def _write_loop(self) -> None:
+        store = self.worker.store
+        assert store is not None
+        ns = self.engine.namespace
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            keys, blobs = item
+            try:
+                store.put_batch([f"{ns}:{key_hex(k)}" for k in keys], blobs)
+            except (StoreError, TransferError, OSError) as exc:
+                log.warning("%s: store write of %d blocks failed: %s", self.worker.worker_id,
+                            len(keys), exc)
+                for k in keys:
+                    self._put_keys.pop(int(k), None)
+                continue
+            # Written now, or already there (put returns False): either way the store has them.
+            self.worker.send(StoreEvents([int(k) for k in keys]))
+
+
+def _target_offset(target: int, layer_idx: int, num_pool_blocks: int, block_nbytes: int,
+                   layer_nbytes: int) -> int:
+    """Byte offset of (block `target`, layer) in the decode side's segment: its KV pool's
+    layout (`KVPool.layer_offset_bytes`) when `num_pool_blocks` > 0, else a staging slot."""
+    if num_pool_blocks > 0:
+        return (layer_idx * num_pool_blocks + target) * layer_nbytes
+    return target * block_nbytes + layer_idx * layer_nbytes

@@ -1,0 +1,279 @@
+"""A worker: one engine instance, its transfer engine and store node, served to one frontend.
+
+Lifecycle:
+  Worker(config)  builds nothing that runs;
+  start()         loads the engine (a decode worker's KV pool is a segment of its transfer
+                  engine: shared memory unless `shared_memory` is off), starts the transfer
+                  engine, mounts a DRAM segment into the store pool (a store node in this
+                  process, when a master is configured), opens the control port and starts
+                  two threads: the accept loop (one reader per frontend connection) and the
+                  engine loop, the only thread that touches the engine;
+  close()         stops both, closes the node (unregistering it) and the transfer engine.
+
+The engine loop takes messages from an inbox (filled by the reader), lets the role act on
+them (`prefill.PrefillRole`, `decode.DecodeRole`), steps the engine while work
+is pending and publishes the prefix cache's KV events and the load after every step. With no
+work it blocks on the inbox: an idle worker burns no CPU.
+
+On connect the worker sends `Hello` (identity, KV layout, staging segment). Messages to a
+frontend that is gone are dropped: the frontend fails those requests itself. The engine loop
+answers the frontend's `Ping` between steps (not the reader thread), so a worker whose loop
+stalls stops answering and the frontend fails it after `MonitorConfig.worker_timeout_s`.
+`hold()` / `release()` stall the engine loop on purpose (fault injection for tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import uuid
+from typing import Any
+
+from kvcake.engine.engine import Engine
+from kvcake.server.worker.config import Role, WorkerConfig
+from kvcake.server.worker.decode import DecodeRole, pool_allocator
+from kvcake.server.worker.messages import (
+    Hello,
+    KvEvents,
+    LoadReport,
+    Message,
+    MessageError,
+    MessageLink,
+    Ping,
+    Pong,
+    Shutdown,
+)
+from kvcake.server.worker.prefill import PrefillRole
+from kvcake.server.worker.role import WorkerRole
+from kvcake.store import NodeConfig, StoreClient, StoreNode
+from kvcake.transfer import TransferConfig, TransferEngine, TransportWrapper
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """See the module docstring."""
+
+    def __init__(self, config: WorkerConfig, *,
+                 wrap_transport: TransportWrapper | None = None) -> None:
+        """`wrap_transport`: the transfer engine's hook around every endpoint (tests)."""
+        self.config = config
+        self._wrap_transport = wrap_transport
+        self.worker_id = config.worker_id or f"{config.role.value}-{uuid.uuid4().hex[:6]}"
+        self.engine: Engine | None = None
+        self.transfer: TransferEngine | None = None
+        self.store: StoreClient | None = None
+        self.store_node: StoreNode | None = None
+        self._role: WorkerRole | None = None
+        self._listener: socket.socket | None = None
+        self._link: MessageLink | None = None
+        self._inbox: queue.Queue[Any] = queue.Queue()  # messages, role-internal items, None
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self.shutdown_requested = threading.Event()  # a frontend sent Shutdown
+        self._last_load: LoadReport | None = None
+        self._running = threading.Event()  # cleared by hold(): the engine loop stalls
+        self._running.set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        if self._listener is None:
+            raise RuntimeError("worker not started")
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def start(self) -> Worker:
+        """Load, mount and serve; on any failure what was started is stopped again."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> Worker:
+        cfg = self.config
+        if cfg.num_threads is not None:
+            import torch
+
+            torch.set_num_threads(cfg.num_threads)
+        self.transfer = TransferEngine(TransferConfig(host=cfg.host, num_rails=2,
+                                                      use_shared_memory=cfg.shared_memory),
+                                       wrap_transport=self._wrap_transport)
+        kv_allocator = pool_allocator(self.transfer, self.worker_id, shared=cfg.shared_memory) \
+            if cfg.role is Role.DECODE else None
+        self.engine = Engine(cfg.model, cfg.engine, kv_allocator=kv_allocator)
+        self.transfer.start()
+        if cfg.master is not None:
+            self.store_node = StoreNode(NodeConfig(cfg.store_dram_bytes), cfg.master,
+                                        node_id=f"node-{self.worker_id}", engine=self.transfer,
+                                        host=cfg.host).start()
+            self.store = StoreClient(cfg.master, engine=self.transfer,
+                                     local_node=self.store_node.node_id)
+        if cfg.role is Role.DECODE:
+            self._role = DecodeRole(self)
+        else:
+            self._role = PrefillRole(self)
+        self._listener = socket.create_server((cfg.host, cfg.port))
+        for target, name in ((self._accept_loop, "accept"), (self._engine_loop, "engine")):
+            thread = threading.Thread(target=target, name=f"{self.worker_id}-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._role.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving; running requests are dropped (the frontend sees the link close)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._running.set()
+        self._inbox.put(None)
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        if self._link is not None:
+            self._link.close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        if self._role is not None:
+            self._role.close()
+        if self.store is not None:
+            self.store.close()
+        if self.store_node is not None:
+            self.store_node.close()
+        if self.transfer is not None:
+            self.transfer.close()
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def hello(self) -> Hello:
+        engine = self._engine()
+        staging, num_staging = self._active_role().staging()
+        itemsize = engine.pool.kv.element_size()
+        return Hello(
+            worker_id=self.worker_id, role=self.config.role.value,
+            model_name=engine.model_config.name, namespace=engine.namespace,
+            block_size=engine.block_size, num_blocks=engine.num_blocks,
+            block_nbytes=engine.pool.block_nbytes, layer_nbytes=engine.pool.layer_nbytes,
+            num_layers=engine.pool.num_layers,
+            kv_bytes_per_token=engine.model_config.kv_bytes_per_token(itemsize),
+            max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+            staging=staging, num_staging_blocks=num_staging)
+
+    def hold(self) -> None:
+        """Fault injection: stall the engine loop (before its next iteration) until
+        `release()`; the process stays up and its links stay open, like a hung worker."""
+        self._running.clear()
+
+    def release(self) -> None:
+        self._running.set()
+
+    def post(self, item: object) -> None:
+        """Hand a role-internal item (e.g. a finished fetch) to the engine-loop thread."""
+        self._inbox.put(item)
+
+    def send(self, message: Message) -> None:
+        """To the connected frontend; dropped when there is none (it fails the request)."""
+        link = self._link
+        if link is None or link.closed:
+            return
+        try:
+            link.send(message)
+        except OSError as exc:
+            log.warning("%s: frontend link lost (%s)", self.worker_id, exc)
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("worker not started")
+        return self.engine
+
+    def _active_role(self) -> WorkerRole:
+        if self._role is None:
+            raise RuntimeError("worker not started")
+        return self._role
+
+    # -- threads -----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            link = MessageLink(sock)
+            old, self._link = self._link, link
+            if old is not None:
+                old.close()
+            link.send(self.hello())
+            threading.Thread(target=self._read_loop, args=(link,), daemon=True,
+                             name=f"{self.worker_id}-reader").start()
+
+    def _read_loop(self, link: MessageLink) -> None:
+        while True:
+            try:
+                message = link.recv()
+            except MessageError as exc:
+                log.warning("%s: bad message from the frontend, closing the link: %s",
+                            self.worker_id, exc)
+                link.close()
+                return
+            if message is None:
+                return
+            self._inbox.put(message)
+
+    def _engine_loop(self) -> None:
+        engine = self._engine()
+        role = self._active_role()
+        while True:
+            idle = not engine.has_unfinished() and not role.has_pending()
+            messages = self._drain(block=idle)
+            self._running.wait()
+            for message in messages:
+                if isinstance(message, Ping):  # answered here: proves this loop turns
+                    self.send(Pong(message.seq))
+                    continue
+                if isinstance(message, Shutdown):
+                    self.shutdown_requested.set()  # the process owner (run_worker) stops
+                    continue
+                if message is None:
+                    return
+                try:
+                    role.handle(message)
+                except Exception:  # one bad order must not stop the worker
+                    log.exception("%s: handling %s failed", self.worker_id,
+                                  type(message).__name__)
+            if engine.has_unfinished():
+                role.step()
+            role.after_step()
+            self._publish()
+
+    def _drain(self, block: bool) -> list[Any]:
+        items = [self._inbox.get()] if block else []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _publish(self) -> None:
+        engine = self._engine()
+        events = engine.drain_kv_events()
+        if events:
+            stored = [int(e.key) for e in events if e.kind.value == "stored"]
+            removed = [int(e.key) for e in events if e.kind.value == "removed"]
+            self.send(KvEvents(stored, removed))
+        load = LoadReport(len(engine.batcher.waiting) + self._active_role().num_pending(),
+                          len(engine.batcher.running), engine.block_manager.num_free_blocks)
+        if load != self._last_load:
+            self._last_load = load
+            self.send(load)

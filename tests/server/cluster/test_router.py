@@ -1,0 +1,118 @@
+"""Routing and admission through the Conductor (router.py): pools by role, rejections as
+`Rejected`, the live index from worker events, the store audit's part, draining."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from kvcake.conductor import ConductorConfig, Policy
+from kvcake.hashing import block_keys
+from kvcake.server.cluster.router import STORE_HOLDER, Router, schedule_request
+from kvcake.server.cluster.store_audit import StoreAudit
+from kvcake.server.frontend.backend import GenerateRequest, Rejected
+from kvcake.server.worker.messages import Hello, KvEvents, PrefillDone, StoreEvents
+from kvcake.types import RequestId
+from tests.server.cluster.fakes import BLOCK_SIZE, DECODE, PREFILL, hello
+
+HELLOS = [hello("prefill-0", "prefill"), hello("prefill-1", "prefill"), hello("decode-2", "decode")]
+PROMPT = tuple(range(1, 65))  # 4 full blocks
+
+
+def router(policy: Policy = Policy.GLOBAL_CACHE, audit: StoreAudit | None = None,
+           hellos: Sequence[Hello] = HELLOS) -> Router:
+    config = ConductorConfig.from_dict({"policy": policy, "transfer_bandwidth_bytes_per_s": 1e7})
+    return Router.for_workers(config, hellos, PREFILL, DECODE, audit)
+
+
+def keys_of(prompt: tuple[int, ...]) -> list[int]:
+    return [int(k) for k in block_keys(prompt, BLOCK_SIZE, HELLOS[0].namespace)]
+
+
+def holders(r: Router, prompt: tuple[int, ...]) -> dict[str, int]:
+    return dict(r.conductor.index.match(keys_of(prompt)).blocks_by_holder)
+
+
+def test_pools_follow_the_workers_roles() -> None:
+    r = router()
+    assert (r.conductor.prefill_ids, r.conductor.decode_ids) == (["prefill-0", "prefill-1"],
+                                                                 ["decode-2"])
+    assert r.block_size == BLOCK_SIZE
+    colocated = router(Policy.COLOCATED, hellos=[hello("colocated-0", "colocated"),
+                                                 hello("colocated-1", "colocated")])
+    assert colocated.conductor.prefill_ids == ["colocated-0", "colocated-1"]
+    assert colocated.conductor.decode_ids == ["colocated-0", "colocated-1"]
+
+
+def test_schedule_request_hashes_the_prompt_in_the_workers_namespace() -> None:
+    request = GenerateRequest(RequestId("r"), PROMPT + (7,), 9)
+    schedule = schedule_request(request, HELLOS[0])
+    assert schedule.request_id == "r" and schedule.block_keys == tuple(keys_of(PROMPT))
+    assert (schedule.prompt_len, schedule.block_size, schedule.max_output_len) == (65, BLOCK_SIZE, 9)
+
+
+def test_a_rejection_is_rejected_with_the_predictions_and_retry_after() -> None:
+    r = router()
+    for worker_id in ("prefill-0", "prefill-1"):
+        r.set_draining(worker_id, "prefill", True)
+    with pytest.raises(Rejected) as caught:
+        r.place(schedule_request(GenerateRequest(RequestId("r"), PROMPT, 4), HELLOS[0]), 0.0)
+    assert caught.value.reason == ("the Conductor rejected the request (no_instance: predicted "
+                                   "TTFT inf s, TBT inf s)")
+    assert caught.value.retry_after_s == ConductorConfig().min_retry_after_s
+
+
+def test_only_prefill_workers_cache_events_feed_the_index() -> None:
+    r = router()
+    keys = keys_of(PROMPT)
+    r.on_kv_events("decode-2", KvEvents(keys, []))
+    r.on_kv_events("prefill-1", KvEvents(keys, []))
+    assert holders(r, PROMPT) == {"prefill-1": 4}
+    r.on_kv_events("prefill-1", KvEvents([], keys[2:]))
+    assert holders(r, PROMPT) == {"prefill-1": 2}
+
+
+def test_store_events_are_listed_under_the_store_and_tracked_by_the_audit() -> None:
+    audit = StoreAudit("ns", max_keys=8, max_tracked=3)
+    r = router(audit=audit)
+    keys = keys_of(PROMPT)
+    r.on_store_events(StoreEvents(keys))  # 4 keys, 3 tracked: the oldest leaves the index
+    assert len(audit) == 3 and holders(r, PROMPT) == {}
+    assert dict(r.conductor.index.match(keys[1:]).blocks_by_holder) == {STORE_HOLDER: 3}
+    r.on_store_events(StoreEvents(keys[:1]))  # block 0 again: now block 1 is the oldest
+    assert holders(r, PROMPT) == {STORE_HOLDER: 1} and len(audit) == 3
+    r.on_store_gone(keys[:1])
+    assert holders(r, PROMPT) == {}
+
+
+def test_a_short_fetch_makes_the_audit_check_its_keys_first() -> None:
+    audit = StoreAudit("ns", max_keys=2)
+    r = router(audit=audit)
+    keys = keys_of(PROMPT)
+    audit.track([1, 2])
+    r.on_store_events(StoreEvents(keys))
+    placement = r.place(schedule_request(GenerateRequest(RequestId("r"), PROMPT + (1,), 4), HELLOS[0]), 0.0)
+    assert placement.fetch is not None and placement.fetch.keys == tuple(keys)
+    short = PrefillDone("r", 9, None, num_cached_tokens=16, num_fetched_tokens=16, compute_s=0.1,
+                        transfer_span_s=0.0, transfer_exposed_s=0.0, transfer_bytes=0)
+    r.prefill_done(placement, short, 1.0)
+    assert [k for k, _ in audit.take_round()] == keys[:2]
+
+
+def test_draining_takes_a_worker_out_and_resuming_brings_it_back() -> None:
+    r = router()
+    r.set_draining("prefill-0", "prefill", True)
+    r.set_draining("prefill-0", "prefill", True)  # already out: no-op
+    assert r.conductor.prefill_ids == ["prefill-1"]
+    r.set_draining("decode-2", "decode", True)
+    r.set_draining("decode-2", "decode", False)
+    r.set_draining("prefill-0", "prefill", False)
+    assert (r.conductor.prefill_ids, r.conductor.decode_ids) == (["prefill-1", "prefill-0"],
+                                                                 ["decode-2"])
+    r.remove("prefill-1")
+    assert r.conductor.prefill_ids == ["prefill-0"]
+    colocated = router(Policy.COLOCATED, hellos=[hello("c-0", "colocated")])
+    colocated.set_draining("c-0", "colocated", True)
+    colocated.set_draining("c-0", "colocated", False)
+    assert (colocated.conductor.prefill_ids, colocated.conductor.decode_ids) == (["c-0"], ["c-0"])
