@@ -1,0 +1,53 @@
+"""A worker's settings: its `Role` and `WorkerConfig` (no engine imported, so the cluster's
+configuration can name roles without loading torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvcake.engine.config import EngineConfig
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"  # prefills and decodes, local prefix cache only (the baseline)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one worker; `kvcake worker` reads its defaults from here."""
+
+    role: Role = Role.PREFILL
+    model: str = "tiny"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 0  # control port; 0: the OS picks
+    worker_id: str | None = None  # None: role + random suffix
+    master: str | None = None  # store master HOST:PORT; None: no store (no reuse across workers)
+    store_dram_bytes: int = 64 * 2**20  # DRAM this worker contributes to the store pool
+    staging_bytes: int = 32 * 2**20  # decode: the segment prefill workers stream KV into
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    layerwise: bool = True  # prefill: stream layer by layer during compute (else after it)
+    # Same-host KV by memcpy: a decode worker's KV pool is a shared-memory segment, and this
+    # worker's transfer engine maps same-host segments. False: private pool, TCP only.
+    shared_memory: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", _role(self.role))
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        for name in ("store_dram_bytes", "staging_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+
+
+def _role(value: object) -> Role:
+    try:
+        return Role(str(value))
+    except ValueError:
+        raise ValueError(f"role: must be one of {', '.join(r.value for r in Role)}, "
+                         f"got {value!r}") from None
