@@ -31,6 +31,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from kvcake.engine.config import EngineConfig, ModelConfig
 from kvcake.engine.engine import Engine
 from kvcake.engine.loader import dummy_weights, save_hf_dir
+
+try:
+    from kvcake.engine.linear import BUCKET_NAMES
+except ImportError:  # an older checkout (PYTHONPATH) without tuned linears
+    BUCKET_NAMES = "-"
 from kvcake.engine.sampling import SamplingParams
 
 PEER_SHAPE = ModelConfig(name="peer-tiny-llama", vocab_size=32000, hidden_size=512,
@@ -78,7 +83,11 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     while engine.has_unfinished():
         engine.step()
     result: dict[str, Any] = {"threads": args.threads, "prompt_len": args.prompt_len,
-                              "seqs": args.seqs, "load_avg": os.getloadavg()[0]}
+                              "seqs": args.seqs, "load_avg": os.getloadavg()[0],
+                              # getattr: the script also profiles older checkouts (PYTHONPATH)
+                              "attention": getattr(engine, "attention", "gather"),
+                              "linear": {f"{c.shape[0]}x{c.shape[1]}": list(c.backends)
+                                         for c in getattr(engine, "linear_choices", [])}}
     for rnd, profiled in enumerate((False, True)):
         for i in range(args.seqs):
             engine.add_request(f"r{rnd}-{i}", _prompt(args.prompt_len, 10 * rnd + i, vocab),
@@ -160,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load avg "
           f"{result['load_avg']:.2f}, {args.threads} threads, {args.seqs} x {args.prompt_len}-token "
           f"prompt(s), {args.decode_steps} decode steps")
+    print(f"attention: {result['attention']}; linear backend per shape (out x in) for rows "
+          f"{BUCKET_NAMES}: {json.dumps(result['linear'])}")
     for phase in ("prefill", "decode"):
         print(f"\n{phase}: {result[f'{phase}_wall_ms']:.2f} ms/step wall (unprofiled), "
               f"{result[f'{phase}_profiled_ms']:.2f} ms profiled, "

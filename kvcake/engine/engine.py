@@ -32,6 +32,7 @@ Errors: bad user input raises ValueError naming the field and leaves the engine 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ from kvcake.engine.batcher import Batcher, BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager, KvEvent
 from kvcake.engine.config import EngineConfig, ModelConfig
 from kvcake.engine.kv_pool import KvAllocator, KVPool
-from kvcake.engine.linear import Linear, tune
+from kvcake.engine.linear import BUCKET_NAMES, Linear, table_path, tune
 from kvcake.engine.loader import load_weights, resolve
 from kvcake.engine.model import LlamaModel
 from kvcake.engine.runner import ModelRunner
@@ -53,6 +54,8 @@ from kvcake.engine.sequence import Sequence as Seq
 from kvcake.engine.tokenizer import Tokenizer
 from kvcake.hashing import block_keys
 from kvcake.types import BlockId, BlockKey, RequestId
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,8 +119,13 @@ class Engine:
                                           self.config.enable_prefix_caching)
         self.batcher = Batcher(self.block_manager, self.config.max_num_batched_tokens,
                                self.config.max_num_seqs)
-        self.linear_choices = tune(_linears(self.model), self.config.linear_backend)
+        self.linear_choices = tune(
+            _linears(self.model), self.config.linear_backend,
+            table=table_path(paged_attention.cache_dir(), torch.get_num_threads()))
         self.attention = self._attention_mode()
+        log.info("engine: decode attention %s; linear backends (rows %s) %s",
+                 self.attention, BUCKET_NAMES, {f"{c.shape[0]}x{c.shape[1]}": "|".join(c.backends)
+                                  for c in self.linear_choices})
         self.runner = ModelRunner(self.model, self.pool, self.device,
                                   paged_attention=self.attention == "kernel")
         self.sampler = Sampler()

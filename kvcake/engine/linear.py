@@ -4,7 +4,8 @@ torch's default CPU GEMM (MKL in the CPU wheel) is not the fastest path for ever
 CPU: a decode step multiplies the weights by one or a few rows (a GEMV, bound by how fast the
 weights are read), a prefill by thousands (a GEMM, bound by arithmetic), and which library wins
 each depends on the CPU. So each distinct weight shape gets, per row-count bucket, the backend that
-measured fastest on this machine at start-up (`tune`), never a guess from the CPU's name:
+measured fastest on this machine (`tune`, at the first start-up; the choices are kept in a small
+table per CPU, torch version and thread count, `table_path`), never a guess from the CPU's name:
 
 - `aten`: `F.linear` (torch's default path);
 - `aten_t`: `W @ x^T` (the same BLAS, the other orientation; faster for a few rows on some CPUs);
@@ -21,9 +22,13 @@ tuned; other dtypes and devices always use `aten`.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +39,16 @@ from kvcake.engine.config import LINEAR_MODES
 BACKENDS = LINEAR_MODES[1:]  # ("aten", "aten_t", "onednn", "mkl_gemv")
 
 # Row-count buckets: (upper bound of the bucket, the row count measured for it).
-BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (8, 4), (64, 16), (1 << 62, 256))
+BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (8, 4), (64, 16), (512, 256), (1 << 62, 1024))
+BUCKET_NAMES = "1 | 2-8 | 9-64 | 65-512 | 513+"
+# Buckets of at most this many rows are memory-bound (the weights are read once per call): they
+# are timed with the caches flushed before each call, as in a real step, where the whole model's
+# weights stream through the cache; a hot-cache loop would time the L3 instead.
+COLD_ROWS = 8
+FLUSH_BYTES = 64 << 20
+# A bucket whose measurement would take more than this many multiply-adds per call (an lm_head
+# on 1024 rows) takes the previous bucket's choice instead.
+MAX_MACS = 1 << 31
 
 
 def bucket_of(rows: int) -> int:
@@ -120,17 +134,20 @@ def _eligible(backend: str, bucket: int) -> bool:
     return _available(backend) and (backend != "mkl_gemv" or BUCKETS[bucket][1] == 1)
 
 
-MIN_ROUNDS, MAX_ROUNDS = 10, 200
+MIN_ROUNDS, MAX_ROUNDS, SLOW_ROUNDS, SLOW_CALL_S = 8, 200, 3, 0.005
 MARGIN = 1.05
 
 
-def tune(layers: Iterable[Linear], mode: str = "auto", *, budget_s: float = 0.03,
-         clock: Callable[[], float] = time.perf_counter) -> list[Choice]:
+def tune(layers: Iterable[Linear], mode: str = "auto", *, budget_s: float = 0.05,
+         clock: Callable[[], float] = time.perf_counter,
+         table: Path | None = None) -> list[Choice]:
     """Give every layer a `Kernel`: `mode` a backend name forces it wherever it applies
     (`aten` elsewhere); "auto" measures each distinct (out, in) shape once per bucket, its
     backends interleaved, round after round (at least MIN_ROUNDS, then until `budget_s` is spent
     or MAX_ROUNDS), keeping each one's best time: on a busy machine a call whose thread lost
     its core is slow, and the minimum ignores it.
+    `table`: a JSON file of earlier choices on this machine (`table_path()`): shapes found there
+    are not measured again, new measurements are added to it.
     Layers not on CPU in fp32 get no kernel (plain `F.linear`). Returns the choices per shape."""
     if mode not in LINEAR_MODES:
         raise ValueError(f"linear backend {mode!r}: choose from {', '.join(LINEAR_MODES)}")
@@ -142,11 +159,18 @@ def tune(layers: Iterable[Linear], mode: str = "auto", *, budget_s: float = 0.03
             continue
         groups.setdefault((w.shape[0], w.shape[1]), []).append(layer)
     choices = []
+    known = _read_table(table) if mode == "auto" and table is not None else {}
     for shape, members in groups.items():
         kernels = [Kernel(m.weight.detach(), None if m.bias is None else m.bias.detach())
                    for m in members]
-        if mode == "auto":
+        key = f"{shape[0]}x{shape[1]}"
+        if mode == "auto" and key in known:
+            choice = Choice(shape, known[key], tuple({} for _ in BUCKETS))
+        elif mode == "auto":
             choice = _measure(kernels[0], budget_s, clock)
+            if table is not None:
+                known[key] = choice.backends
+                _write_table(table, known)
         else:
             picked = tuple(mode if _eligible(mode, b) else "aten" for b in range(len(BUCKETS)))
             choice = Choice(shape, picked, tuple({} for _ in BUCKETS))
@@ -160,23 +184,71 @@ def tune(layers: Iterable[Linear], mode: str = "auto", *, budget_s: float = 0.03
     return choices
 
 
+def table_path(directory: Path, num_threads: int) -> Path:
+    """Where this machine's choices are kept: one file per CPU (model and feature flags), torch
+    version and thread count, since each of them changes which backend wins."""
+    cpu = ""
+    try:
+        cpu = "\n".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith(("model name", "flags")))
+    except OSError:
+        pass
+    key = hashlib.sha256(f"{cpu}\n{torch.__version__}\n{BUCKETS}".encode()).hexdigest()[:16]
+    return directory / f"linear-{key}-t{num_threads}.json"
+
+
+def _read_table(path: Path) -> dict[str, tuple[str, ...]]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {k: tuple(v) for k, v in raw.items()
+            if isinstance(v, list) and len(v) == len(BUCKETS) and all(b in BACKENDS for b in v)
+            and all(_eligible(b, i) for i, b in enumerate(v))}
+
+
+def _write_table(path: Path, table: dict[str, tuple[str, ...]]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({k: list(v) for k, v in sorted(table.items())}, indent=1))
+        tmp.replace(path)  # atomic: concurrent engines never read half a file
+    except OSError:
+        pass  # a read-only home: measure again next time
+
+
 @torch.inference_mode()
 def _measure(kernel: Kernel, budget_s: float, clock: Callable[[], float]) -> Choice:
     gen = torch.Generator().manual_seed(0)
+    out_features, in_features = kernel.weight.shape
     picked: list[str] = []
     timings: list[dict[str, float]] = []
+    scratch: Tensor | None = None
     for bucket, (_, rows) in enumerate(BUCKETS):
-        x = torch.randn(rows, kernel.weight.shape[1], generator=gen)
+        if picked and rows * out_features * in_features > MAX_MACS:
+            picked.append(picked[-1])
+            timings.append({})
+            continue
+        cold = rows <= COLD_ROWS
+        if cold and scratch is None:
+            scratch = torch.zeros(FLUSH_BYTES // 4)
+        x = torch.randn(rows, in_features, generator=gen)
         candidates = [b for b in BACKENDS if _eligible(b, bucket)]
+        t0 = clock()
         for backend in candidates:
             kernel.prepare(backend)
             kernel.run(x, backend)  # warm-up (first-call allocations, oneDNN primitive cache)
+        slow = (clock() - t0) / len(candidates) > SLOW_CALL_S
         best = {b: float("inf") for b in candidates}
         start = clock()
         for done in range(MAX_ROUNDS):
-            if done >= MIN_ROUNDS and clock() - start > budget_s:
+            if done >= (SLOW_ROUNDS if slow else MIN_ROUNDS) and clock() - start > budget_s:
                 break
             for backend in candidates:
+                if scratch is not None and cold:
+                    scratch.add_(1.0)  # flush: the weights come from memory, as in a step
                 t0 = clock()
                 kernel.run(x, backend)
                 best[backend] = min(best[backend], clock() - t0)
@@ -186,5 +258,4 @@ def _measure(kernel: Kernel, budget_s: float, clock: Callable[[], float]) -> Cho
         timings.append({b: 1e3 * t for b, t in best.items()})
     kernel.choice = picked
     kernel.drop_unused()
-    return Choice((kernel.weight.shape[0], kernel.weight.shape[1]), tuple(picked),
-                  tuple(timings))
+    return Choice((out_features, in_features), tuple(picked), tuple(timings))

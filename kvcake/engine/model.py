@@ -131,6 +131,9 @@ class DecoderLayer(nn.Module):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
+        if not batch.prefill and not batch.decode and len(batch.paged) == 1:
+            _, tables, lens = batch.paged[0]  # a pure decode step: every row, in order
+            return paged_decode_attention(q, kv, tables, lens, self.scale)
         out = torch.empty_like(q)
         rows = kv.view(-1, self.num_kv_heads, self.head_dim)
         for q_start, q_len, ctx_len, k_rows in batch.prefill:

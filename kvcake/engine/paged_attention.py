@@ -4,7 +4,7 @@
 gathered copy of the context per layer per step) and registers
 `torch.ops.kvcake.paged_decode_attention`. It is compiled once per machine by the system C++
 compiler (`$CXX`, else `c++`; Debian's g++) against the installed torch's headers, into
-`$KVCAKE_EXT_DIR` (default `~/.cache/kvcake/ext`), under a name that hashes the source, the torch
+`$KVCAKE_EXT_DIR` (default `$KVCAKE_CACHE_DIR/ext`, i.e. `~/.cache/kvcake/ext`), under a name that hashes the source, the torch
 version, the flags and this CPU's feature flags (`-march=native`), so a changed source, torch or
 CPU gets a fresh build and nothing prebuilt is ever loaded. Concurrent builders (several worker
 processes starting at once) serialise on a lock file. `python -m kvcake.engine.paged_attention`
@@ -28,13 +28,19 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
+         "-std=c++17", "-w")
 
 _error: list[str] = []
 
 
+def cache_dir() -> Path:
+    """kvcake's per-machine cache: `$KVCAKE_CACHE_DIR`, default `~/.cache/kvcake`."""
+    return Path(os.environ.get("KVCAKE_CACHE_DIR") or Path.home() / ".cache" / "kvcake")
+
+
 def ext_dir() -> Path:
-    return Path(os.environ.get("KVCAKE_EXT_DIR") or Path.home() / ".cache" / "kvcake" / "ext")
+    return Path(os.environ.get("KVCAKE_EXT_DIR") or cache_dir() / "ext")
 
 
 def _cpu_flags() -> str:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
-from kvcake.engine.linear import BACKENDS, BUCKETS, Kernel, Linear, bucket_of, tune
+from kvcake.engine.linear import BACKENDS, BUCKETS, Kernel, Linear, bucket_of, table_path, tune
 from kvcake.engine.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -95,6 +95,24 @@ def test_auto_choices_are_eligible_and_packed_forms_unused_are_dropped() -> None
         assert kernel is not None
         assert (kernel._onednn is None) == ("onednn" not in kernel.choice)
         assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)
+
+
+def test_choices_are_kept_in_a_table_and_not_measured_again(tmp_path: Path) -> None:
+    table = table_path(tmp_path, 2)
+    ticks = itertools.count()
+    first = tune(_layers(), "auto", clock=lambda: float(next(ticks)), table=table)
+    assert table.is_file() and len(first) == 2
+
+    def no_clock() -> float:
+        raise AssertionError("measured although the table has every shape")
+
+    layers = _layers()
+    again = tune(layers, "auto", clock=no_clock, table=table)
+    assert [c.backends for c in again] == [c.backends for c in first]
+    assert layers[0].kernel is not None
+    table.write_text("{not json")  # a damaged table is measured again and rewritten
+    tune(_layers(), "auto", clock=lambda: float(next(ticks)), table=table)
+    assert table.read_text().startswith("{\n")
 
 
 def test_forced_backend_applies_where_it_can_and_non_fp32_is_left_alone() -> None:

@@ -3,7 +3,7 @@
 //
 // Built on first use by kvcake/engine/paged_attention.py with the system C++ compiler against the
 // installed torch headers; registered as torch.ops.kvcake.paged_decode_attention. Work is split
-// over (sequence, KV head) with at::parallel_for, i.e. torch's own thread pool.
+// over (sequence, KV head) with at::parallel_for, i.e. torch's own thread pool (OpenMP).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +14,8 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kParallelPositions = 16384;  // (position, KV head) pairs per thread, at least
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -44,7 +46,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   // Strides of the layer tensor [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim].
   const int64_t s_tok = num_kv_heads * head_dim, s_kv = block_size * s_tok, s_blk = 2 * s_kv;
 
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Small problems run on the calling thread: a parallel region costs a thread hand-off (and on a
+  // busy machine a wait for a descheduled thread) that a one-sequence decode does not repay.
+  int64_t positions = 0;
+  for (int64_t b = 0; b < batch; ++b) positions += len_ptr[b];
+  const int64_t per_item = std::max<int64_t>(1, positions / batch);
+  const int64_t grain = std::max<int64_t>(1, kParallelPositions / per_item);
+  at::parallel_for(0, batch * num_kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
@@ -65,11 +73,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
       std::vector<float> denom(group, 0.f);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * ctx;
+        const float m = row_max[g];
+#pragma omp simd
+        for (int64_t p = 0; p < ctx; ++p) sg[p] = std::exp(sg[p] - m);  // libmvec when vectorised
         float sum = 0.f;
-        for (int64_t p = 0; p < ctx; ++p) {
-          sg[p] = std::exp(sg[p] - row_max[g]);
-          sum += sg[p];
-        }
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < ctx; ++p) sum += sg[p];
         denom[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
