@@ -32,6 +32,7 @@ Pure: no I/O, no clock (`now_s` is an argument), no threads.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Hashable, Sequence
 from itertools import repeat
@@ -347,7 +348,7 @@ class Conductor:
         loads = self._decodes
         if self.config.policy is Policy.COLOCATED:
             loads = {prefill_id: self._decodes[prefill_id]}
-        step = self._decode_model.decode_step_time_s
+        step = self._decode_step_s
         # An estimate is a pure function of (instance, batch, context tokens), and an instance's
         # forecast rarely changes between decisions: reuse the last estimate when it matches
         # rather than asking the model again and allocating a new record.
@@ -363,6 +364,15 @@ class Conductor:
                 last_estimates[instance_id] = estimate
             estimates.append(estimate)
         return tuple(estimates)
+
+    def _decode_step_s(self, batch_size: int, context_tokens: int) -> float:
+        """The predicted step time (TBT), or +inf when the batch's KV would not fit in the
+        instance's `decode_kv_capacity_tokens`: its requests would wait for memory, a gap no
+        step time shows."""
+        capacity = self.config.decode_kv_capacity_tokens
+        if capacity is not None and context_tokens > capacity:
+            return math.inf
+        return self._decode_model.decode_step_time_s(batch_size, context_tokens)
 
     def _choose_decode(self, candidates: tuple[DecodeEstimate, ...]) -> DecodeEstimate:
         # Least predicted TBT; among equals (e.g. all idle at the forecast time) the instance with
@@ -464,33 +474,40 @@ class Conductor:
     def on_blocks_removed(self, holder: str, keys: Sequence[Hashable]) -> None:
         self.index.remove(holder, keys)
 
-    def admit_decode(self, request_id: str, now_s: float) -> Rejection | None:
-        """Admission DECODE_AFTER_PREFILL: the prefill of `request_id` is done; may it decode?
+    def admit_decode(self, request_id: str,
+                     now_s: float) -> DecodeEstimate | Rejection | None:
+        """Admission DECODE_AFTER_PREFILL: the prefill of `request_id` is done; where may it decode?
 
-        Rejected (and forgotten, as `on_request_aborted`) when its decode instance's predicted
-        TBT now, with it added, exceeds the SLO: its prefill was spent for nothing. Under every
-        other admission mode the decision was made at arrival: None."""
+        The decode instance is chosen again now, by the least predicted TBT with the request
+        added (its booking moves there): that instance's estimate. A Rejection (the request
+        forgotten, as `on_request_aborted`) when even that TBT exceeds the SLO: the prefill was
+        spent for nothing. Under every other admission mode the decision was made at arrival:
+        None."""
         placed = self._placed.get(request_id)
         if self.config.admission is not Admission.DECODE_AFTER_PREFILL or placed is None:
             return None
-        decode_id = placed[1]
-        load = self._decode(decode_id)
-        expected = load.expected(request_id)
+        prefill_id, booked_on = placed
+        expected = self._decode(booked_on).expected(request_id)
         if expected is None:
             return None
-        load.remove(request_id)  # counted below as joining now, not at its predicted time
-        batch, tokens = load.batch_at(now_s)
         context, output_len = expected
-        tbt_s = self._decode_model.decode_step_time_s(batch + 1, tokens + context)
-        if tbt_s <= self.config.tbt_slo_s:
-            load.expect(request_id, now_s, context, output_len)
-            return None
+        self._decodes[booked_on].remove(request_id)  # counted below as joining now
+        estimates = []
+        for instance_id, load in self._decodes.items():
+            batch, tokens = load.batch_at(now_s)
+            estimates.append(DecodeEstimate(instance_id, batch + 1, tokens + context,
+                                            self._decode_step_s(batch + 1, tokens + context)))
+        best = self._choose_decode(tuple(estimates))
+        if best.tbt_s <= self.config.tbt_slo_s:
+            self._decodes[best.instance_id].expect(request_id, now_s, context, output_len)
+            self._placed[request_id] = (prefill_id, best.instance_id)
+            return best
         self.on_request_aborted(request_id)
-        next_finish = load.next_finish_after(now_s)
+        next_finish = self._decodes[best.instance_id].next_finish_after(now_s)
         retry_s = 0.0 if next_finish is None else next_finish - now_s
-        estimate = DecodeEstimate(decode_id, batch + 1, tokens + context, tbt_s)
         return Rejection(request_id, RejectReason.TBT_SLO,
-                         max(self.config.min_retry_after_s, retry_s), 0.0, tbt_s, (), (estimate,))
+                         max(self.config.min_retry_after_s, retry_s), 0.0, best.tbt_s, (),
+                         tuple(estimates))
 
     def on_decode_joined(self, instance_id: str, request_id: str, now_s: float) -> None:
         self._decode(instance_id).join(request_id, now_s, self._decode_model.decode_step_time_s,

@@ -77,6 +77,9 @@ class ConductorConfig:
         into consecutive groups, in pool order), its chunks pipelined across them. None: off.
     cpp_nodes: X, the prefill instances of one CPP group (>= 2 when CPP is on).
     cpp_chunk_tokens: tokens per pipelined chunk (the paper: at least 1,000).
+    decode_kv_capacity_tokens: KV tokens one decode instance holds; a decode candidate whose
+        forecast context (each request counted at prompt + max_output_len // 2) would exceed it
+        is predicted at TBT +inf (its requests would wait for memory). None: not checked.
     """
 
     policy: Policy = Policy.GLOBAL_CACHE
@@ -93,6 +96,7 @@ class ConductorConfig:
     cpp_min_tokens: int | None = None
     cpp_nodes: int = 2
     cpp_chunk_tokens: int = 1024
+    decode_kv_capacity_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -118,6 +122,9 @@ class ConductorConfig:
         if self.cpp_min_tokens is not None and self.cpp_nodes < 2:
             raise ValueError(f"cpp_nodes must be >= 2 when CPP is on (cpp_min_tokens set), "
                              f"got {self.cpp_nodes!r}")
+        if self.decode_kv_capacity_tokens is not None and self.decode_kv_capacity_tokens < 1:
+            raise ValueError(f"decode_kv_capacity_tokens must be >= 1 (or unset), "
+                             f"got {self.decode_kv_capacity_tokens!r}")
         if self.cpp_chunk_tokens < 1000:
             raise ValueError(f"cpp_chunk_tokens must be >= 1000 (CPP chunks of at least 1,000 "
                              f"tokens, as the paper), got {self.cpp_chunk_tokens!r}")

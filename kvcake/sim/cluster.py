@@ -28,6 +28,7 @@ from typing import Any
 
 from kvcake.conductor import (
     Admission,
+    Rejection,
     Conductor,
     ConductorConfig,
     CostModel,
@@ -131,12 +132,13 @@ class Cluster:
                 cpp_min_tokens=config.cpp_min_tokens,
                 cpp_nodes=config.cpp_nodes,
                 cpp_chunk_tokens=config.cpp_chunk_tokens,
+                decode_kv_capacity_tokens=self.kv_capacity_tokens,
             ),
             prefill_ids, decode_ids, predictor, self.cost, self.kv_per_token,
         )
         self.states = [RequestState(i, f"req-{i}", a) for i, a in enumerate(arrivals)]
         self.queue = EventQueue()
-        self._flows: dict[int, tuple[int, int]] = {}  # flow id -> (_FETCH | _KV, request)
+        self._flows: dict[int, tuple[int, int, int]] = {}  # flow -> (_FETCH | _KV, request, epoch)
         self._next_flow = 0
         self.num_events = 0
         self.local_fetch_tokens = 0
@@ -282,6 +284,19 @@ class Cluster:
         events = [self.prefills[m].start_gang(now_s) for m in item.group]
         return events + self._report_start(item.group[0], item, now_s)
 
+    def _restream_kv(self, state: RequestState, p: int, now_s: float) -> None:
+        """The KV streamed toward the first decode choice is sent to the new one instead (its
+        flows already in flight still finish; they no longer count)."""
+        d = self._decode_index[state.decode_instance or ""]
+        state.kv_arrived = False
+        state.kv_epoch += 1
+        senders = state.prefill_group or (p,)
+        state.pending_kv = len(senders)
+        for sender in senders:
+            self._start_flow(now_s, _KV, state.index, sender, self.config.num_prefill + d,
+                             state.arrival.input_len * self.kv_per_token / len(senders),
+                             state.kv_epoch)
+
     def _report_start(self, p: int, started: QueuedPrefill, now_s: float) -> list[Event]:
         state = self.states[started.req]
         state.prefill_start_s = now_s
@@ -313,10 +328,15 @@ class Cluster:
             if evicted:
                 self.conductor.on_blocks_removed(STORE, evicted)
         events = self._prefill_started(p, now_s, nxt)
-        rejection = self.conductor.admit_decode(state.request_id, now_s)
-        if rejection is not None:  # decode_after_prefill: its prefill was spent for nothing
+        admitted = self.conductor.admit_decode(state.request_id, now_s)
+        if isinstance(admitted, Rejection):  # decode_after_prefill: the prefill was spent for nothing
             state.rejected = "tbt_slo_after_prefill"
             return events
+        if admitted is not None and admitted.instance_id != state.decode_instance:
+            # Chosen again at the end of the prefill: the KV goes to the new decode node.
+            state.decode_instance = admitted.instance_id
+            self._restream_kv(state, p, now_s)
+            events.extend(self._flow_event())
         state.first_token_s = now_s
         if state.kv_arrived:
             events.extend(self._to_decode(state, now_s))
@@ -331,16 +351,24 @@ class Cluster:
         a = state.arrival
         seq = Seq(state.index, a.input_len, a.output_len - 1, a.input_len + a.output_len,
                   state.first_token_s or now_s, state.gaps)
-        state.decode_join_s = now_s
-        self.conductor.on_decode_joined(self.decode_ids[d], state.request_id, now_s)
         event = self.decodes[d].add(now_s, seq)
+        self._report_joined(d, now_s)
         return [] if event is None else [event]
+
+    def _report_joined(self, d: int, now_s: float) -> None:
+        """Tell the Conductor which requests started decoding on d (had room for their KV)."""
+        for seq in self.decodes[d].take_joined():
+            state = self.states[seq.req]
+            state.decode_join_s = now_s
+            self.conductor.on_decode_joined(self.decode_ids[d], state.request_id, now_s)
 
     def _on_step_done(self, event: Event) -> list[Event]:
         d, now_s = event.target, event.time_s
         instance = self.decodes[d]
         first_tokens, finished, nxt = instance.on_step_done(now_s, event.token)
         name = self.decode_ids[d]
+        if not self.config.colocated:
+            self._report_joined(d, now_s)
         for seq in first_tokens:  # colocated prefills that just finished
             state = self.states[seq.req]
             state.first_token_s = now_s
@@ -356,10 +384,10 @@ class Cluster:
     # ---- network -----------------------------------------------------------------------------
 
     def _start_flow(self, now_s: float, kind: int, req: int, src: int, dst: int,
-                    num_bytes: float) -> None:
+                    num_bytes: float, epoch: int = 0) -> None:
         flow_id = self._next_flow
         self._next_flow += 1
-        self._flows[flow_id] = (kind, req)
+        self._flows[flow_id] = (kind, req, epoch)
         self.network.start_flow(now_s, flow_id, src, dst, num_bytes)
 
     def _flow_event(self) -> list[Event]:
@@ -373,8 +401,10 @@ class Cluster:
             return []  # the flows changed since this was scheduled
         events: list[Event] = []
         for flow_id in self.network.advance(event.time_s):
-            kind, req = self._flows.pop(flow_id)
+            kind, req, epoch = self._flows.pop(flow_id)
             state = self.states[req]
+            if kind == _KV and epoch != state.kv_epoch:
+                continue  # streamed toward a decode node no longer chosen
             if kind == _FETCH:
                 state.pending_fetches -= 1
                 if state.pending_fetches == 0:

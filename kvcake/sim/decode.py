@@ -93,14 +93,21 @@ class DecodeInstance:
         self._run_prefill: Seq | None = None  # the prefill this run works on, if any
         self._run_chunk = 0  # prefill tokens per step of this run
         self._reserved_head: Seq | None = None  # the head prefill whose KV is reserved
+        self.joined: list[Seq] = []  # admitted to the batch since the cluster last took them
         self.token = 0
         self.busy_s = 0.0
         self.prefill_compute_s = 0.0
 
     # -- inputs ---------------------------------------------------------------------------
 
+    def take_joined(self) -> list[Seq]:
+        """The sequences that joined the batch (had KV space) since the last call."""
+        joined, self.joined = self.joined, []
+        return joined
+
     def add(self, now_s: float, seq: Seq) -> Event | None:
-        """A sequence whose KV is here; it joins at the next step boundary."""
+        """A sequence whose KV is here; it joins at the next step boundary with room for its
+        KV (`take_joined` says when)."""
         self.waiting.append(seq)
         return self._nudge(now_s)
 
@@ -178,6 +185,7 @@ class DecodeInstance:
             self.waiting.popleft()
             self.reserved_tokens += seq.reserve_len
             self.running.append(seq)
+            self.joined.append(seq)
 
     def _start(self, now_s: float) -> Event | None:
         self._admit()

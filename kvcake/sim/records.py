@@ -45,6 +45,7 @@ class RequestState:
     prefill_start_s: float | None = None
     prefill_group: tuple[int, ...] = ()  # CPP: the prefill nodes of its pipeline
     pending_kv: int = 0  # KV hand-off flows still in flight (one per sending prefill node)
+    kv_epoch: int = 0  # bumped when the KV is sent to another decode node (old flows ignored)
     prefill_s: float = 0.0  # prefill compute seconds spent on it (wasted if rejected after)
     decode_join_s: float | None = None
 

@@ -272,8 +272,10 @@ EXPERIMENTS: dict[str, Callable[[Context], list[str]]] = {
 
 def _register_capacity() -> None:
     from kvcake.sim.capacity import capacity
+    from kvcake.sim.overload import overload
 
     EXPERIMENTS["capacity"] = capacity
+    EXPERIMENTS["overload"] = overload
 
 
 _register_capacity()

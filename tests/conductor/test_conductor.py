@@ -17,6 +17,7 @@ from kvcake.conductor import (
     Conductor,
     ConductorConfig,
     CostModel,
+    DecodeEstimate,
     DecodeStepPredictor,
     Placement,
     Policy,
@@ -403,10 +404,11 @@ def test_decode_after_prefill_admits_at_arrival_and_rejects_when_the_prefill_is_
     first = placed(c.schedule(request("a", output_len=1000), 0.0))  # TBT 0.011 with a alone
     c.on_prefill_started("p0", "a", 0.0)
     c.on_prefill_finished(first.prefill_id, "a", 0.2)
-    assert c.admit_decode("a", 0.2) is None
+    admitted = c.admit_decode("a", 0.2)
+    assert isinstance(admitted, DecodeEstimate) and admitted.instance_id == "d0"
     c.on_decode_joined("d0", "a", 0.2)
     second = placed(c.schedule(request("b", first_key=100, output_len=1000), 0.2))  # 0.012: fits
-    assert c.admit_decode("b", 0.4) is None
+    assert isinstance(c.admit_decode("b", 0.4), DecodeEstimate)
     c.on_decode_joined("d0", "b", 0.4)
     # A third would make the step 0.013 s: admitted at arrival all the same (no TBT check)...
     third = placed(c.schedule(request("c", first_key=200), 0.4))
@@ -416,6 +418,21 @@ def test_decode_after_prefill_admits_at_arrival_and_rejects_when_the_prefill_is_
     assert isinstance(rejection, Rejection) and rejection.reason is RejectReason.TBT_SLO
     assert rejection.predicted_tbt_s == pytest.approx(0.013)
     assert c.decode_load("d0").num_booked == 2
+
+
+def test_decode_after_prefill_chooses_the_decode_instance_again_when_the_prefill_ends() -> None:
+    c = make(admission="decode_after_prefill", num_decode=2, tbt_slo_s=1.0)
+    a = placed(c.schedule(request("a", output_len=1000), 0.0))
+    b = placed(c.schedule(request("b", first_key=100, output_len=1000), 0.0))
+    assert {a.decode_id, b.decode_id} == {"d0", "d1"}
+    assert isinstance(c.admit_decode("a", 0.2), DecodeEstimate)
+    c.on_decode_joined(a.decode_id, "a", 0.2)
+    c.on_request_aborted("b")  # b's decode instance is free again; a's is busy
+    late = placed(c.schedule(request("c", first_key=200), 0.2))
+    admitted = c.admit_decode("c", 0.4)
+    assert isinstance(admitted, DecodeEstimate)
+    assert admitted.instance_id == b.decode_id and admitted.batch_size == 1
+    assert c.decode_load(b.decode_id).num_booked == 1 and late.request_id == "c"
 
 
 def test_admit_decode_is_a_no_op_under_arrival_admission() -> None:
@@ -462,3 +479,13 @@ def test_cpp_group_reuses_only_the_prefix_every_member_holds_and_aborts_free_all
         ConductorConfig(cpp_min_tokens=100, cpp_nodes=1)
     with pytest.raises(ValueError, match="1,000"):
         ConductorConfig(cpp_chunk_tokens=512)
+
+
+def test_a_decode_instance_whose_kv_would_overflow_is_predicted_at_infinite_tbt() -> None:
+    c = make(num_decode=2, decode_kv_capacity_tokens=500)
+    first = placed(c.schedule(request("a", prompt_len=300, output_len=100), 0.0))  # 350 tokens
+    second = placed(c.schedule(request("b", prompt_len=300, output_len=100, first_key=50), 0.0))
+    assert first.decode_id != second.decode_id  # the other one would hold 700 > 500
+    rejection = c.schedule(request("c", prompt_len=300, output_len=100, first_key=90), 0.0)
+    assert isinstance(rejection, Rejection) and rejection.reason is RejectReason.TBT_SLO
+    assert rejection.predicted_tbt_s == float("inf")

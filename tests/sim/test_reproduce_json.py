@@ -52,3 +52,17 @@ def test_every_experiment_prints_its_numbers_as_json(
     data = _json(["reproduce", experiment, "--trace", str(trace), "--out", str(tmp_path / "r"),
                   "--max-requests", "25", "--json"], capsys)
     assert data and all(isinstance(k, str) for k in data)
+
+
+def test_overload_json_has_rejections_and_wasted_prefill_per_policy(
+        trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(["reproduce", "overload", "--trace", str(trace), "--out", str(tmp_path / "r"),
+                  "--max-requests", "40", "--speed", "8", "--json"], capsys)
+    policies = data["policies"]
+    assert isinstance(policies, dict)
+    assert sorted(policies) == ["decode_after_prefill", "early", "prediction"]
+    for name, numbers in policies.items():
+        assert set(numbers) == {"rejected", "wasted_prefill_s"}
+        if name != "decode_after_prefill":  # rejected at arrival: no prefill spent on them
+            assert numbers["wasted_prefill_s"] == 0.0
+    assert (tmp_path / "r" / "overload_small_speed8.png").read_bytes()[:4] == b"\x89PNG"
