@@ -114,7 +114,12 @@ class Etcd:
         return int(result.get("TTL", -1))
 
     def revoke(self, lease_id: int) -> None:
-        self._post("/kv/lease/revoke", {"ID": lease_id})
+        """End the lease and delete its keys (a lease already gone is not an error)."""
+        try:
+            self._post("/kv/lease/revoke", {"ID": lease_id})
+        except etcd_errors.Etcd3Exception as exc:
+            if "not found" not in str(exc).lower():
+                raise
 
     # ---- keys ----------------------------------------------------------------------------------
     def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:

@@ -53,6 +53,27 @@ class OffsetAllocator:
                 return offset
         raise OutOfSpace(f"no free range of {need} bytes (largest {self.largest_free_bytes})")
 
+    def reserve(self, offset: int, size_bytes: int) -> None:
+        """Take the exact range [offset, offset + aligned size) (a new master adopting what a
+        node already holds); ValueError if any of it is not free or it is misaligned."""
+        need = self.aligned(size_bytes)
+        if size_bytes <= 0 or offset % self.alignment:
+            raise ValueError(f"range: offset {offset} (size {size_bytes}) is not an aligned range")
+        i = bisect.bisect_right(self._offsets, offset) - 1
+        if i < 0 or offset + need > self._offsets[i] + self._sizes[i]:
+            raise ValueError(f"range: [{offset}, {offset + need}) is not free")
+        start, size = self._offsets[i], self._sizes[i]
+        del self._offsets[i], self._sizes[i]
+        tail = start + size - (offset + need)
+        if tail:
+            self._offsets.insert(i, offset + need)
+            self._sizes.insert(i, tail)
+        if offset > start:
+            self._offsets.insert(i, start)
+            self._sizes.insert(i, offset - start)
+        self._allocated[offset] = need
+        self.used_bytes += need
+
     def free(self, offset: int) -> None:
         """Return the range at `offset`; merges it with free neighbours."""
         size = self._allocated.pop(offset, None)

@@ -9,6 +9,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +27,13 @@ def register(subparsers: Any) -> None:
     sub.required = True
 
     master = sub.add_parser("master", help="the metadata master")
-    master.add_argument("--host", default="127.0.0.1")
+    master.add_argument("--host", default="127.0.0.1", help="address the RPC port binds")
     master.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    _etcd_flags(master, "elect one master among those started with the same etcd and "
+                "--cluster (the others stand by and take over when it dies)")
+    master.add_argument("--recovery-s", type=float, default=10.0,
+                        help="after a takeover, how long client requests wait for the store "
+                        "nodes registered in etcd to re-register their objects")
     master.add_argument("--high-watermark", type=float, default=_MASTER.high_watermark)
     master.add_argument("--low-watermark", type=float, default=_MASTER.low_watermark)
     master.add_argument("--lease-s", type=float, default=_MASTER.lease_s)
@@ -41,7 +47,9 @@ def register(subparsers: Any) -> None:
     master.set_defaults(func=run_master)
 
     node = sub.add_parser("node", help="a node contributing DRAM (and disk) to the pool")
-    node.add_argument("--master", required=True, help="HOST:PORT of the master")
+    node.add_argument("--master", default=None, help="HOST:PORT of the master (or "
+                      "etcd://HOST:PORT[/CLUSTER]; see --etcd)")
+    _etcd_flags(node, "register in etcd and follow the elected master (instead of --master)")
     node.add_argument("--dram", required=True, help="segment size, e.g. 4GiB")
     node.add_argument("--disk", default=None, help="directory of the SSD tier")
     node.add_argument("--disk-size", default="0", help="SSD tier size, e.g. 20GiB")
@@ -53,6 +61,21 @@ def register(subparsers: Any) -> None:
     node.add_argument("--stats-interval-s", type=float, default=30.0)
     _secret_flags(node)
     node.set_defaults(func=run_node)
+
+
+def _etcd_flags(parser: Any, what: str) -> None:
+    parser.add_argument("--etcd", default=None, metavar="HOST:PORT[,HOST:PORT]", help=what)
+    parser.add_argument("--cluster", default="kvcake", help="name of the cluster in etcd")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address peers dial for this process (default: --host)")
+
+
+def _advertised(args: argparse.Namespace) -> str:
+    host = args.advertise_host or args.host
+    if host in ("0.0.0.0", "::", ""):
+        raise ValueError(f"--advertise-host: binding {args.host!r} listens everywhere; give the "
+                         "address peers should dial")
+    return str(host)
 
 
 def _secret_flags(parser: Any) -> None:
@@ -96,6 +119,8 @@ def run_master(args: argparse.Namespace) -> int:
                           heartbeat_timeout_s=args.heartbeat_timeout_s,
                           default_replicas=args.replicas, strategy=Strategy(args.strategy))
     _logging()
+    if args.etcd:
+        return _run_elected_master(args, config)
     server = MasterServer(MasterService(config), args.host, args.port, secret=_secret(args))
     server.start()
     log.info("master listening on %s", server.address)
@@ -107,6 +132,42 @@ def run_master(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_elected_master(args: argparse.Namespace, config: MasterConfig) -> int:
+    """Stand by until elected, then lead (store/elected.py); exit 1 if the lease is lost."""
+    from kvcake.registry import Etcd
+    from kvcake.store.elected import ElectedMaster
+
+    master = ElectedMaster(Etcd(args.etcd), args.cluster, config, host=args.host,
+                           port=args.port, advertise_host=_advertised(args),
+                           secret=_secret(args), recovery_s=args.recovery_s)
+    stop = _stop_on_signal()
+    master.start()
+    try:
+        next_report_s = time.monotonic() + args.stats_interval_s
+        while not stop.wait(0.2):
+            if master.lost.is_set():
+                return 1
+            if master.ready.is_set() and time.monotonic() >= next_report_s:
+                log.info("stats %s", json.dumps(master.service.stats(), sort_keys=True))
+                next_report_s += args.stats_interval_s
+        return 0
+    finally:
+        master.close()
+        log.info("master %s stopped", master.address)
+
+
+def _stop_on_signal() -> threading.Event:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
 def run_node(args: argparse.Namespace) -> int:
     from kvcake.store.node import StoreNode
     from kvcake.transfer import TransferConfig
@@ -114,21 +175,33 @@ def run_node(args: argparse.Namespace) -> int:
     config = NodeConfig(dram_bytes=parse_size(args.dram, "--dram"), disk_dir=args.disk,
                         disk_bytes=parse_size(args.disk_size, "--disk-size") if args.disk else 0,
                         heartbeat_interval_s=args.heartbeat_interval_s)
+    if (args.master is None) == (args.etcd is None):
+        raise ValueError("--master/--etcd: give exactly one (HOST:PORT of a master, or the etcd "
+                         "that knows the elected one)")
+    master = args.master or f"etcd://{args.etcd}/{args.cluster}"
+    advertise = _advertised(args)
     transfer = TransferConfig(host=args.host, port=args.port, num_rails=args.rails,
-                              secret=_secret(args))
+                              secret=_secret(args), advertise_host=advertise)
     _logging()
-    node = StoreNode(config, args.master, node_id=args.node_id, transfer_config=transfer,
-                     host=args.host)
+    node = StoreNode(config, master, node_id=args.node_id, transfer_config=transfer,
+                     host=args.host, advertise_host=advertise)
     try:
         node.start()
     except MasterUnavailable as exc:
         node.close(unregister=False)
         raise ValueError(f"--master: {exc}; is `kvcake store master` running there?") from None
-    log.info("node %s joined %s; segment server %s", node.node_id, args.master,
-             node.engine.address)
+    registration = None
+    if args.etcd:
+        from kvcake.registry import Etcd, Member, Registration
+
+        member = Member("store_node", node.node_id, node.engine.address)
+        registration = Registration(Etcd(args.etcd), args.cluster, member).start()
+    log.info("node %s joined %s; segment server %s", node.node_id, master, node.engine.address)
     try:
         _serve_until_signal(node.stats, args.stats_interval_s)
     finally:
+        if registration is not None:
+            registration.close()
         node.close()
         log.info("node %s left the pool", node.node_id)
     return 0

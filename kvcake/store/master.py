@@ -17,6 +17,7 @@ from kvcake.store.config import MasterConfig
 from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
 from kvcake.store.index import ActionKind, ObjectMeta, Replica, StoreIndex, TierAction
 from kvcake.store.protocol import RpcConnection
+from kvcake.store.rebuild import adopt
 from kvcake.store.rpc_server import RpcServer
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,17 @@ class RemoteNode:
     def drop_disk(self, key: str, disk_version: int) -> None:
         self._call("drop_disk", key=key, disk_version=disk_version)
 
+    def tell(self, op: str, objects: list[list[Any]]) -> None:
+        """One-way `hold` / `forget` of catalogue entries (failover on); a node that cannot be
+        reached misses them (it re-registers, or is declared dead, anyway)."""
+        try:
+            if self._conn is None:
+                self._conn = RpcConnection(self._address, secret=self._secret)
+            self._conn.send(op, objects=objects)
+        except (StoreError, OSError) as exc:
+            log.warning("could not tell node %s to %s %d objects: %s", self._address, op,
+                        len(objects), exc)
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -75,22 +87,33 @@ def replica_desc(index: StoreIndex, replica: Replica) -> dict[str, Any]:
 class MasterService:
     """Every master operation, serialised by one lock. Methods mirror the wire ops."""
 
-    def __init__(self, config: MasterConfig | None = None, clock: Clock | None = None) -> None:
+    def __init__(self, config: MasterConfig | None = None, clock: Clock | None = None,
+                 mirror: bool = False, version_floor: int = 1) -> None:
+        """`mirror`: tell every remote node which committed objects it holds (one-way, as each
+        commit and remove happens), so that a new master can rebuild from the nodes (failover,
+        rebuild.py). `version_floor`: the first replica version (above an earlier master's)."""
         self.config = config or MasterConfig()
         self.clock = clock or SystemClock()
         self.index = StoreIndex(self.config)
+        self.index.space.raise_version_floor(version_floor)
+        self.mirror = mirror
         self._handles: dict[str, NodeHandle] = {}
         self._lock = threading.RLock()
 
     # ---- nodes ---------------------------------------------------------------------------------
     def register_node(self, node_id: str, dram_bytes: int, disk_bytes: int,
-                      endpoint: dict[str, Any], handle: NodeHandle | None = None) -> None:
+                      endpoint: dict[str, Any], handle: NodeHandle | None = None,
+                      objects: list[Any] | None = None) -> None:
+        """`objects`: the committed objects the node holds (re-registering with a new master;
+        rebuild.py), adopted as they are."""
         with self._lock:
             self.index.register_node(node_id, dram_bytes, disk_bytes, endpoint, self.clock.now_s())
             if handle is not None:
                 self._handles[node_id] = handle
-            log.info("node %s registered: %d DRAM bytes, %d disk bytes", node_id, dram_bytes,
-                     disk_bytes)
+            adopted = adopt(self.index, node_id, objects, self.clock.now_s()) if objects else 0
+            log.info("node %s registered: %d DRAM bytes, %d disk bytes%s", node_id, dram_bytes,
+                     disk_bytes, f", {adopted} of its {len(objects or [])} objects adopted"
+                     if objects else "")
 
     def heartbeat(self, node_id: str, stats: dict[str, Any] | None = None) -> bool:
         with self._lock:
@@ -138,6 +161,8 @@ class MasterService:
         """Make the object readable; `checksum` (of the payload) if put_start did not have it."""
         with self._lock:
             self.index.put_commit(key, self.clock.now_s(), checksum)
+            if self.mirror:
+                self._tell_nodes("hold", key)
             self._run_actions()
 
     def put_revoke(self, key: str) -> None:
@@ -173,6 +198,8 @@ class MasterService:
 
     def remove(self, key: str) -> None:
         with self._lock:
+            if self.mirror:
+                self._tell_nodes("forget", key)
             self.index.remove(key, self.clock.now_s())
             self._run_actions()
 
@@ -235,6 +262,18 @@ class MasterService:
     def _describe(self, meta: ObjectMeta) -> dict[str, Any]:
         return {"size_bytes": meta.size_bytes, "checksum": meta.checksum,
                 "replicas": [replica_desc(self.index, r) for r in meta.dram()]}
+
+    def _tell_nodes(self, op: str, key: str) -> None:
+        """Mirror one object's DRAM replicas to the catalogues of the nodes holding them."""
+        meta = self.index.objects.get(key)
+        if meta is None:
+            return
+        for replica in meta.dram():
+            handle = self._handles.get(replica.node_id)
+            if isinstance(handle, RemoteNode):
+                handle.tell(op, [[key, replica.offset, replica.alloc_bytes, replica.version,
+                                  meta.size_bytes, meta.checksum or 0]] if op == "hold"
+                            else [[key, replica.version]])
 
     def _run_actions(self) -> None:
         """Carry out the DRAM<->disk copies the index asked for. Runs under the lock, before any
@@ -300,8 +339,14 @@ class MasterServer:
 
     def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 0,
                  tick_interval_s: float | None = 0.5,
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None, ready: threading.Event | None = None,
+                 ready_wait_s: float = 30.0) -> None:
+        """`ready` (a new leader rebuilding from its nodes): until it is set (or `ready_wait_s`
+        passes), only node operations are served; the others wait, so no client is told an
+        object is missing that a node has not re-registered yet."""
         self.service = service
+        self._ready = ready
+        self._ready_wait_s = ready_wait_s
         self._secret = secret
         self._server = RpcServer(self._handle, host, port, on_close=self._on_close,
                                  secret=secret)
@@ -346,8 +391,10 @@ class MasterServer:
             return None
         if op == "unregister_node":
             session.pop("node_id", None)
-        if op in ("demote", "promote", "drop_disk"):
+        if op in ("demote", "promote", "drop_disk", "hold", "forget"):
             raise InvalidRequest(f"op: {op!r} is a node operation, not a master one")
+        if self._ready is not None and op not in ("heartbeat", "unregister_node"):
+            self._ready.wait(self._ready_wait_s)
         return getattr(self.service, op)(**args)
 
     def _on_close(self, session: dict[str, Any]) -> None:

@@ -20,7 +20,9 @@ from kvcake.auth import ClusterSecret
 from kvcake.store.config import NodeConfig
 from kvcake.store.disk import DiskTier
 from kvcake.store.errors import InvalidRequest, StoreError
+from kvcake.store.layout import HEADER_BYTES, CorruptObject, verify
 from kvcake.store.master import MasterService
+from kvcake.store.rebuild import parse_entry
 from kvcake.store.remote import RemoteMaster
 from kvcake.store.rpc_server import RpcServer
 from kvcake.transfer import TransferConfig, TransferEngine
@@ -39,7 +41,8 @@ class StoreNode:
     def __init__(self, config: NodeConfig, master: str | MasterService, *,
                  node_id: str | None = None, engine: TransferEngine | None = None,
                  transfer_config: TransferConfig | None = None, host: str = "127.0.0.1",
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None,
+                 advertise_host: str | None = None) -> None:
         self.config = config
         self.node_id = node_id or f"node-{uuid.uuid4().hex[:8]}"
         self._master_arg = master
@@ -51,11 +54,16 @@ class StoreNode:
             transfer = dataclasses.replace(transfer, secret=self._secret)
         self.engine = engine or TransferEngine(transfer)
         self._host = host
+        self._advertise_host = advertise_host  # what the master dials (default: the bind host)
         self._segment_name = f"store-{self.node_id}"
         self._disk = DiskTier(config.disk_dir) if config.disk_dir and config.disk_bytes else None
         self._control: RpcServer | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # key -> [key, offset, alloc_bytes, version, size_bytes, checksum]: the committed objects
+        # in this segment, as the master mirrors them (failover on; rebuild.py)
+        self._held: dict[str, list[int | str]] = {}
+        self._held_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> StoreNode:
@@ -71,7 +79,7 @@ class StoreNode:
             remote = self._master = RemoteMaster(self._master_arg, secret=self._secret)
             remote.register_node(self.node_id, self.config.dram_bytes,
                                        self.config.disk_bytes, endpoint,
-                                       control_address=self._control.address)
+                                       control_address=self._control_address())
             self._heartbeat = threading.Thread(target=self._beat, args=(endpoint,),
                                                name=f"heartbeat-{self.node_id}", daemon=True)
             self._heartbeat.start()
@@ -137,9 +145,48 @@ class StoreNode:
         return self._disk
 
     def _handle_control(self, op: str, args: dict[str, Any], session: dict[str, Any]) -> Any:
+        if op == "hold":
+            entries = [parse_entry(item) for item in args["objects"]]
+            with self._held_lock:
+                self._held.update({e[0]: list(e) for e in entries})
+            return None
+        if op == "forget":
+            with self._held_lock:
+                for item in args["objects"]:
+                    if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) \
+                            and self._held.get(item[0], [None] * 4)[3] == item[1]:
+                        del self._held[item[0]]
+            return None
         if op not in ("demote", "promote", "drop_disk"):
-            raise InvalidRequest(f"op: a node serves only demote/promote/drop_disk, not {op!r}")
+            raise InvalidRequest(f"op: a node serves only demote/promote/drop_disk/hold/forget, "
+                                 f"not {op!r}")
         return getattr(self, op)(**args)
+
+    def held_objects(self) -> list[list[int | str]]:
+        """The catalogue entries whose bytes are still in the segment, intact (header version
+        and payload checksum checked): what a new master may adopt. Stale ones are dropped."""
+        view = self._view()
+        with self._held_lock:
+            entries = list(self._held.values())
+        intact = []
+        for entry in entries:
+            key, offset, _, version, size, checksum = entry
+            assert isinstance(offset, int) and isinstance(size, int)
+            start = offset + HEADER_BYTES
+            try:
+                verify(view[offset:start], view[start:start + size], int(version), int(checksum))
+            except CorruptObject:
+                with self._held_lock:
+                    self._held.pop(str(key), None)
+                continue
+            intact.append(entry)
+        return intact
+
+    def _control_address(self) -> str:
+        assert self._control is not None
+        if self._advertise_host is None:
+            return self._control.address
+        return f"{self._advertise_host}:{self._control.address.rpartition(':')[2]}"
 
     def _beat(self, endpoint: dict[str, Any]) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
@@ -149,10 +196,15 @@ class StoreNode:
             try:
                 if not master.heartbeat(self.node_id, self.stats()):
                     # Declared dead (e.g. a long pause): whatever it held is forgotten.
-                    log.warning("node %s was declared dead: registering again", self.node_id)
-                    assert self._control is not None and isinstance(master, RemoteMaster)
+                    # Declared dead (e.g. a long pause) or a new master (failover): register
+                    # again with the committed objects this segment still holds.
+                    held = self.held_objects()
+                    log.warning("node %s is unknown to the master: registering again with %d "
+                                "objects", self.node_id, len(held))
+                    assert isinstance(master, RemoteMaster)
                     master.register_node(self.node_id, self.config.dram_bytes,
                                          self.config.disk_bytes, endpoint,
-                                         control_address=self._control.address)
+                                         control_address=self._control_address(),
+                                         objects=held)
             except (StoreError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)

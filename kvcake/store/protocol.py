@@ -33,7 +33,7 @@ _STR, _INT, _BOOL, _DICT, _LIST = str, int, bool, dict, list
 SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
     "register_node": {"node_id": (_STR, True), "dram_bytes": (_INT, True),
                       "disk_bytes": (_INT, True), "endpoint": (_DICT, True),
-                      "control_address": (_STR, False)},
+                      "control_address": (_STR, False), "objects": (_LIST, False)},
     "heartbeat": {"node_id": (_STR, True), "stats": (_DICT, False)},
     "unregister_node": {"node_id": (_STR, True)},
     "put_start": {"key": (_STR, True), "size_bytes": (_INT, True), "checksum": (_INT, False),
@@ -61,11 +61,16 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
     "promote": {"key": (_STR, True), "offset": (_INT, True), "alloc_bytes": (_INT, True),
                 "version": (_INT, True), "disk_version": (_INT, True)},
     "drop_disk": {"key": (_STR, True), "disk_version": (_INT, True)},
+    # master -> node, one-way, with failover on: the node's catalogue of its committed objects
+    # ([key, offset, alloc_bytes, version, size_bytes, checksum] / [key, version]), which it
+    # re-registers with a new master (rebuild.py)
+    "hold": {"objects": (_LIST, True)},
+    "forget": {"objects": (_LIST, True)},
 }
 
 
 # Ops the server never answers: the client sends them and goes on (see RpcConnection.send).
-ONE_WAY_OPS = frozenset({"release_leases"})
+ONE_WAY_OPS = frozenset({"release_leases", "hold", "forget"})
 _MAX_DEFERRED = 64  # deferred one-way frames (RpcConnection.defer) held before they are sent
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvcake.auth import ClusterSecret
-from kvcake.store.protocol import RpcConnection
+from kvcake.store.leader import connect
 
 T = TypeVar("T")
 
@@ -15,17 +15,18 @@ T = TypeVar("T")
 class RemoteMaster:
     def __init__(self, address: str, timeout_s: float = 30.0,
                  secret: ClusterSecret | None = None) -> None:
-        self.address = address
-        self._conn = RpcConnection(address, timeout_s, secret)
+        self.address = address  # "HOST:PORT", or "etcd://..." to follow the elected master
+        self._conn = connect(address, timeout_s, secret)
 
     def close(self) -> None:
         self._conn.close()
 
     def register_node(self, node_id: str, dram_bytes: int, disk_bytes: int,
-                      endpoint: dict[str, Any], control_address: str | None = None) -> None:
+                      endpoint: dict[str, Any], control_address: str | None = None,
+                      objects: list[Any] | None = None) -> None:
         self._conn.call("register_node", node_id=node_id, dram_bytes=dram_bytes,
                         disk_bytes=disk_bytes, endpoint=endpoint,
-                        control_address=control_address)
+                        control_address=control_address, objects=objects)
 
     def heartbeat(self, node_id: str, stats: dict[str, Any] | None = None) -> bool:
         return bool(self._conn.call("heartbeat", node_id=node_id, stats=stats))

@@ -41,6 +41,11 @@ class NodeSpace:
         self._next_version += 1
         return self._next_version - 1
 
+    def raise_version_floor(self, floor: int) -> None:
+        """Hand out versions from `floor` on (at least): a new master starts above every
+        version an earlier master gave, so a replica written for the old one never matches."""
+        self._next_version = max(self._next_version, floor)
+
     def check_fits(self, alloc_bytes: int) -> None:
         """NoNodes without nodes; InvalidRequest if no segment could ever hold `alloc_bytes`."""
         if not self.nodes:

@@ -51,7 +51,8 @@ class TransferConfig:
     use_shared_memory: map a peer's shared-memory segment when it lives on this host.
     host, port, port_search: where the segment server listens (`serve=True`); it tries `port`,
       `port + 1`, ... `port + port_search - 1` and keeps the first free one (0 = any port).
-      `host` is also the address written into segment descriptors: give one peers can reach.
+      `host` is also the address written into segment descriptors, unless `advertise_host`
+      names the one peers dial (binding 0.0.0.0, or behind an address peers see differently).
     io_timeout_s: a socket call that blocks longer than this fails the slice (then it is retried).
     socket_buffer_bytes: SO_SNDBUF / SO_RCVBUF asked of the kernel for every data connection;
       0 (the default) leaves them to the kernel's autotuning, which sizes them to the path (as
@@ -77,6 +78,7 @@ class TransferConfig:
     use_shared_memory: bool = True
     serve: bool = True
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
     port: int = 0
     port_search: int = 1
     io_timeout_s: float = 30.0

@@ -113,8 +113,13 @@ class TransferEngine:
 
     @property
     def address(self) -> str:
-        """"host:port" of this engine's segment server ("" when not serving or not started)."""
-        return self._server.address if self._server is not None else ""
+        """"host:port" peers dial for this engine's segment server: `advertise_host` if set,
+        else the bind host ("" when not serving or not started)."""
+        if self._server is None:
+            return ""
+        if self.config.advertise_host:
+            return f"{self.config.advertise_host}:{self._server.address.rpartition(':')[2]}"
+        return self._server.address
 
     # -- segments ----------------------------------------------------------------------------
     def register_segment(self, name: str, memory: Any) -> SegmentDesc:

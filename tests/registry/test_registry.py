@@ -88,11 +88,12 @@ def test_watch_reports_join_leave_and_restart(etcd: Etcd, cluster: str) -> None:
         first.close()
         wait_for(3)
         # A restart under the same id with a new address: the old one leaves, the new one joins.
-        Registration(etcd, cluster, Member("decode", "d0", "h:3")).start()
+        restarted = Registration(etcd, cluster, Member("decode", "d0", "h:3")).start()
         wait_for(5)
         assert events == [("join", "h:1"), ("join", "h:2"), ("leave", "h:2"),
                           ("leave", "h:1"), ("join", "h:3")]
         assert sorted(m.address for m in watch.members.values()) == ["h:3"]
+        restarted.close()
     finally:
         watch.close()
         before.close(revoke=False)
