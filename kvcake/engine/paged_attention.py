@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC",
          "-std=c++17", "-w")
 
 _error: list[str] = []
