@@ -124,7 +124,7 @@ def main() -> int:
         raise SystemExit(f"--trace: {args.trace} not found")
     engine = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_batched_tokens=512)
     conductor = {"admission": "none"}
-    worker = {"store_dram_bytes": 256 * 2**20, "staging_bytes": 64 * 2**20}
+    worker = {"store_dram_bytes": 256 * 2**20}
     systems = {
         "disaggregated": ClusterConfig.simple(
             1, 1, engine=engine, worker=dict(worker),
@@ -161,8 +161,8 @@ def streaming_run(layerwise: bool, engine: EngineConfig,
     from kvcake.types import RequestId
 
     config = ClusterConfig.simple(1, 1, engine=engine, conductor=ConductorConfig(
-        admission=Admission.NONE), worker={"layerwise": layerwise, "store_dram_bytes": 256 * 2**20,
-                                   "staging_bytes": 64 * 2**20})
+        admission=Admission.NONE), worker={"layerwise": layerwise,
+                                           "store_dram_bytes": 256 * 2**20})
     rng = np.random.default_rng(7)
     with Cluster(config) as cluster:
         backend = cluster.backend

@@ -22,7 +22,7 @@ from kvcake.types import RequestId
 
 # Chunked prefill above 128 tokens: the long prompts below take several steps.
 ENGINE = EngineConfig(kv_cache_bytes=8 * 2**20, max_num_batched_tokens=128)
-WORKER = {"store_dram_bytes": 16 * 2**20, "staging_bytes": 4 * 2**20}
+WORKER = {"store_dram_bytes": 16 * 2**20}
 _counter = iter(range(10**6))
 
 
@@ -205,14 +205,12 @@ def test_a_worker_started_elsewhere_joins_by_address(tmp_path_factory: pytest.Te
     from kvcake.server.worker.worker import Worker
 
     # As if started on another host with `kvcake worker --role decode --port P` (no store node).
-    with Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="remote-d",
-                             staging_bytes=4 * 2**20)) as remote:
+    with Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="remote-d")) as remote:
         port = int(remote.address.rsplit(":", 1)[1])
         config = ClusterConfig(
             engine=ENGINE, profile_dir=profile_dir(tmp_path_factory),
             conductor=ConductorConfig.from_dict({"admission": "none"}),
-            workers=(WorkerSpec(Role.PREFILL, store_dram_bytes=16 * 2**20,
-                                staging_bytes=4 * 2**20),
+            workers=(WorkerSpec(Role.PREFILL, store_dram_bytes=16 * 2**20),
                      WorkerSpec(Role.DECODE, port=port, launch=False)))
         with Cluster(config, in_process=True) as running:
             assert running.backend is not None

@@ -39,8 +39,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--master", default=w.master,
                    help="store master HOST:PORT (default: no store node, no store reuse)")
     p.add_argument("--store-dram-bytes", default=str(w.store_dram_bytes))
-    p.add_argument("--staging-bytes", default=str(w.staging_bytes),
-                   help="decode: the segment prefill workers stream KV into")
     p.add_argument("--num-threads", type=int, default=w.num_threads)
     p.add_argument("--no-layerwise", action="store_true",
                    help="prefill: send the KV after the prefill, not layer by layer during it")
@@ -89,7 +87,6 @@ def run_worker(args: argparse.Namespace) -> int:
         role=args.role, model=args.model, engine=engine_config(args), host=args.host,
         port=args.port, worker_id=args.worker_id, master=args.master,
         store_dram_bytes=parse_size(args.store_dram_bytes, "--store-dram-bytes"),
-        staging_bytes=parse_size(args.staging_bytes, "--staging-bytes"),
         num_threads=args.num_threads, layerwise=not args.no_layerwise,
         shared_memory=not args.no_shared_memory)
     stop = threading.Event()

@@ -28,7 +28,7 @@ from kvcake.server.cluster.monitor import MonitorConfig
 from kvcake.server.worker.config import Role
 from kvcake.units import parse_size
 
-_SIZE_KEYS = ("kv_cache_bytes", "store_dram_bytes", "staging_bytes")
+_SIZE_KEYS = ("kv_cache_bytes", "store_dram_bytes")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,6 @@ class WorkerSpec:
     port: int = 0  # 0: the OS picks (launched workers only)
     launch: bool = True  # False: already running at host:port
     store_dram_bytes: int = 64 * 2**20
-    staging_bytes: int = 32 * 2**20
     num_threads: int | None = 1
     layerwise: bool = True  # prefill: stream KV layer by layer during compute (else after)
     shared_memory: bool = True  # same-host KV and store bytes through shared memory (else TCP)

@@ -80,7 +80,7 @@ class Cluster:
                             master=self.master_address if spec.role is not Role.COLOCATED
                             else None,
                             store_dram_bytes=spec.store_dram_bytes,
-                            staging_bytes=spec.staging_bytes, num_threads=spec.num_threads,
+                            num_threads=spec.num_threads,
                             layerwise=spec.layerwise, shared_memory=spec.shared_memory)
 
     def _launch(self, worker_id: str, spec: WorkerSpec) -> None:
@@ -139,8 +139,7 @@ def worker_argv(config: WorkerConfig, parent_pid: int | None) -> list[str]:
             "--kv-cache-bytes", str(e.kv_cache_bytes), "--block-size", str(e.block_size),
             "--max-num-batched-tokens", str(e.max_num_batched_tokens),
             "--max-num-seqs", str(e.max_num_seqs), "--dtype", e.dtype, "--device", e.device,
-            "--seed", str(e.seed), "--store-dram-bytes", str(config.store_dram_bytes),
-            "--staging-bytes", str(config.staging_bytes)]
+            "--seed", str(e.seed), "--store-dram-bytes", str(config.store_dram_bytes)]
     if e.max_model_len is not None:
         argv += ["--max-model-len", str(e.max_model_len)]
     if config.worker_id:

@@ -1,10 +1,4 @@
-"""The frontend's side of one worker: its link, its decode staging slots, load and liveness.
-
-Staging slots: a decode worker's staging segment holds `num_staging_blocks` prompt blocks; the
-frontend hands a request the slots its prompt needs before the prefill starts and takes them
-back when the decode worker admitted the request (or the request ended). `DisaggBackend` no
-longer uses them (prefill writes into blocks the decode engine reserves: `ReserveKv`); they
-serve a caller of the older staging-copy path.
+"""The frontend's side of one worker: its link, load and liveness.
 
 Liveness: `probe(now_s)` sends a `Ping` when none is outstanding and `ping_interval_s` has
 passed, and says the worker is hung when the outstanding ping is older than
@@ -14,9 +8,8 @@ calls it under its lock and acts on the answer.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvcake.server.cluster.monitor import MonitorConfig
 from kvcake.server.worker.messages import Hello, LoadReport, Message, MessageLink, Ping, Shutdown
@@ -26,7 +19,6 @@ from kvcake.server.worker.messages import Hello, LoadReport, Message, MessageLin
 class WorkerLink:
     hello: Hello
     link: MessageLink
-    free_slots: deque[int] = field(default_factory=deque)
     load: LoadReport | None = None
     alive: bool = True
     ping_seq: int = 0
@@ -35,7 +27,7 @@ class WorkerLink:
 
     @classmethod
     def of(cls, hello: Hello, link: MessageLink) -> WorkerLink:
-        return cls(hello, link, deque(range(hello.num_staging_blocks)))
+        return cls(hello, link)
 
     @property
     def worker_id(self) -> str:
@@ -60,20 +52,6 @@ class WorkerLink:
             self.send(Shutdown())
         self.alive = False
         self.link.close()
-
-    # -- staging slots -------------------------------------------------------------------------
-    def take_slots(self, num_blocks: int) -> list[int] | None:
-        """`num_blocks` free staging slots, or None (nothing taken) when fewer are free;
-        ValueError when the segment can never hold that many."""
-        if num_blocks > self.hello.num_staging_blocks:
-            raise ValueError("prompt: longer than the decode worker's staging segment holds; "
-                             "raise --staging-bytes")
-        if len(self.free_slots) < num_blocks:
-            return None
-        return [self.free_slots.popleft() for _ in range(num_blocks)]
-
-    def give_back(self, slots: list[int]) -> None:
-        self.free_slots.extend(slots)
 
     # -- liveness ------------------------------------------------------------------------------
     def probe(self, now_s: float, config: MonitorConfig) -> bool:

@@ -27,7 +27,6 @@ class WorkerConfig:
     worker_id: str | None = None  # None: role + random suffix
     master: str | None = None  # store master HOST:PORT; None: no store (no reuse across workers)
     store_dram_bytes: int = 64 * 2**20  # DRAM this worker contributes to the store pool
-    staging_bytes: int = 32 * 2**20  # decode: the segment prefill workers stream KV into
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     layerwise: bool = True  # prefill: stream layer by layer during compute (else after it)
     # Same-host KV by memcpy: a decode worker's KV pool is a shared-memory segment, and this
@@ -38,9 +37,8 @@ class WorkerConfig:
         object.__setattr__(self, "role", _role(self.role))
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
-        for name in ("store_dram_bytes", "staging_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.store_dram_bytes < 1:
+            raise ValueError(f"store_dram_bytes: must be >= 1, got {self.store_dram_bytes}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
 

@@ -1,39 +1,28 @@
 """The decode side of a worker: step 4 of the four (continuous batching of prefilled requests).
 
-Direct path (the default): the engine's KV pool is a transfer segment, `kv-pool-<id>`, which the
-worker's transfer engine allocates (`pool_allocator`, handed to the `Engine`) and the engine
-views as its pool tensor. In shared memory (`WorkerConfig.shared_memory`, the default), so a
-prefill worker on this host writes it by memcpy through its own mapping (without per-slice
-digests: the transfer engine's `checksum_shm`, off) and one on another host over TCP (each slice
-with a digest); private memory otherwise (TCP only). The transfer engine unlinks the block when
-the worker closes (the resource tracker does if the process dies); a restarted worker gets a new
-block, so nothing written for the old one lands in the new pool. On `ReserveKv` (engine-loop
-thread) it calls `engine.reserve_request` and answers `KvReserved` (the pool segment and the
-reserved block ids); prefill workers write each layer of each prompt block straight into those
-blocks; `DecodeOrder` without staging blocks commits the reservation (`commit_reserved`: no
-copy); `Abort` cancels it (the frontend sends it only once nothing writes the blocks any more).
-A reservation the pool has no room for waits, like an order, until running requests free blocks.
+The engine's KV pool is a transfer segment, `kv-pool-<id>`, which the worker's transfer engine
+allocates (`pool_allocator`, handed to the `Engine`) and the engine views as its pool tensor. In
+shared memory (`WorkerConfig.shared_memory`, the default), so a prefill worker on this host
+writes it by memcpy through its own mapping (without per-slice digests: the transfer engine's
+`checksum_shm`, off) and one on another host over TCP (each slice with a digest); private memory
+otherwise (TCP only). The transfer engine unlinks the block when the worker closes (the resource
+tracker does if the process dies); a restarted worker gets a new block, so nothing written for
+the old one lands in the new pool.
 
-Staging path (kept for orders that name staging blocks):
-
-The worker registers a staging segment of `staging_bytes` with its transfer engine; prefill
-workers write each request's prompt KV into it, layer by layer, at block slots the frontend
-assigned (`DecodeOrder.staging_blocks`: slot i holds prompt block i, laid out like the engine's
-block bytes: layer 0 K|V, layer 1 K|V, ...).
-
-Lifecycle of one `DecodeOrder` on the engine-loop thread:
-  read the request's slots -> `engine.add_request_with_kv` (blocks already in the local prefix
-  cache are reused, not copied) -> `DecodeAdmitted` (the frontend may reuse the slots) ->
-  every step's new tokens -> `Tokens` (finish_reason on the last). An order the pool has no
-  room for waits (in arrival order) until a running request frees blocks; one that can never
-  fit, because nothing else runs, fails with `RequestFailed`.
+Lifecycle of one request on the engine-loop thread:
+  `ReserveKv` -> `engine.reserve_request` -> `KvReserved` (the pool segment and the reserved
+  block ids; prefill workers write each layer of each prompt block straight into them) ->
+  `DecodeOrder` -> `commit_reserved` (no copy) -> `DecodeAdmitted` -> every step's new tokens
+  -> `Tokens` (finish_reason on the last). `Abort` cancels a reservation (the frontend sends it
+  only once nothing writes the blocks any more). A reservation the pool has no room for waits
+  (in arrival order) until running requests free blocks; one that can never fit, because
+  nothing else runs or is reserved, fails with `RequestFailed`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
 
 from kvcake.engine.kv_pool import KvAllocator
 from kvcake.server.worker.messages import (
@@ -76,14 +65,6 @@ class DecodeRole:
         self.worker = worker
         self.engine = worker.engine
         self.transfer = worker.transfer
-        self._block_nbytes = self.engine.pool.block_nbytes
-        self._num_slots = worker.config.staging_bytes // self._block_nbytes
-        if self._num_slots < 1:
-            raise ValueError(f"staging_bytes: {worker.config.staging_bytes} holds no KV block of "
-                             f"{self._block_nbytes} bytes; raise it")
-        self._segment_name = f"kv-staging-{worker.worker_id}"
-        self._staging = self.transfer.allocate_segment(self._segment_name,
-                                                       self._num_slots * self._block_nbytes)
         self._pool_name = pool_segment_name(worker.worker_id)
         try:
             pool = self.transfer.segment(self._pool_name)
@@ -93,7 +74,7 @@ class DecodeRole:
         if pool.array.ctypes.data != self.engine.pool.kv.data_ptr():
             raise ValueError(f"decode worker: segment {self._pool_name!r} is not the memory of "
                              f"its engine's KV pool")
-        self._pending: deque[DecodeOrder | ReserveKv] = deque()
+        self._pending: deque[ReserveKv] = deque()  # waiting for room in the pool
         self._live: set[str] = set()
         self._reserved: set[str] = set()  # reserved, not yet committed
 
@@ -103,9 +84,6 @@ class DecodeRole:
     def close(self) -> None:
         pass
 
-    def staging(self) -> tuple[dict[str, Any] | None, int]:
-        return self._staging.to_dict(), self._num_slots
-
     def has_pending(self) -> bool:
         return bool(self._pending) and self.engine.has_unfinished()
 
@@ -113,9 +91,9 @@ class DecodeRole:
         return len(self._pending)
 
     def handle(self, message: Message) -> None:
-        if isinstance(message, DecodeOrder) and not message.staging_blocks:
+        if isinstance(message, DecodeOrder):
             self._commit(message)
-        elif isinstance(message, DecodeOrder | ReserveKv):
+        elif isinstance(message, ReserveKv):
             self._pending.append(message)
             self._admit_pending()
         elif isinstance(message, Abort):
@@ -147,9 +125,7 @@ class DecodeRole:
     def _admit_pending(self) -> None:
         while self._pending:
             order = self._pending[0]
-            admitted = self._reserve(order) if isinstance(order, ReserveKv) \
-                else self._admit(order)
-            if admitted is None:  # no room now: wait for running requests to free blocks
+            if self._reserve(order) is None:  # no room now: wait until running requests free
                 if not self.engine.has_unfinished() and not self._reserved:
                     self._pending.popleft()
                     self.worker.send(RequestFailed(order.request_id, "decode worker: the KV "
@@ -190,22 +166,3 @@ class DecodeRole:
         self._reserved.discard(rid)
         self._live.add(rid)
         self.worker.send(DecodeAdmitted(rid))
-
-    def _admit(self, order: DecodeOrder) -> bool | None:
-        """True: admitted; False: refused (reported); None: no room now."""
-        view = self.transfer.segment(self._segment_name).view
-        n = self._block_nbytes
-        try:
-            blocks = [bytes(view[i * n:(i + 1) * n]) for i in order.staging_blocks]
-            params = sampling_params(sampling_from_wire(order.sampling))
-            ok = self.engine.add_request_with_kv(order.request_id, order.prompt_token_ids,
-                                                 order.first_token_id, blocks, params,
-                                                 sampler_state=order.sampler_state)
-        except ValueError as exc:
-            self.worker.send(RequestFailed(order.request_id, f"decode refused: {exc}"))
-            return False
-        if not ok:
-            return None
-        self._live.add(order.request_id)
-        self.worker.send(DecodeAdmitted(order.request_id))
-        return True

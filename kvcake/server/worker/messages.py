@@ -8,13 +8,13 @@ only through the transfer engine. A body is `{"type": <class name>, <field>: <va
 of sync and is closed by its reader.
 
 Direction and meaning (F = frontend, P = prefill worker, D = decode worker):
-  P/D -> F  Hello          the worker's identity, KV layout and staging segment (on connect)
-  F -> D    ReserveKv      reserve the request's KV blocks in D's engine (direct path)
+  P/D -> F  Hello          the worker's identity and KV layout (on connect)
+  F -> D    ReserveKv      reserve the request's KV blocks in D's engine
   D -> F    KvReserved     D's pool segment and the reserved block ids (or RequestFailed)
   F -> P    PrefillOrder   fetch the planned prefix, prefill, stream KV into D's blocks
   P -> F    PrefillDone    first token, cached/fetched tokens, overlap figures (or an error)
-  F -> D    DecodeOrder    commit the reserved blocks (or import staged KV), join batching
-  D -> F    DecodeAdmitted the request decodes (staging blocks, if any, may be reused)
+  F -> D    DecodeOrder    commit the reserved blocks, join continuous batching
+  D -> F    DecodeAdmitted the request decodes
   D -> F    Tokens         new tokens of a decoding request (finish_reason on the last)
   P/D -> F  RequestFailed  the request cannot continue on this worker
   P/D -> F  KvEvents       blocks stored in / removed from the worker's prefix cache
@@ -33,6 +33,8 @@ import threading
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from kvcake import auth
+from kvcake.auth import ClusterSecret
 from kvcake.store.errors import InvalidRequest
 from kvcake.store.protocol import FrameReader, encode
 
@@ -69,8 +71,6 @@ class Hello:
     kv_bytes_per_token: int
     max_model_len: int
     vocab_size: int
-    staging: dict[str, Any] | None  # SegmentDesc.to_dict() of the KV staging segment (decode)
-    num_staging_blocks: int
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,11 @@ class PrefillOrder:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # Sampling as a map
     fetch_keys: list[int]  # block keys to fetch from the store before prefill (may be empty)
-    staging: dict[str, Any]  # the decode worker's staging SegmentDesc
-    staging_blocks: list[int]  # target block of each prompt block, in order; -1: skip it
-    # 0: `staging` is a staging segment (slot i at i * block_nbytes). N > 0: it is the decode
-    # engine's KV pool of N blocks (`KVPool` layout: layer l of block b at (l*N + b) * layer).
-    num_pool_blocks: int = 0
+    kv_pool: dict[str, Any]  # SegmentDesc.to_dict() of the decode engine's KV pool ({}: none)
+    target_blocks: list[int]  # d's block for each prompt block, in order; -1: skip it.
+    # Empty: a colocated request, decoded where it is prefilled.
+    num_pool_blocks: int = 0  # blocks of that pool (`KVPool` layout: layer l of block b at
+    # (l*N + b) * layer_nbytes); >= 1 whenever `target_blocks` is not empty
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,7 @@ class DecodeOrder:
     request_id: str
     prompt_token_ids: list[int]
     first_token_id: int
-    sampling: dict[str, Any]
-    staging_blocks: list[int]  # empty: the KV is in the blocks reserved by ReserveKv
+    sampling: dict[str, Any]  # the KV is in the blocks reserved for it by ReserveKv
     sampler_state: bytes | None = None  # from PrefillDone: seeded sampling continues exactly
 
 
@@ -273,11 +272,19 @@ class MessageLink:
         self._closed = False
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float = 10.0) -> MessageLink:
+    def connect(cls, address: str, timeout_s: float = 10.0,
+                secret: ClusterSecret | None = None) -> MessageLink:
+        """Connect to a worker's control port, proving `secret` first (`kvcake.auth`; None: the
+        worker must run without one). `auth.AuthError` when either side fails the challenge."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"address: expected HOST:PORT, got {address!r}")
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        try:
+            auth.authenticate(sock, secret, auth.WORKER, min(timeout_s, auth.HANDSHAKE_TIMEOUT_S))
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(None)
         return cls(sock)
 

@@ -10,12 +10,11 @@ Lifecycle of one `PrefillOrder` on the engine-loop thread:
      rest, in chunks of max_num_batched_tokens;
   3. during each step, `layer_hook(l)` submits an asynchronous write of layer l of the
      request's blocks straight into the blocks the decode engine reserved (its KV pool
-     segment; or, for an order with `num_pool_blocks` 0, a staging segment) while layer l+1
-     computes; after the step that sampled the first token the loop waits for what is still in
+     segment) while layer l+1 computes; after the step that sampled the first token the loop waits for what is still in
      flight (the exposed transfer time), reports `PrefillDone`, frees the blocks, and hands the
      prompt's full blocks to the store-writer thread, which puts them into the store
      asynchronously and reports them (`StoreEvents`).
-An order without staging blocks is a colocated request: it decodes here and streams `Tokens`.
+An order without target blocks is a colocated request: it decodes here and streams `Tokens`.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ class _Fetched:
 @dataclass
 class _Prefill:
     order: PrefillOrder
-    staging: SegmentDesc | None  # None: colocated (decode here)
+    kv_pool: SegmentDesc | None  # the decode engine's pool; None: colocated (decode here)
     num_fetched_tokens: int
     blocks_done: int = 0  # leading blocks fully streamed in earlier steps
     step_end_block: int = 0  # blocks this step may write (set at layer 0 of each step)
@@ -110,9 +109,6 @@ class PrefillRole:
                 inbox.put(None)
                 thread.join(timeout=10)
 
-    def staging(self) -> tuple[dict[str, Any] | None, int]:
-        return None, 0
-
     def has_pending(self) -> bool:
         return False
 
@@ -132,7 +128,7 @@ class PrefillRole:
             state = self._live.pop(message.request_id, None)
             if state is not None:
                 self.engine.abort(message.request_id)
-                # The ack tells the frontend nothing writes the staging slots any more.
+                # The ack tells the frontend nothing writes the reserved blocks any more.
                 self._wait_transfers(state)
                 self.worker.send(RequestFailed(message.request_id, "aborted"))
 
@@ -169,13 +165,13 @@ class PrefillRole:
         try:
             params = sampling_params(sampling_from_wire(order.sampling))
             num_fetched = self._import(fetched) if fetched is not None else 0
-            staging = SegmentDesc.from_dict(order.staging) if order.staging_blocks else None
+            kv_pool = _kv_pool(order)
             self.engine.add_request(rid, order.prompt_token_ids, params,
-                                    prefill_only=staging is not None)
+                                    prefill_only=kv_pool is not None)
         except (ValueError, KeyError) as exc:
             self.worker.send(RequestFailed(rid, f"prefill refused: {exc}"))
             return
-        self._live[rid] = _Prefill(order, staging, num_fetched)
+        self._live[rid] = _Prefill(order, kv_pool, num_fetched)
 
     def _fetch_loop(self) -> None:
         store = self.worker.store
@@ -213,7 +209,7 @@ class PrefillRole:
         if not self.worker.config.layerwise:
             return
         for state in self._in_step:
-            if state.staging is not None and not state.first_token_sent:
+            if state.kv_pool is not None and not state.first_token_sent:
                 self._submit_layer(state, layer_idx, state.blocks_done, state.step_end_block)
 
     def _start_step(self) -> None:
@@ -233,21 +229,20 @@ class PrefillRole:
     def _submit_layer(self, state: _Prefill, layer_idx: int, first_block: int,
                       end_block: int) -> None:
         pool = self.engine.pool
-        staging = state.staging
-        assert staging is not None
+        kv_pool = state.kv_pool
+        assert kv_pool is not None
         block_ids = self.engine.request_block_ids(state.order.request_id)
-        staging_blocks = state.order.staging_blocks
+        targets = state.order.target_blocks
         num_pool_blocks = state.order.num_pool_blocks
         # KV written into a decode engine's blocks has no end-to-end check (a store object has):
         # where it crosses TCP, each slice carries a digest the decode side verifies; a memcpy
         # into a same-host pool's shared memory follows the engine's `checksum_shm` (off).
         requests = [
-            TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], staging,
-                            _target_offset(staging_blocks[i], layer_idx, num_pool_blocks,
-                                           pool.block_nbytes, pool.layer_nbytes),
+            TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], kv_pool,
+                            (layer_idx * num_pool_blocks + targets[i]) * pool.layer_nbytes,
                             checksum_tcp=True)
-            for i, block_id in enumerate(block_ids[:min(end_block, len(staging_blocks))])
-            if i >= first_block and staging_blocks[i] >= 0]
+            for i, block_id in enumerate(block_ids[:min(end_block, len(targets))])
+            if i >= first_block and targets[i] >= 0]
         if not requests:
             return
         if state.first_submit_s is None:
@@ -276,16 +271,16 @@ class PrefillRole:
             return
         state.first_token_sent = True
         ended = time.perf_counter()
-        if state.staging is not None and not self.worker.config.layerwise:
+        if state.kv_pool is not None and not self.worker.config.layerwise:
             for layer_idx in range(self.engine.pool.num_layers):
-                self._submit_layer(state, layer_idx, 0, len(state.order.staging_blocks))
+                self._submit_layer(state, layer_idx, 0, len(state.order.target_blocks))
         had_transfers = bool(state.batches)
         error = self._wait_transfers(state)
         exposed_s = time.perf_counter() - ended
         span_s = time.perf_counter() - (state.first_submit_s or ended)
         self._queue_store_write(state.order.prompt_token_ids)
-        sampler_state = self.engine.sampler_state(rid) if state.staging is not None else None
-        if state.staging is not None:
+        sampler_state = self.engine.sampler_state(rid) if state.kv_pool is not None else None
+        if state.kv_pool is not None:
             self.engine.release(rid)
             del self._live[rid]
         if error is not None:
@@ -353,10 +348,14 @@ class PrefillRole:
             self.worker.send(StoreEvents([int(k) for k in keys]))
 
 
-def _target_offset(target: int, layer_idx: int, num_pool_blocks: int, block_nbytes: int,
-                   layer_nbytes: int) -> int:
-    """Byte offset of (block `target`, layer) in the decode side's segment: its KV pool's
-    layout (`KVPool.layer_offset_bytes`) when `num_pool_blocks` > 0, else a staging slot."""
-    if num_pool_blocks > 0:
-        return (layer_idx * num_pool_blocks + target) * layer_nbytes
-    return target * block_nbytes + layer_idx * layer_nbytes
+def _kv_pool(order: PrefillOrder) -> SegmentDesc | None:
+    """The decode engine's KV pool the order's KV goes into; None for a colocated order."""
+    if not order.target_blocks:
+        return None
+    if order.num_pool_blocks < 1:
+        raise ValueError(f"num_pool_blocks: must be >= 1 with target blocks, got "
+                         f"{order.num_pool_blocks}")
+    if not all(-1 <= b < order.num_pool_blocks for b in order.target_blocks):
+        raise ValueError(f"target_blocks: each must be -1 or a block of the decode pool "
+                         f"(< {order.num_pool_blocks})")
+    return SegmentDesc.from_dict(order.kv_pool)

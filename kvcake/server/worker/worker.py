@@ -15,7 +15,7 @@ them (`prefill.PrefillRole`, `decode.DecodeRole`), steps the engine while work
 is pending and publishes the prefix cache's KV events and the load after every step. With no
 work it blocks on the inbox: an idle worker burns no CPU.
 
-On connect the worker sends `Hello` (identity, KV layout, staging segment). Messages to a
+On connect the worker sends `Hello` (identity, KV layout). Messages to a
 frontend that is gone are dropped: the frontend fails those requests itself. The engine loop
 answers the frontend's `Ping` between steps (not the reader thread), so a worker whose loop
 stalls stops answering and the frontend fails it after `MonitorConfig.worker_timeout_s`.
@@ -158,7 +158,6 @@ class Worker:
 
     def hello(self) -> Hello:
         engine = self._engine()
-        staging, num_staging = self._active_role().staging()
         itemsize = engine.pool.kv.element_size()
         return Hello(
             worker_id=self.worker_id, role=self.config.role.value,
@@ -167,8 +166,7 @@ class Worker:
             block_nbytes=engine.pool.block_nbytes, layer_nbytes=engine.pool.layer_nbytes,
             num_layers=engine.pool.num_layers,
             kv_bytes_per_token=engine.model_config.kv_bytes_per_token(itemsize),
-            max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
-            staging=staging, num_staging_blocks=num_staging)
+            max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size)
 
     def hold(self) -> None:
         """Fault injection: stall the engine loop (before its next iteration) until

@@ -27,7 +27,7 @@ def hello(worker_id: str, role: str, namespace: str = "kvcake/tiny/test/b16") ->
     return Hello(worker_id=worker_id, role=role, model_name="tiny", namespace=namespace,
                  block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, block_nbytes=4096,
                  layer_nbytes=2048, num_layers=2, kv_bytes_per_token=256, max_model_len=512,
-                 vocab_size=256, staging=None, num_staging_blocks=0)
+                 vocab_size=256)
 
 
 class FakeWorker:

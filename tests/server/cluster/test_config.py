@@ -20,7 +20,6 @@ def test_the_documented_example_parses() -> None:
     config = ClusterConfig.from_toml(EXAMPLE)
     assert [w.role for w in config.workers] == [Role.PREFILL, Role.PREFILL, Role.DECODE]
     assert config.workers[0].store_dram_bytes == 128 * 2**20
-    assert config.workers[2].staging_bytes == 32 * 2**20
     assert config.engine.kv_cache_bytes == 64 * 2**20
     assert config.engine.max_num_batched_tokens == 512
     assert (config.port, config.master_port) == (24080, 24081)

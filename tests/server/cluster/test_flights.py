@@ -95,7 +95,7 @@ def test_a_request_reserves_prefills_decodes_and_ends_with_its_last_token(bench:
     assert bench.p.next() == PrefillOrder("r", list(PROMPT), sampling, [], POOL, [-1, 7, 8], 64)
 
     bench.flights.on_message("prefill-0", done())
-    assert bench.d.next() == DecodeOrder("r", list(PROMPT), 42, sampling, [], None)
+    assert bench.d.next() == DecodeOrder("r", list(PROMPT), 42, sampling, None)
     assert bench.events(sink) == [TokenEvent((42,), 16, None)]
     assert bench.flights.counts() == (0, 1) and bench.flights.totals.transfer_bytes == 3 * 4096
     bench.flights.on_message("decode-1", DecodeAdmitted("r"))

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any, TypeVar, overload
+
 from kvcake.server.worker.messages import Message, MessageLink
 
+M = TypeVar("M")
 
-def next_of(link: MessageLink, *kinds: type) -> Message:
+
+@overload
+def next_of(link: MessageLink, kind: type[M], /) -> M: ...
+
+
+@overload
+def next_of(link: MessageLink, *kinds: type) -> Message: ...
+
+
+def next_of(link: MessageLink, *kinds: type) -> Any:
     """The next message of one of `kinds` (load and KV reports in between are skipped)."""
     while True:
         message = link.recv()

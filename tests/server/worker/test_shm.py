@@ -86,11 +86,11 @@ def serve_one(decode: Worker, prefill: Worker) -> tuple[KvReserved, list[int]]:
     assert decode.engine is not None
     d_link, p_link = MessageLink.connect(decode.address), MessageLink.connect(prefill.address)
     try:
-        assert isinstance(next_of(d_link, Hello), Hello)
-        assert isinstance(next_of(p_link, Hello), Hello)
+        assert next_of(d_link, Hello).worker_id == decode.worker_id
+        assert next_of(p_link, Hello).worker_id == prefill.worker_id
         d_link.send(ReserveKv("r", PROMPT, SAMPLING))
         reserved = next_of(d_link, KvReserved)
-        assert isinstance(reserved, KvReserved) and len(reserved.block_ids) == 3
+        assert reserved.request_id == "r" and len(reserved.block_ids) == 3
         pool = decode.engine.pool.kv
         pool[:, reserved.block_ids] = float("nan")  # only the transfer can make them finite
         p_link.send(PrefillOrder("r", PROMPT, SAMPLING, [], reserved.kv_pool,
@@ -100,13 +100,13 @@ def serve_one(decode: Worker, prefill: Worker) -> tuple[KvReserved, list[int]]:
         assert bool(torch.isfinite(pool[:, reserved.block_ids]).all())
         others = [b for b in range(decode.engine.num_blocks) if b not in reserved.block_ids]
         assert not bool(pool[:, others].any())  # nothing outside the reservation was written
-        d_link.send(DecodeOrder("r", PROMPT, done.first_token_id, SAMPLING, [],
+        d_link.send(DecodeOrder("r", PROMPT, done.first_token_id, SAMPLING,
                                 done.sampler_state))
-        assert isinstance(next_of(d_link, DecodeAdmitted, RequestFailed), DecodeAdmitted)
+        assert next_of(d_link, DecodeAdmitted, RequestFailed) == DecodeAdmitted("r")
         generated = [done.first_token_id]
         while True:
             tokens = next_of(d_link, Tokens)
-            assert isinstance(tokens, Tokens)
+            assert tokens.request_id == "r"
             generated += tokens.token_ids
             if tokens.finish_reason is not None:
                 return reserved, generated
@@ -192,10 +192,10 @@ def test_a_killed_decode_workers_pool_is_unlinked_so_no_write_lands_in_it() -> N
         assert ready[:3] == ["kvcake", "worker", "ready"], ready
         link = MessageLink.connect(ready[4])
         try:
-            assert isinstance(next_of(link, Hello), Hello)
+            assert next_of(link, Hello).worker_id == "dk0"
             link.send(ReserveKv("r", PROMPT, SAMPLING))
             reserved = next_of(link, KvReserved)
-            assert isinstance(reserved, KvReserved)
+            assert reserved.request_id == "r" and reserved.kv_pool["name"] == "kv-pool-dk0"
         finally:
             link.close()
         path = f"{SHM_DIR}/{reserved.kv_pool['shm_name']}"

@@ -11,7 +11,6 @@ from kvcake import LLM, SamplingParams
 from kvcake.engine.config import EngineConfig
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.messages import (
-    DecodeOrder,
     Hello,
     LoadReport,
     MessageLink,
@@ -37,13 +36,14 @@ def test_hello_describes_the_kv_layout(colocated: Worker) -> None:
     link = MessageLink.connect(colocated.address)
     try:
         hello = next_of(link, Hello)
-        assert isinstance(hello, Hello)
         assert (hello.worker_id, hello.role, hello.block_size, hello.num_layers) == (
             "c0", "colocated", 16, 4)
         assert hello.namespace == "kvcake/tiny/seed0/float32/b16"
         assert hello.block_nbytes == hello.layer_nbytes * 4 == 16 * hello.kv_bytes_per_token
         assert hello.kv_bytes_per_token == 2 * 4 * 2 * 32 * 4  # K,V x layers x heads x dim x fp32
-        assert (hello.staging, hello.num_staging_blocks) == (None, 0)
+        assert colocated.engine is not None
+        assert (hello.num_blocks, hello.vocab_size) == (colocated.engine.num_blocks,
+                                                        colocated.engine.model_config.vocab_size)
     finally:
         link.close()
 
@@ -55,11 +55,11 @@ def test_colocated_order_streams_the_offline_tokens(colocated: Worker) -> None:
         next_of(link, Hello)
         link.send(PrefillOrder("c-1", prompt, {"max_tokens": 5, "ignore_eos": True}, [], {}, []))
         done = next_of(link, PrefillDone)
-        assert isinstance(done, PrefillDone) and done.finish_reason is None
+        assert (done.request_id, done.finish_reason, done.transfer_bytes) == ("c-1", None, 0)
         out = [done.first_token_id]
         while True:
             message = next_of(link, Tokens)
-            assert isinstance(message, Tokens)
+            assert message.request_id == "c-1"
             out += message.token_ids
             if message.finish_reason is not None:
                 assert message.finish_reason == "length"
@@ -76,14 +76,14 @@ def test_a_refused_order_is_reported_and_the_worker_keeps_serving(colocated: Wor
         next_of(link, Hello)
         link.send(PrefillOrder("bad", [1, 9999], {"max_tokens": 2}, [], {}, []))
         failed = next_of(link, RequestFailed)
-        assert isinstance(failed, RequestFailed) and failed.request_id == "bad"
+        assert failed.request_id == "bad"
         assert "token id 9999 at index 1 is outside the vocabulary" in failed.message
         link.send(PrefillOrder("bad2", [1], {"max_tokens": 2, "beam": 3}, [], {}, []))
         failed = next_of(link, RequestFailed)
-        assert isinstance(failed, RequestFailed) and "sampling: unknown fields" in failed.message
+        assert failed.request_id == "bad2" and "sampling: unknown fields" in failed.message
         link.send(PrefillOrder("ok", [1, 2, 3], {"max_tokens": 1}, [], {}, []))
         done = next_of(link, PrefillDone)
-        assert isinstance(done, PrefillDone) and done.finish_reason == "length"
+        assert (done.request_id, done.finish_reason) == ("ok", "length")
     finally:
         link.close()
 
@@ -97,7 +97,7 @@ def test_a_garbage_frame_drops_the_link_not_the_worker(colocated: Worker) -> Non
     link.close()
     again = MessageLink.connect(colocated.address)  # ... and keeps serving
     try:
-        assert isinstance(next_of(again, Hello), Hello)
+        assert next_of(again, Hello).worker_id == "c0"
     finally:
         again.close()
 
@@ -113,34 +113,37 @@ def test_shutdown_is_passed_to_the_process_owner(colocated: Worker) -> None:
         link.close()
 
 
-def test_decode_order_with_bad_staging_slots_is_refused() -> None:
-    config = WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="d0",
-                          staging_bytes=8 * 16 * 2048)
-    with Worker(config) as worker:
-        link = MessageLink.connect(worker.address)
-        try:
-            hello = next_of(link, Hello)
-            assert isinstance(hello, Hello) and hello.num_staging_blocks == 8
-            assert hello.staging is not None and hello.staging["name"] == "kv-staging-d0"
-            link.send(DecodeOrder("x", list(range(20)), 7, {"max_tokens": 4}, [0, 99]))
-            failed = next_of(link, RequestFailed)
-            assert isinstance(failed, RequestFailed)
-            assert "decode refused: kv_blocks: each block must be" in failed.message
-            link.send(DecodeOrder("y", list(range(20)), 7, {"max_tokens": 1}, [0, 1]))
-            failed = next_of(link, RequestFailed)
-            assert isinstance(failed, RequestFailed) and "max_tokens: must be >= 2" in \
-                failed.message
-        finally:
-            link.close()
+def test_an_order_with_targets_outside_the_decode_pool_is_refused(colocated: Worker) -> None:
+    """Targets are blocks of the decode pool the order names: without a pool size, or past
+    its end, the order would write the wrong place, so it is refused before any compute."""
+    link = MessageLink.connect(colocated.address)
+    pool = {"name": "kv-pool-d9", "segment_id": 1, "length_bytes": 1 << 20}
+    try:
+        next_of(link, Hello)
+        link.send(PrefillOrder("t0", list(range(20)), {"max_tokens": 2}, [], pool, [0, 1]))
+        failed = next_of(link, RequestFailed)
+        assert failed.request_id == "t0"
+        assert "num_pool_blocks: must be >= 1 with target blocks, got 0" in failed.message
+        link.send(PrefillOrder("t1", list(range(20)), {"max_tokens": 2}, [], pool, [-1, 4], 4))
+        failed = next_of(link, RequestFailed)
+        assert failed.request_id == "t1"
+        assert "target_blocks: each must be -1 or a block of the decode pool (< 4)" in \
+            failed.message
+        link.send(PrefillOrder("ok", [1, 2, 3], {"max_tokens": 1}, [], {}, []))
+        assert next_of(link, PrefillDone).request_id == "ok"
+    finally:
+        link.close()
 
 
 def test_worker_config_is_validated() -> None:
     with pytest.raises(ValueError, match="role: must be one of prefill, decode, colocated"):
         WorkerConfig(role="both")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="staging_bytes: must be >= 1"):
-        WorkerConfig(staging_bytes=0)
-    with pytest.raises(ValueError, match="staging_bytes: .* holds no KV block"):
-        Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, staging_bytes=100)).start()
+    with pytest.raises(ValueError, match="store_dram_bytes: must be >= 1, got 0"):
+        WorkerConfig(store_dram_bytes=0)
+    with pytest.raises(ValueError, match=r"port: must be in \[0, 65535\], got 70000"):
+        WorkerConfig(port=70000)
+    with pytest.raises(ValueError, match="num_threads: must be >= 1, got 0"):
+        WorkerConfig(num_threads=0)
 
 
 def test_an_unreachable_master_fails_start_cleanly() -> None:
