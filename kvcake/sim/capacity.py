@@ -68,14 +68,15 @@ class _Runs:
                                ms / 1000.0)
 
 
-def search_capacity(ctx: Context, runs: _Runs | None = None) -> dict[str, list[CapacityResult]]:
+def search_capacity(ctx: Context, runs: _Runs | None = None, rel_tol: float = SEARCH_REL_TOL,
+                    max_probes: int = SEARCH_MAX_PROBES) -> dict[str, list[CapacityResult]]:
     """Per system, per threshold: the capacity search's result."""
     runs = runs or _Runs(ctx)
     found: dict[str, list[CapacityResult]] = {}
     for system in SYSTEMS:
         found[system] = [
             find_capacity(lambda speed, s=system, ms=ms: runs.share(s, ms, speed),  # type: ignore[misc]
-                          ctx.base.speed, TARGET_SHARE, SEARCH_MAX_PROBES, SEARCH_REL_TOL)
+                          ctx.base.speed, TARGET_SHARE, max_probes, rel_tol)
             for ms in THRESHOLDS_MS]
     return found
 

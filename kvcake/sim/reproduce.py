@@ -276,6 +276,9 @@ def _register_capacity() -> None:
 
     EXPERIMENTS["capacity"] = capacity
     EXPERIMENTS["overload"] = overload
+    from kvcake.sim.sensitivity import sensitivity
+
+    EXPERIMENTS["sensitivity"] = sensitivity
 
 
 _register_capacity()
