@@ -32,6 +32,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from kvcake.auth import ClusterSecret
 from kvcake.clock import Clock, SystemClock
 from kvcake.conductor import Conductor, ConductorConfig
 from kvcake.conductor.predictor import DecodeModel, PrefillModel
@@ -40,16 +41,19 @@ from kvcake.server.cluster.flights import Flights
 from kvcake.server.cluster.monitor import Monitor, MonitorConfig
 from kvcake.server.cluster.router import STORE_HOLDER, Router, schedule_request
 from kvcake.server.cluster.store_audit import StoreAudit
+from kvcake.server.cluster.worker_link import connect_workers
 from kvcake.server.cluster.worker_set import WorkerSet
 from kvcake.server.frontend.backend import (
     BackendStats,
     GenerateRequest,
     QueueTokenStream,
+    Rejected,
     TokenEvent,
 )
 from kvcake.server.frontend.model_front import ModelFront
 from kvcake.server.worker.messages import Hello, KvEvents, Message, StoreEvents
 from kvcake.store import StoreClient
+from kvcake.transfer import TransferConfig
 
 __all__ = ["STORE_HOLDER", "DisaggBackend", "DisaggConfig", "Stage", "TransferTotals"]
 
@@ -64,15 +68,21 @@ class DisaggConfig:
     worker_addresses: tuple[str, ...]  # HOST:PORT of each worker's control link (list: taken)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    store_master: str | None = None  # HOST:PORT: turns the store audit on
+    store_master: str | None = None  # HOST:PORT or etcd://...: turns the store audit on
     # False leaves `check_workers()` and `audit_store()` to the caller (tests, manual clock).
     run_monitor: bool = True
+    # Workers join (and leave) while serving, through `add_worker` (etcd membership:
+    # cluster/membership.py); `worker_addresses` may then be empty.
+    workers_join: bool = False
+    # The cluster secret (`kvcake.auth`) proved to every worker's control port and the store
+    # master; None: the workers and the master run without one.
+    secret: ClusterSecret | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_addresses, str):
             raise ValueError(f"worker_addresses: pass a list of HOST:PORT strings, not the "
                              f"single string {self.worker_addresses!r}")
-        if not self.worker_addresses:
+        if not self.worker_addresses and not self.workers_join:
             raise ValueError("worker_addresses: pass at least one worker address (HOST:PORT)")
         object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
 
@@ -107,21 +117,63 @@ class DisaggBackend(ModelFront):
 
     def _start(self) -> DisaggBackend:
         cfg = self.config
-        hellos = self._workers.connect(cfg.worker_addresses, cfg.monitor.worker_timeout_s)
-        self._layout = hellos[0]
-        audit: StoreAudit | None = None  # made before the readers start: it sees every StoreEvents
-        if cfg.store_master is not None and cfg.monitor.store_audit_max_keys > 0:
-            self._store = StoreClient(cfg.store_master)
-            audit = StoreAudit(self._layout.namespace, cfg.monitor.store_audit_max_keys)
-        self._router = Router.for_workers(cfg.conductor, hellos, self._prefill_model,
-                                          self._decode_model, audit)
-        self._book = Flights(self._workers, self._router, self.clock, self.totals)
+        if cfg.worker_addresses:  # else the first worker that joins gives the layout
+            self._init_router(self._workers.connect(cfg.worker_addresses,
+                                                    cfg.monitor.worker_timeout_s, cfg.secret))
         self._workers.start_readers(self._on_message, self._on_worker_lost)
         if cfg.run_monitor:
             self._monitor = Monitor(cfg.monitor, self.check_workers,
                                     self.audit_store if self._store is not None else None)
             self._monitor.start()
         return self
+
+    def _init_router(self, hellos: list[Hello]) -> None:
+        """The Conductor over the first workers; their layout is the cluster's from now on."""
+        cfg = self.config
+        self._layout = hellos[0]
+        audit: StoreAudit | None = None  # made before the readers start: it sees every StoreEvents
+        if cfg.store_master is not None and cfg.monitor.store_audit_max_keys > 0:
+            self._store = StoreClient(cfg.store_master, transfer_config=TransferConfig(
+                serve=False, secret=cfg.secret))
+            audit = StoreAudit(self._layout.namespace, cfg.monitor.store_audit_max_keys)
+        self._router = Router.for_workers(cfg.conductor, hellos, self._prefill_model,
+                                          self._decode_model, audit)
+        self._book = Flights(self._workers, self._router, self.clock, self.totals)
+
+    def add_worker(self, address: str) -> Hello:
+        """Connect to a worker that joined (etcd membership) and place requests on it from now
+        on; a restarted worker rejoins under its old id. ValueError naming the worker when it
+        cannot be reached at `address` or its KV layout is not the cluster's."""
+        try:
+            view = connect_workers([address], self.config.monitor.worker_timeout_s,
+                                   self.config.secret)[0]
+        except OSError as exc:
+            raise ValueError(f"worker at {address}: cannot connect ({exc}); is its "
+                             "--advertise-host an address this frontend can reach?") from None
+        hello = view.hello
+        with self._lock:
+            try:
+                layout = self._layout
+                if layout is not None and (hello.namespace, hello.block_size) != \
+                        (layout.namespace, layout.block_size):
+                    raise ValueError(f"worker {hello.worker_id} at {address}: KV namespace "
+                                     f"{hello.namespace!r} differs from the cluster's "
+                                     f"{layout.namespace!r}; run it with the same model, dtype, "
+                                     "seed and block size")
+                if self._router is None:
+                    self._init_router([hello])
+                else:
+                    self._router.set_draining(hello.worker_id, hello.role, False)
+                self._workers.add(view)
+            except BaseException:
+                view.link.close()
+                raise
+        log.info("worker %s (%s) joined at %s", hello.worker_id, hello.role, address)
+        return hello
+
+    def worker_left(self, worker_id: str) -> None:
+        """Membership says the worker is gone (its etcd lease ended): as if its link closed."""
+        self._on_worker_lost(worker_id, "its etcd registration ended")
 
     def close(self, shutdown_workers: bool = False) -> None:
         """Fail what is in flight and disconnect; `shutdown_workers` also asks every worker
@@ -160,10 +212,15 @@ class DisaggBackend(ModelFront):
     # -- the Backend contract ------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
+        if self._layout is None and self.config.workers_join:  # no worker has joined yet
+            return int(self._model_config.max_position_embeddings)
         return self._hello().max_model_len
 
     async def generate(self, request: GenerateRequest) -> QueueTokenStream:
         sampling = sampling_of(request)
+        if self._layout is None and self.config.workers_join:
+            raise Rejected("no worker has joined the cluster yet: start `kvcake worker --etcd "
+                           "...` on a host", 1.0)
         schedule = schedule_request(request, self._hello())
         sink: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         with self._lock:

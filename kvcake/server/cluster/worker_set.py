@@ -4,7 +4,8 @@
 `start_readers()` starts one daemon thread per link that hands each message to `on_message`
 and calls `on_lost` once, when the link closes or sends something unreadable. A worker is never
 removed from the set: a lost one stays with `alive = False`, so its late sends fail and its
-replies are not read any more.
+replies are not read any more; `add()` takes a worker that joins later (etcd membership), or
+one that rejoins under a lost worker's id.
 
 Not thread-safe: the backend calls every method under its lock, except `close()` (after it has
 failed what was in flight) and the callbacks, which the reader threads call without it.
@@ -16,6 +17,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from kvcake.auth import ClusterSecret
 from kvcake.server.cluster.monitor import MonitorConfig
 from kvcake.server.cluster.worker_link import WorkerLink, connect_workers
 from kvcake.server.worker.messages import (
@@ -36,24 +38,42 @@ class WorkerSet:
     def __init__(self) -> None:
         self._links: dict[str, WorkerLink] = {}
         self._readers: list[threading.Thread] = []
+        self._on_message: Callable[[str, Message], None] = lambda worker_id, message: None
+        self._on_lost: Callable[[str], None] = lambda worker_id: None
 
     def connect(self, addresses: Sequence[str],
-                send_timeout_s: float | None = None) -> list[Hello]:
+                send_timeout_s: float | None = None,
+                secret: ClusterSecret | None = None) -> list[Hello]:
         """Connect to every worker; returns their `Hello`s in address order (ValueError naming
         the worker when one does not share the first one's layout). A send to a worker that
         cannot go out within `send_timeout_s` fails and closes its link (`WorkerLink.send`)."""
-        views = connect_workers(addresses, send_timeout_s)
+        views = connect_workers(addresses, send_timeout_s, secret)
         self._links = {v.worker_id: v for v in views}
         return [v.hello for v in views]
 
     def start_readers(self, on_message: Callable[[str, Message], None],
                       on_lost: Callable[[str], None]) -> None:
+        self._on_message, self._on_lost = on_message, on_lost
         for view in self._links.values():
-            reader = threading.Thread(target=self._read_loop,
-                                      args=(view.worker_id, view.link, on_message, on_lost),
-                                      name=f"frontend-{view.worker_id}", daemon=True)
-            reader.start()
-            self._readers.append(reader)
+            self._start_reader(view)
+
+    def add(self, view: WorkerLink) -> None:
+        """A worker that joined after `start_readers` (etcd membership): its link is read from
+        now on. A lost worker of the same id is replaced (a restart rejoining)."""
+        old = self._links.get(view.worker_id)
+        if old is not None and old.alive:
+            raise ValueError(f"worker {view.worker_id}: a live worker has this id already")
+        self._links[view.worker_id] = view
+        self._start_reader(view)
+
+    def _start_reader(self, view: WorkerLink) -> None:
+        reader = threading.Thread(target=self._read_loop,
+                                  args=(view.worker_id, view.link, self._on_message,
+                                        self._on_lost),
+                                  name=f"frontend-{view.worker_id}", daemon=True)
+        reader.start()
+        self._readers = [r for r in self._readers if r.is_alive()]
+        self._readers.append(reader)
 
     def close(self, shutdown_workers: bool = False) -> None:
         """Disconnect every link (`shutdown_workers`: ask each worker process to exit first)

@@ -3,7 +3,10 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
 GET /v1/models, /health, /metrics. Errors use OpenAI's body `{"error": {message, type, param,
 code}}`: 400 for invalid or unsupported input (nothing is silently ignored), 404 for an unknown
-model, 429 with `Retry-After` when the backend refuses a request, 500 for a backend failure.
+model, 413 for a body over `HttpLimits.max_request_bytes` (JSON nested deeper than
+`max_json_depth` and text prompts longer than `max_prompt_chars` are 400s, refused before they
+are parsed or tokenized: limits.py), 429 with `Retry-After` when the backend refuses a request,
+500 for a backend failure.
 Every error leaves the server serving. A client that disconnects (streaming or not) has its
 request aborted in the backend.
 
@@ -32,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvcake.ids import RandomIds
 from kvcake.server.frontend.backend import Backend, FinishReason, Rejected, TokenEvent, TokenStream
+from kvcake.server.frontend.limits import PROMPT_CHARS_PER_TOKEN, HttpLimits, json_depth_exceeds
 from kvcake.server.frontend.metrics import RequestTimer, ServerMetrics
 from kvcake.server.frontend.protocol import (
     ChatCompletionRequest,
@@ -98,9 +102,11 @@ class ApiFactory:
 
     def __init__(self, backend: Backend, metrics: ServerMetrics | None = None,
                  now_s: Callable[[], float] = time.monotonic,
-                 wall_s: Callable[[], float] = time.time) -> None:
+                 wall_s: Callable[[], float] = time.time,
+                 limits: HttpLimits | None = None) -> None:
         self.backend = backend
         self.metrics = metrics or ServerMetrics()
+        self.limits = limits or HttpLimits()
         self._now_s, self._wall_s = now_s, wall_s
         self._ids = {"completion": RandomIds("cmpl"), "chat": RandomIds("chatcmpl")}
 
@@ -118,8 +124,11 @@ class ApiFactory:
         """Unknown paths and wrong methods get OpenAI's error body too."""
         return self._error(str(exc.detail), exc.status_code)
 
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> dict[str, Any]:
+        """{"status": "ok"}, plus "workers": how many are live, for a backend with workers
+        (with etcd membership, those that have joined)."""
+        live = self.backend.stats().extra.get("live_workers")
+        return {"status": "ok"} if live is None else {"status": "ok", "workers": int(live)}
 
     async def models(self) -> dict[str, Any]:
         card = {"id": self.backend.model_name, "object": "model", "created": 0,
@@ -133,8 +142,10 @@ class ApiFactory:
 
     async def completions(self, request: Request) -> Response:
         try:
-            body = parse_request(CompletionRequest, await request.body())
+            body = parse_request(CompletionRequest, await self._body(request))
             self._check_model(body.model)
+            self._check_prompt_chars([body.prompt] if isinstance(body.prompt, str)
+                                     else [p for p in body.prompt if isinstance(p, str)])
             token_ids = prompt_token_ids(body.prompt, self.backend.encode)
             return await self._serve(request, "completion", body, token_ids, body.max_tokens)
         except ValueError as exc:  # InvalidRequest, or a tokenizer/backend refusal
@@ -142,13 +153,47 @@ class ApiFactory:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            body = parse_request(ChatCompletionRequest, await request.body())
+            body = parse_request(ChatCompletionRequest, await self._body(request))
             self._check_model(body.model)
-            token_ids = self.backend.chat_prompt([(m.role, m.text()) for m in body.messages])
+            messages = [(m.role, m.text()) for m in body.messages]
+            self._check_prompt_chars([text for _role, text in messages])
+            token_ids = self.backend.chat_prompt(messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await self._serve(request, "chat", body, token_ids, max_tokens)
         except ValueError as exc:  # InvalidRequest, or a tokenizer/backend refusal
             return self._invalid(exc)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused (413) past `max_request_bytes` before it is all read, and
+        (400) when its JSON nests deeper than `max_json_depth`, before it is parsed."""
+        cap = self.limits.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise _too_large(f"{int(declared)} bytes", cap)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise _too_large(f"more than {cap} bytes", cap)
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        if json_depth_exceeds(body, self.limits.max_json_depth):
+            raise InvalidRequest(f"the request body nests JSON arrays/objects deeper than "
+                                 f"{self.limits.max_json_depth} levels; flatten it",
+                                 code="json_too_deep")
+        return body
+
+    def _check_prompt_chars(self, texts: list[str]) -> None:
+        """A text prompt too long to fit is refused before the tokenizer spends time on it."""
+        cap = self.limits.prompt_chars(self.backend.max_model_len)
+        chars = sum(len(text) for text in texts)
+        if chars > cap:
+            raise InvalidRequest(
+                f"prompt: {chars} characters, more than this server tokenizes ({cap}: "
+                f"max_prompt_chars, by default {PROMPT_CHARS_PER_TOKEN} per token of the "
+                f"maximum model length {self.backend.max_model_len}); shorten the prompt",
+                "prompt", code="prompt_too_long")
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.backend.model_name:
@@ -263,6 +308,12 @@ class ApiFactory:
         yield "data: [DONE]\n\n"
 
 
+def _too_large(size: str, cap: int) -> InvalidRequest:
+    return InvalidRequest(f"the request body ({size}) exceeds this server's limit of {cap} "
+                          f"bytes (max_request_bytes); send a shorter request", status=413,
+                          code="request_too_large")
+
+
 def _sse_data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -273,9 +324,10 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def create_app(backend: Backend, metrics: ServerMetrics | None = None) -> FastAPI:
+def create_app(backend: Backend, metrics: ServerMetrics | None = None,
+               limits: HttpLimits | None = None) -> FastAPI:
     """The app serving `backend`; the caller starts and closes the backend."""
-    return ApiFactory(backend, metrics).build()
+    return ApiFactory(backend, metrics, limits=limits).build()
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
