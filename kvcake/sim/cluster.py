@@ -178,6 +178,11 @@ class Cluster:
             "transfer_bytes": int(self.network.total_bytes),
             "makespan_s": end_s,
             "num_events": self.num_events,
+            # Rejected for TTFT although their prefill alone, uncached on one idle node, already
+            # exceeds the TTFT SLO: rejected only because they are long (CPP's target).
+            "ttft_rejected_long": sum(
+                1 for s in self.states if s.rejected == "ttft_slo"
+                and self.cost.prefill_time_s(s.arrival.input_len) > cfg.ttft_slo_s),
         }
         return summarize(self.states, cfg.ttft_slo_s, cfg.tbt_slo_ms / 1000.0, extra)
 

@@ -24,6 +24,9 @@ def test_a_long_prompt_takes_about_chunks_plus_nodes_minus_one_chunk_times() -> 
     cpp = simulate(SimConfig(num_prefill=4, num_decode=1, cpp_min_tokens=32_000, cpp_nodes=4,
                              cpp_chunk_tokens=2000), trace).states[0]
     assert alone.rejected == "ttft_slo"  # 128k tokens on one node: over the 30 s SLO
+    counts = [simulate(SimConfig(num_prefill=4, num_decode=1, **cpp), trace).summary
+              ["ttft_rejected_long"] for cpp in ({}, {"cpp_min_tokens": 32_000, "cpp_nodes": 4})]
+    assert counts == [1, 0]
     assert cpp.rejected is None and cpp.ttft_s is not None
     chunks = n // 2000
     hw = COST.hardware
