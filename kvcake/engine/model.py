@@ -61,6 +61,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:  # the same arithmetic, fewer calls (a decode step's ops
+            # are small enough that each Python-level call shows)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)))
         # Normalise in fp32 as transformers does, then cast back before the weight.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -167,15 +170,31 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers: range | None = None) -> None:
+        """`layers`: the contiguous slice of the decoder this instance holds (a pipeline stage
+        of chunked pipeline parallelism); None: all of them. A stage without layer 0 takes
+        hidden states in (`forward(hidden=...)`) instead of token embeddings, and one without
+        the last layer returns every row's hidden states instead of logits; only the weights
+        its slice uses are created and loaded. The pool it runs on holds the slice's layers
+        only (pool layer i is decoder layer layers[i]); `layer_hook` gets the decoder index."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        span = range(config.num_layers) if layers is None else layers
+        if span.step != 1 or not 0 <= span.start < span.stop <= config.num_layers:
+            raise ValueError(f"layers: a contiguous, non-empty slice of 0..{config.num_layers} "
+                             f"is needed, got {span}")
+        self.layer_range = span
+        self.is_first = span.start == 0
+        self.is_last = span.stop == config.num_layers
+        tied = config.tie_word_embeddings
+        if self.is_first or (self.is_last and tied):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in span)
+        if self.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            if tied:
+                self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cache: Tensor | None = None  # [2 (cos, sin), positions, head_dim]
@@ -183,14 +202,27 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch,
                 pool: KVPool, logit_rows: Tensor,
-                layer_hook: Callable[[int], None] | None = None) -> Tensor:
-        """Logits (fp32) of the flat rows `logit_rows` only: one per sequence that samples."""
-        h = self.embed_tokens(input_ids)
+                layer_hook: Callable[[int], None] | None = None, *,
+                hidden: Tensor | None = None) -> Tensor:
+        """Logits (fp32) of the flat rows `logit_rows` only: one per sequence that samples.
+        A stage without the last layer returns the hidden states of every row instead, and
+        one without the first layer starts from `hidden` (the previous stage's output)."""
+        if self.is_first:
+            h = self.embed_tokens(input_ids)
+        elif hidden is None or hidden.shape != (input_ids.shape[0], self.config.hidden_size):
+            raise ValueError(f"hidden: a stage from layer {self.layer_range.start} needs the "
+                             f"previous stage's hidden states [{input_ids.shape[0]}, "
+                             f"{self.config.hidden_size}]")
+        else:
+            h = hidden.to(dtype=next(self.layers.parameters()).dtype)
         cos, sin = self._rope(positions, h.dtype)
+        first = self.layer_range.start
         for idx, layer in enumerate(self.layers):
             h = layer(h, cos, sin, pool.layer(idx), batch)
             if layer_hook is not None:
-                layer_hook(idx)
+                layer_hook(first + idx)
+        if not self.is_last:
+            return h
         return self.lm_head(self.norm(h[logit_rows])).float()
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -210,12 +242,15 @@ class LlamaModel(nn.Module):
     def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load weights named as in transformers' LlamaForCausalLM (fusing qkv and gate|up)."""
         cfg = self.config
-        own: dict[str, Tensor] = {"embed_tokens.weight": state["model.embed_tokens.weight"],
-                                  "norm.weight": state["model.norm.weight"]}
-        if not cfg.tie_word_embeddings:
-            own["lm_head.weight"] = state["lm_head.weight"]
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
+        own: dict[str, Tensor] = {}
+        if hasattr(self, "embed_tokens"):
+            own["embed_tokens.weight"] = state["model.embed_tokens.weight"]
+        if self.is_last:
+            own["norm.weight"] = state["model.norm.weight"]
+            if not cfg.tie_word_embeddings:
+                own["lm_head.weight"] = state["lm_head.weight"]
+        for i, layer in enumerate(self.layer_range):  # i: this slice's index, layer: decoder's
+            p = f"model.layers.{layer}."
             own[f"layers.{i}.qkv_proj.weight"] = torch.cat(
                 [state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
             own[f"layers.{i}.o_proj.weight"] = state[p + "self_attn.o_proj.weight"]

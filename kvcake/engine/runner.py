@@ -39,9 +39,12 @@ class ModelRunner:
 
     def run(self, plan: BatchPlan, seqs: Mapping[str, Sequence],
             tables: Mapping[str, list[BlockId]],
-            layer_hook: Callable[[int], None] | None = None, all_rows: bool = False) -> Tensor:
+            layer_hook: Callable[[int], None] | None = None, all_rows: bool = False, *,
+            hidden: Tensor | None = None) -> Tensor:
         """Logits [num sampling chunks, vocab] in the order of the sampling chunks of `plan`
-        (with `all_rows`, logits of every scheduled token instead)."""
+        (with `all_rows`, logits of every scheduled token instead). For a layer-slice model
+        (a pipeline stage, see `LlamaModel`): `hidden` is the previous stage's output for the
+        plan's tokens, and a stage without the last layer returns every token's hidden states."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -86,7 +89,7 @@ class ModelRunner:
         elif decode_rows:
             self._fill_decode(batch, decode_rows, decode_tables, decode_lens)
         return self.model(self._long(input_ids), self._long(positions), batch, self.pool,
-                          self._long(logit_rows), layer_hook)
+                          self._long(logit_rows), layer_hook, hidden=hidden)
 
     def _fill_decode(self, batch: AttentionBatch, rows: list[int],
                      tables: list[list[BlockId]], lens: list[int]) -> None:

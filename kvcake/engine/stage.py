@@ -1,0 +1,161 @@
+"""`StageEngine`: one pipeline stage of chunked pipeline parallelism (CPP), a prefill engine that
+holds a contiguous slice of the decoder's layers.
+
+The stage loads only its layers' weights (plus the embedding on the first stage, the final norm
+and lm_head on the last) and owns a paged KV pool of its layers only (pool layer i is decoder
+layer `layers[i]`). A prompt is computed chunk by chunk: `begin` allocates the request's blocks,
+`run_chunk(start, n, hidden)` runs one chunk through the slice and returns its hidden states
+(every row, for the next stage) or, on the last stage, the first token once the final chunk is
+in. Chunks must come in order; the attention of chunk i reads the KV chunks 0..i-1 left in this
+stage's pool. `layer_view(block, layer)` is the zero-copy bytes of one of its layers of one
+block, for streaming it to a decode engine (`KVPool.layer_offset_bytes` there, with the decoder
+layer index). Single-threaded, like `Engine`; nothing here starts a thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from kvcake.clock import Clock, SystemClock
+from kvcake.engine import paged_attention
+from kvcake.engine.batcher import BatchPlan, ScheduledChunk
+from kvcake.engine.block_manager import BlockManager
+from kvcake.engine.config import EngineConfig, ModelConfig
+from kvcake.engine.engine import _DTYPES, _linears, _pick_device
+from kvcake.engine.kv_pool import KVPool
+from kvcake.engine.linear import table_path, tune
+from kvcake.engine.loader import load_weights, resolve
+from kvcake.engine.model import LlamaModel
+from kvcake.engine.runner import ModelRunner
+from kvcake.engine.sampling import Sampler, SamplingParams
+from kvcake.engine.sequence import Sequence as Seq
+from kvcake.types import BlockId, RequestId
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """`num_layers` cut into `num_stages` contiguous slices, sizes differing by at most one
+    (the earlier stages get the extra layers: the first also embeds, the last also samples)."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cpp nodes: {num_stages} stages for a {num_layers}-layer model; "
+                         f"use 1..{num_layers}")
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class StageEngine:
+    def __init__(self, model: str, layers: range, config: EngineConfig | None = None,
+                 clock: Clock | None = None) -> None:
+        """ValueError for a bad model (as `Engine`) or a `layers` slice outside the model."""
+        self.config = config or EngineConfig()
+        self.clock = clock or SystemClock()
+        source = resolve(model)
+        self.model_config: ModelConfig = source.config
+        self.device = _pick_device(self.config.device)
+        self.dtype = _DTYPES[self.config.dtype]
+        self.block_size = self.config.block_size
+        mc = self.model_config
+        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        weights = f"seed{self.config.seed}" if source.directory is None else "hf"
+        self.namespace = f"kvcake/{mc.name}/{weights}/{self.config.dtype}/b{self.block_size}"
+        self.model = LlamaModel(mc, layers)
+        self.layers = self.model.layer_range
+        try:
+            self.model.load_hf_state_dict(load_weights(source, self.config.seed))
+        except KeyError as exc:
+            raise ValueError(f"model: weight {exc.args[0]!r} is missing from {model!r}") from None
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        slice_config = dataclasses.replace(mc, num_layers=len(self.layers))
+        num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // (
+            KVPool.bytes_per_block(slice_config, self.block_size, self.dtype)))
+        self.pool = KVPool(slice_config, num_blocks, self.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, self.block_size, False)
+        tune(_linears(self.model), self.config.linear_backend,
+             table=table_path(paged_attention.cache_dir(), torch.get_num_threads()))
+        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.sampler = Sampler()
+        self._seqs: dict[str, tuple[Seq, SamplingParams]] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model_config.hidden_size
+
+    def begin(self, request_id: str, prompt_token_ids: Sequence[int],
+              sampling_params: SamplingParams | None = None) -> bool:
+        """Allocate the blocks of a prompt about to flow through; False (nothing changed) when
+        the pool has no room now. ValueError for a bad prompt or a request already here."""
+        params = sampling_params or SamplingParams()
+        ids = [int(t) for t in prompt_token_ids]
+        if request_id in self._seqs:
+            raise ValueError(f"request_id: {request_id!r} is already in this stage")
+        if not ids or len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: 1..{self.max_model_len - 1} tokens, got {len(ids)}")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        seq = Seq(RequestId(request_id), ids, len(ids), params.max_tokens, self.block_size,
+                  self.namespace, prefill_only=True, arrival_s=self.clock.now_s())
+        if self.block_manager.allocate(request_id, len(ids), []) is None:
+            return False
+        self._seqs[request_id] = (seq, params)
+        return True
+
+    def run_chunk(self, request_id: str, start: int, num_tokens: int,
+                  hidden: Tensor | None = None,
+                  layer_hook: Callable[[int], None] | None = None) -> Tensor | int:
+        """Compute prompt tokens start..start+num_tokens-1 through this slice. Returns their
+        hidden states [num_tokens, hidden_size] (a stage before the last), or, on the last
+        stage, the first sampled token when this chunk ends the prompt (else an empty tensor).
+        `layer_hook(decoder_layer)` runs once each layer's KV of the chunk is in the pool."""
+        seq, params = self._seqs[request_id]
+        if num_tokens < 1 or start < 0 or start + num_tokens > len(seq.token_ids):
+            raise ValueError(f"chunk: tokens {start}..{start + num_tokens} outside the prompt "
+                             f"of {len(seq.token_ids)}")
+        final = start + num_tokens == len(seq.token_ids)
+        plan = BatchPlan([ScheduledChunk(request_id, start, num_tokens, final)])
+        tables = {request_id: self.block_manager.block_ids(request_id)}
+        if hidden is not None:
+            hidden = hidden.to(self.device)
+        out = self.runner.run(plan, {request_id: seq}, tables, layer_hook, hidden=hidden)
+        seq.num_computed_tokens = start + num_tokens
+        if not self.is_last:
+            return out
+        if not final:
+            return torch.empty(0)
+        return self.sampler.sample(out, [request_id], [params])[0]
+
+    def sampler_state(self, request_id: str) -> bytes | None:
+        return self.sampler.export_state(request_id)
+
+    def block_ids(self, request_id: str) -> list[BlockId]:
+        return self.block_manager.block_ids(request_id)
+
+    def layer_view(self, block_id: BlockId, layer: int) -> memoryview:
+        """Zero-copy bytes of decoder layer `layer` (one of this stage's) of one block."""
+        if layer not in self.layers:
+            raise ValueError(f"layer: {layer} is not in this stage's slice {self.layers}")
+        t = self.pool.layer(layer - self.layers.start)[block_id]
+        return t.view(torch.uint8).numpy().reshape(-1).data
+
+    def release(self, request_id: str) -> None:
+        """Free a request's blocks (no-op for an unknown id)."""
+        if self._seqs.pop(request_id, None) is not None:
+            self.block_manager.free(request_id)
+            self.sampler.forget(request_id)
