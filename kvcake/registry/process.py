@@ -50,6 +50,7 @@ class EtcdProcess:
             raise EtcdMissing(f"no `{self.binary}` binary on PATH: install etcd "
                               "(Debian: apt-get install etcd-server)")
         self._dir = tempfile.TemporaryDirectory(prefix="kvcake-etcd-")
+        # Picked on this namespace's loopback: a fresh namespace (`prefix`) has them free too.
         self.client_port, self.peer_port = free_port(), free_port()
         client = f"http://{self.host}:{self.client_port}"
         peer = f"http://{self.host}:{self.peer_port}"
