@@ -199,16 +199,23 @@ def test_colocated_workers_behind_the_launcher(tmp_path_factory: pytest.TempPath
 
 
 def test_a_worker_started_elsewhere_joins_by_address(tmp_path_factory: pytest.TempPathFactory,
-                                                     llm: LLM) -> None:
+                                                     llm: LLM,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcake.auth import ClusterSecret
     from kvcake.server.cluster.config import WorkerSpec
     from kvcake.server.worker.config import Role, WorkerConfig
     from kvcake.server.worker.worker import Worker
 
-    # As if started on another host with `kvcake worker --role decode --port P` (no store node).
-    with Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="remote-d")) as remote:
+    # As if started on another host with `kvcake worker --role decode --port P --secret-env
+    # KVCAKE_TEST_SECRET` (no store node); the cluster's TOML names the same variable.
+    secret = ClusterSecret.generate()
+    monkeypatch.setenv("KVCAKE_TEST_SECRET", secret.text())
+    with Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="remote-d",
+                             secret=secret)) as remote:
         port = int(remote.address.rsplit(":", 1)[1])
         config = ClusterConfig(
             engine=ENGINE, profile_dir=profile_dir(tmp_path_factory),
+            secret_env="KVCAKE_TEST_SECRET",
             conductor=ConductorConfig.from_dict({"admission": "none"}),
             workers=(WorkerSpec(Role.PREFILL, store_dram_bytes=16 * 2**20),
                      WorkerSpec(Role.DECODE, port=port, launch=False)))

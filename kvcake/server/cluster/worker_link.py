@@ -11,8 +11,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvcake.auth import ClusterSecret
 from kvcake.server.cluster.monitor import MonitorConfig
-from kvcake.server.worker.messages import Hello, LoadReport, Message, MessageLink, Ping, Shutdown
+from kvcake.server.worker.messages import (
+    Hello,
+    LoadReport,
+    Message,
+    MessageError,
+    MessageLink,
+    Ping,
+    Shutdown,
+)
 
 
 @dataclass
@@ -70,22 +79,29 @@ class WorkerLink:
             self.ping_sent_s = None
 
 
-def connect_workers(addresses: Sequence[str],
-                    send_timeout_s: float | None = None) -> list[WorkerLink]:
+def connect_workers(addresses: Sequence[str], send_timeout_s: float | None = None,
+                    secret: ClusterSecret | None = None) -> list[WorkerLink]:
     """Connect to every worker and read its `Hello`; every worker must share the first one's KV
     layout (namespace, block size). ValueError naming the worker otherwise, with every link
     opened so far closed again. `send_timeout_s`: see `MessageLink.set_send_timeout` (the
-    frontend sends under its one lock, so one stalled worker must not block it for good)."""
+    frontend sends under its one lock, so one stalled worker must not block it for good).
+    `secret`: the cluster secret proved to every worker's control port (`kvcake.auth`)."""
     links: list[WorkerLink] = []
     try:
         for address in addresses:
-            link = MessageLink.connect(address)
+            link = MessageLink.connect(address, secret=secret)
             if send_timeout_s is not None:
                 link.set_send_timeout(send_timeout_s)
-            first = link.recv()
+            try:
+                first: Message | None = link.recv()
+            except MessageError:
+                first = None
             if not isinstance(first, Hello):
                 link.close()
-                raise ValueError(f"worker {address}: expected Hello, got {first!r}")
+                hint = "" if secret is not None else (
+                    "; it may ask for a cluster secret: configure the same one here "
+                    "([security] secret_file / secret_env)")
+                raise ValueError(f"worker {address}: expected Hello, got {first!r}{hint}")
             links.append(WorkerLink.of(first, link))
         layout = links[0].hello
         for view in links:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvcake.auth import ClusterSecret
 from kvcake.engine.config import EngineConfig
 
 
@@ -32,6 +33,9 @@ class WorkerConfig:
     # Same-host KV by memcpy: a decode worker's KV pool is a shared-memory segment, and this
     # worker's transfer engine maps same-host segments. False: private pool, TCP only.
     shared_memory: bool = True
+    # The cluster secret (`kvcake.auth`): the control port admits only a frontend that proves
+    # it, and the store node and segment servers ask it of every peer. None: open ports.
+    secret: ClusterSecret | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", _role(self.role))
@@ -41,6 +45,9 @@ class WorkerConfig:
             raise ValueError(f"store_dram_bytes: must be >= 1, got {self.store_dram_bytes}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if self.secret is not None and not isinstance(self.secret, ClusterSecret):
+            raise ValueError("secret: must be a ClusterSecret or None (load one with "
+                             "ClusterSecret.load(file=..., env=...))")
 
 
 def _role(value: object) -> Role:

@@ -31,6 +31,7 @@ import threading
 import uuid
 from typing import Any
 
+from kvcake import auth
 from kvcake.engine.engine import Engine
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.decode import DecodeRole, pool_allocator
@@ -69,6 +70,7 @@ class Worker:
         self._role: WorkerRole | None = None
         self._listener: socket.socket | None = None
         self._link: MessageLink | None = None
+        self._link_lock = threading.Lock()  # the accept side's threads swap `_link` under it
         self._inbox: queue.Queue[Any] = queue.Queue()  # messages, role-internal items, None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -100,7 +102,8 @@ class Worker:
 
             torch.set_num_threads(cfg.num_threads)
         self.transfer = TransferEngine(TransferConfig(host=cfg.host, num_rails=2,
-                                                      use_shared_memory=cfg.shared_memory),
+                                                      use_shared_memory=cfg.shared_memory,
+                                                      secret=cfg.secret),
                                        wrap_transport=self._wrap_transport)
         kv_allocator = pool_allocator(self.transfer, self.worker_id, shared=cfg.shared_memory) \
             if cfg.role is Role.DECODE else None
@@ -109,8 +112,10 @@ class Worker:
         if cfg.master is not None:
             self.store_node = StoreNode(NodeConfig(cfg.store_dram_bytes), cfg.master,
                                         node_id=f"node-{self.worker_id}", engine=self.transfer,
-                                        host=cfg.host).start()
+                                        host=cfg.host, secret=cfg.secret).start()
             self.store = StoreClient(cfg.master, engine=self.transfer,
+                                     transfer_config=TransferConfig(serve=False,
+                                                                    secret=cfg.secret),
                                      local_node=self.store_node.node_id)
         if cfg.role is Role.DECODE:
             self._role = DecodeRole(self)
@@ -137,8 +142,10 @@ class Worker:
             except OSError:
                 pass
             self._listener.close()
-        if self._link is not None:
-            self._link.close()
+        with self._link_lock:
+            link = self._link
+        if link is not None:
+            link.close()
         for thread in self._threads:
             thread.join(timeout=10)
         if self._role is not None:
@@ -208,13 +215,32 @@ class Worker:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
+            # The challenge runs on its own thread: a peer that never answers must not hold up
+            # the frontend's reconnect behind it.
+            threading.Thread(target=self._admit, args=(sock,), daemon=True,
+                             name=f"{self.worker_id}-admit").start()
+
+    def _admit(self, sock: socket.socket) -> None:
+        """A connection that fails the cluster-secret challenge is logged and closed before a
+        byte of it is read as a message: the frontend's link and the engine are untouched."""
+        if not auth.admit(sock, self.config.secret, auth.WORKER, log):
+            sock.close()
+            return
+        try:
             link = MessageLink(sock)
-            old, self._link = self._link, link
-            if old is not None:
-                old.close()
             link.send(self.hello())
-            threading.Thread(target=self._read_loop, args=(link,), daemon=True,
-                             name=f"{self.worker_id}-reader").start()
+        except OSError:
+            sock.close()
+            return
+        with self._link_lock:
+            if self._stopping.is_set():
+                link.close()
+                return
+            old, self._link = self._link, link
+        if old is not None:
+            old.close()
+        threading.Thread(target=self._read_loop, args=(link,), daemon=True,
+                         name=f"{self.worker_id}-reader").start()
 
     def _read_loop(self, link: MessageLink) -> None:
         while True:
