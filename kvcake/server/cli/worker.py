@@ -18,6 +18,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kvcake import auth
+from kvcake.auth import ClusterSecret
 from kvcake.engine.config import EngineConfig
 from kvcake.server.cluster.profiler import (
     ProfileGrid,
@@ -44,6 +46,11 @@ def register(subparsers: Any) -> None:
                    help="prefill: send the KV after the prefill, not layer by layer during it")
     p.add_argument("--no-shared-memory", action="store_true",
                    help="move KV and store bytes over TCP even to workers on this host")
+    p.add_argument("--secret-file", default=None,
+                   help="file holding the cluster secret (`kvcake serve` hands its workers one "
+                        f"in ${auth.ENV_VAR}; used when neither flag is given)")
+    p.add_argument("--secret-env", default=None, metavar="NAME",
+                   help="environment variable holding the cluster secret (instead of a file)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--host", default=w.host)
     p.add_argument("--port", type=int, default=w.port)
@@ -82,13 +89,27 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed)
 
 
+def worker_secret(args: argparse.Namespace) -> ClusterSecret | None:
+    """The secret `--secret-file` / `--secret-env` name; else the one `kvcake serve` put in
+    `KVCAKE_CLUSTER_SECRET`, if set; else None (open ports). Never read from the command line."""
+    file, env = args.secret_file, args.secret_env
+    if file is None and env is None:
+        if not os.environ.get(auth.ENV_VAR):
+            return None
+        env = auth.ENV_VAR
+    try:
+        return ClusterSecret.load(file=file, env=env)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--secret-file/--secret-env: {exc}") from None
+
+
 def run_worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(
         role=args.role, model=args.model, engine=engine_config(args), host=args.host,
         port=args.port, worker_id=args.worker_id, master=args.master,
         store_dram_bytes=parse_size(args.store_dram_bytes, "--store-dram-bytes"),
         num_threads=args.num_threads, layerwise=not args.no_layerwise,
-        shared_memory=not args.no_shared_memory)
+        shared_memory=not args.no_shared_memory, secret=worker_secret(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

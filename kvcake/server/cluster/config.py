@@ -7,6 +7,7 @@
     [engine]    kv_cache_bytes = "64MiB"  block_size = 16     # EngineConfig keys, every worker
     [conductor] policy = "global_cache"  tbt_slo_s = 0.3      # ConductorConfig keys
     [monitor]   worker_timeout_s = 30  store_audit_max_keys = 2048   # MonitorConfig keys
+    [security]  secret_file = "cluster.secret"   # or secret_env = "NAME"; neither: a fresh one
     [[workers]] role = "prefill"  count = 2                   # launched here, ports from the OS
     [[workers]] role = "decode"   host = "10.0.0.7"  port = 24100  launch = false   # started
                                   # on its host with `kvcake worker --role decode --port 24100
@@ -67,8 +68,19 @@ class ClusterConfig:
     workers: tuple[WorkerSpec, ...] = ()
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # pings, store audit
     profile_dir: str | None = None  # None: kvcake.server.cluster.profiler.default_cache_dir()
+    # [security]: where the cluster secret is (a file, or an environment variable's name);
+    # neither: `kvcake serve` makes one for the workers it launches (launch = false needs one).
+    secret_file: str | None = None
+    secret_env: str | None = None
 
     def __post_init__(self) -> None:
+        if self.secret_file and self.secret_env:
+            raise ValueError("[security]: give secret_file or secret_env, not both")
+        if not (self.secret_file or self.secret_env) and any(not w.launch for w in self.workers):
+            raise ValueError("[security]: a worker with launch = false needs the cluster secret "
+                             "shared with it: set secret_file (a file readable by its owner "
+                             "only) or secret_env (an environment variable's name), and start "
+                             "that worker with the same --secret-file / --secret-env")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode: must be disaggregated or colocated, got {self.mode!r}")
         roles = [w.role for w in self.workers]
@@ -114,11 +126,13 @@ class ClusterConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ClusterConfig:
         known = {"model", "mode", "frontend", "store", "engine", "conductor", "monitor",
-                 "workers", "profile_dir"}
+                 "workers", "profile_dir", "security"}
         _no_unknown(raw, known, source)
         frontend = dict(raw.get("frontend", {}))
         _no_unknown(frontend, {"host", "port"}, f"{source} [frontend]")
         store = dict(raw.get("store", {}))
+        security = dict(raw.get("security", {}))
+        _no_unknown(security, {"secret_file", "secret_env"}, f"{source} [security]")
         _no_unknown(store, {"master_host", "master_port"}, f"{source} [store]")
         engine = {k: parse_size(v, k) if k in _SIZE_KEYS and isinstance(v, str) else v
                   for k, v in raw.get("engine", {}).items()}
@@ -140,7 +154,9 @@ class ClusterConfig:
                    engine=EngineConfig.from_dict(engine),
                    conductor=ConductorConfig.from_dict(raw.get("conductor", {})),
                    monitor=MonitorConfig.from_dict(raw.get("monitor", {})),
-                   workers=tuple(workers), profile_dir=raw.get("profile_dir"))
+                   workers=tuple(workers), profile_dir=raw.get("profile_dir"),
+                   secret_file=security.get("secret_file"),
+                   secret_env=security.get("secret_env"))
 
 
 def _conductor_dict(config: ConductorConfig) -> dict[str, Any]:

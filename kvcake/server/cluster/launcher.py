@@ -21,6 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
+from kvcake import auth
+from kvcake.auth import ClusterSecret
 from kvcake.server.cluster.backend import DisaggBackend, DisaggConfig
 from kvcake.server.cluster.config import ClusterConfig, WorkerSpec
 from kvcake.server.cluster.profiler import load_or_profile
@@ -41,13 +43,17 @@ class Cluster:
         self.processes: dict[str, subprocess.Popen[str]] = {}
         self.workers: dict[str, Worker] = {}  # in-process workers
         self.addresses: dict[str, str] = {}  # worker id -> control address
+        # [security] secret_file / secret_env, else a fresh one: every internal port (store
+        # master, nodes, segment servers, worker control) admits only peers that prove it.
+        self.secret = ClusterSecret.load(file=config.secret_file, env=config.secret_env) \
+            or ClusterSecret.generate()
 
     def start(self) -> Cluster:
         cfg = self.config
         try:
             if cfg.mode == "disaggregated":
                 self.master = MasterServer(MasterService(), cfg.master_host,
-                                           cfg.master_port).start()
+                                           cfg.master_port, secret=self.secret).start()
             for i, spec in enumerate(cfg.workers):  # children start in parallel
                 worker_id = f"{spec.role.value}-{i}"
                 if spec.launch:
@@ -62,7 +68,8 @@ class Cluster:
                                       num_threads=threads)
             backend_config = DisaggConfig(
                 model=cfg.model, worker_addresses=tuple(self.addresses.values()),
-                conductor=cfg.conductor, monitor=cfg.monitor, store_master=self.master_address)
+                conductor=cfg.conductor, monitor=cfg.monitor, store_master=self.master_address,
+                secret=self.secret)
             self.backend = DisaggBackend(backend_config, profile.prefill,
                                          profile.decode).start()
         except BaseException:
@@ -81,7 +88,8 @@ class Cluster:
                             else None,
                             store_dram_bytes=spec.store_dram_bytes,
                             num_threads=spec.num_threads,
-                            layerwise=spec.layerwise, shared_memory=spec.shared_memory)
+                            layerwise=spec.layerwise, shared_memory=spec.shared_memory,
+                            secret=self.secret)
 
     def _launch(self, worker_id: str, spec: WorkerSpec) -> None:
         config = self._worker_config(worker_id, spec)
@@ -90,9 +98,12 @@ class Cluster:
             self.workers[worker_id] = worker
             self.addresses[worker_id] = worker.address
             return
+        # The secret travels in the child's environment, never on its command line (which
+        # every user of the host can read).
+        env = {**os.environ, auth.ENV_VAR: self.secret.text()}
         self.processes[worker_id] = subprocess.Popen(
             worker_argv(config, os.getpid()), stdout=subprocess.PIPE, text=True,
-            start_new_session=True)
+            start_new_session=True, env=env)
 
     def kill_worker(self, worker_id: str) -> None:
         """SIGKILL a launched worker (fault injection; its store node dies with it)."""
