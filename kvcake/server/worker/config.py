@@ -23,8 +23,9 @@ class WorkerConfig:
     role: Role = Role.PREFILL
     model: str = "tiny"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # what the control port and segment servers bind
     port: int = 0  # control port; 0: the OS picks
+    advertise_host: str | None = None  # what other hosts dial (None: `host`)
     worker_id: str | None = None  # None: role + random suffix
     master: str | None = None  # store master HOST:PORT; None: no store (no reuse across workers)
     store_dram_bytes: int = 64 * 2**20  # DRAM this worker contributes to the store pool

@@ -102,6 +102,7 @@ class Worker:
 
             torch.set_num_threads(cfg.num_threads)
         self.transfer = TransferEngine(TransferConfig(host=cfg.host, num_rails=2,
+                                                      advertise_host=cfg.advertise_host,
                                                       use_shared_memory=cfg.shared_memory,
                                                       secret=cfg.secret),
                                        wrap_transport=self._wrap_transport)
@@ -112,7 +113,8 @@ class Worker:
         if cfg.master is not None:
             self.store_node = StoreNode(NodeConfig(cfg.store_dram_bytes), cfg.master,
                                         node_id=f"node-{self.worker_id}", engine=self.transfer,
-                                        host=cfg.host, secret=cfg.secret).start()
+                                        host=cfg.host, secret=cfg.secret,
+                                        advertise_host=cfg.advertise_host).start()
             self.store = StoreClient(cfg.master, engine=self.transfer,
                                      transfer_config=TransferConfig(serve=False,
                                                                     secret=cfg.secret),
