@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcake.clock import Clock, SystemClock
-from kvcake.engine import paged_attention
+from kvcake.engine import cpu_ops
 from kvcake.engine.batcher import Batcher, BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager, KvEvent
 from kvcake.engine.config import EngineConfig, ModelConfig
@@ -121,7 +121,7 @@ class Engine:
                                self.config.max_num_seqs)
         self.linear_choices = tune(
             _linears(self.model), self.config.linear_backend,
-            table=table_path(paged_attention.cache_dir(), torch.get_num_threads()))
+            table=table_path(cpu_ops.cache_dir(), torch.get_num_threads()))
         self.attention = self._attention_mode()
         log.info("engine: decode attention %s; linear backends (rows %s) %s",
                  self.attention, BUCKET_NAMES, {f"{c.shape[0]}x{c.shape[1]}": "|".join(c.backends)
@@ -140,11 +140,11 @@ class Engine:
         mode = self.config.attention
         if mode == "gather" or self.device.type != "cpu":
             return "gather"
-        if paged_attention.load():
+        if cpu_ops.load():
             return "kernel"
         if mode == "kernel":
             raise ValueError(f"attention: the paged-attention op could not be built "
-                             f"({paged_attention.load_error()}); use attention 'auto' or "
+                             f"({cpu_ops.load_error()}); use attention 'auto' or "
                              f"'gather', or install a C++ compiler")
         return "gather"
 

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvcake.engine import cpu_ops
 from kvcake.engine.config import ModelConfig
+from kvcake.engine.cpu_ops import paged_decode_attention
 from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.linear import Linear
-from kvcake.engine.paged_attention import paged_decode_attention
 
 
 @dataclass
@@ -116,6 +117,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
+        if cpu_ops.fused(h):
+            return self._forward_fused(h, cos, sin, kv, batch)
         x = self.input_layernorm(h)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = h.shape[0]
@@ -131,6 +134,21 @@ class DecoderLayer(nn.Module):
         h = h + self.o_proj(attn.reshape(n, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
+
+    def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, kv: Tensor,
+                       batch: AttentionBatch) -> Tensor:
+        """`forward` with the element-wise steps as single-pass ops (CPU fp32, `cpu_ops`)."""
+        ops = torch.ops.kvcake
+        n = h.shape[0]
+        x = ops.rms_norm(h, self.input_layernorm.weight, self.input_layernorm.eps)
+        rows = kv.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = ops.rope_qkv_store(self.qkv_proj(x), cos.view(n, -1), sin.view(n, -1), rows,
+                                     batch.k_slots, batch.v_slots, self.num_heads,
+                                     self.num_kv_heads)
+        attn = self._attend(q, k, v, kv, batch)
+        norm = self.post_attention_layernorm
+        h, x = ops.add_rms_norm(h, self.o_proj(attn.view(n, self.q_size)), norm.weight, norm.eps)
+        return h + self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:

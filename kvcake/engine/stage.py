@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from kvcake.clock import Clock, SystemClock
-from kvcake.engine import paged_attention
+from kvcake.engine import cpu_ops
 from kvcake.engine.batcher import BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager
 from kvcake.engine.config import EngineConfig, ModelConfig
@@ -80,7 +80,7 @@ class StageEngine:
         self.pool = KVPool(slice_config, num_blocks, self.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, self.block_size, False)
         tune(_linears(self.model), self.config.linear_backend,
-             table=table_path(paged_attention.cache_dir(), torch.get_num_threads()))
+             table=table_path(cpu_ops.cache_dir(), torch.get_num_threads()))
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.sampler = Sampler()
         self._seqs: dict[str, tuple[Seq, SamplingParams]] = {}

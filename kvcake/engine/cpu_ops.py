@@ -1,17 +1,24 @@
-"""Decode attention straight over the paged KV pool: a small C++ torch op, built here on first use.
+"""kvcake's CPU torch ops (`torch.ops.kvcake.*`), a small C++ library built here on first use.
 
-`csrc/paged_attention.cpp` reads each sequence's K and V in place through its block table (no
-gathered copy of the context per layer per step) and registers
-`torch.ops.kvcake.paged_decode_attention`. It is compiled once per machine by the system C++
+- `csrc/paged_attention.cpp`: `paged_decode_attention`, decode attention that reads each
+  sequence's K and V in place through its block table (no gathered copy of the context per layer
+  per step);
+- `csrc/fused_ops.cpp`: fp32 `rms_norm`, `add_rms_norm` (residual add + norm), `silu_mul`
+  (SwiGLU's gate) and `rope_qkv_store` (RoPE on q and k, and the K/V write into the pool), each
+  one pass on the calling thread instead of 2-8 eager kernels (fewer dispatches, and no parallel
+  regions waiting for a descheduled thread on a busy machine).
+
+The library is compiled once per machine by the system C++
 compiler (`$CXX`, else `c++`; Debian's g++) against the installed torch's headers, into
 `$KVCAKE_EXT_DIR` (default `$KVCAKE_CACHE_DIR/ext`, i.e. `~/.cache/kvcake/ext`), under a name that hashes the source, the torch
 version, the flags and this CPU's feature flags (`-march=native`), so a changed source, torch or
 CPU gets a fresh build and nothing prebuilt is ever loaded. Concurrent builders (several worker
-processes starting at once) serialise on a lock file. `python -m kvcake.engine.paged_attention`
+processes starting at once) serialise on a lock file. `python -m kvcake.engine.cpu_ops`
 builds it ahead of time (the first engine would otherwise pay ~10-30 s once).
 
 When the build fails (no compiler, no headers) `load()` returns False with the reason in
-`load_error()`, and the engine attends through the gather path instead (same results).
+`load_error()`, and the engine runs eager torch ops and attends through the gather path instead
+(the same results within float rounding).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("paged_attention.cpp", "fused_ops.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC",
          "-std=c++17", "-w")
 
@@ -62,9 +70,9 @@ def build(out_dir: Path, compiler: str | None = None) -> Path:
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libdirs = cpp_extension.library_paths()
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, cxx, abi, *FLAGS,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
-    target = out_dir / f"paged_attention-{key}.so"
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), torch.__version__, cxx,
+                                    abi, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = out_dir / f"kvcake_ops-{key}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +81,7 @@ def build(out_dir: Path, compiler: str | None = None) -> Path:
         if target.is_file():
             return target
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, *FLAGS, abi, *includes, str(SOURCE), *[f"-L{d}" for d in libdirs],
+        cmd = [cxx, *FLAGS, abi, *includes, *map(str, SOURCES), *[f"-L{d}" for d in libdirs],
                *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu", "-o", str(tmp)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -117,12 +125,17 @@ def main() -> int:
     try:
         path = build(ext_dir())
     except RuntimeError as exc:
-        print(f"kvcake paged attention: build failed ({exc}); the engine will use the gather "
-              f"path", file=sys.stderr)
+        print(f"kvcake CPU ops: build failed ({exc}); the engine will use eager torch ops "
+              f"and the gather path", file=sys.stderr)
         return 1
-    print(f"kvcake paged attention: {path}")
+    print(f"kvcake CPU ops: {path}")
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def fused(t: Tensor) -> bool:
+    """Whether the fused element-wise ops apply to `t` (CPU fp32, ops loaded)."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and load()

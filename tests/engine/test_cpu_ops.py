@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcake.engine import paged_attention
+from kvcake.engine import cpu_ops
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
 from kvcake.engine.sampling import SamplingParams
@@ -50,23 +50,23 @@ def _case(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 @needs_op
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_op_equals_gather_then_sdpa(dtype: torch.dtype, tol: float) -> None:
-    assert paged_attention.load(), paged_attention.load_error()
+    assert cpu_ops.load(), cpu_ops.load_error()
     q, kv, tables, lens = _case(dtype)
-    out = paged_attention.paged_decode_attention(q, kv, tables, lens, 32**-0.5)
+    out = cpu_ops.paged_decode_attention(q, kv, tables, lens, 32**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - _reference(q, kv, tables, lens)).abs().max().item() < tol
 
 
 @needs_op
 def test_op_rejects_tables_that_point_outside_the_pool() -> None:
-    assert paged_attention.load(), paged_attention.load_error()
+    assert cpu_ops.load(), cpu_ops.load_error()
     q, kv, tables, lens = _case(torch.float32)
     bad = tables.clone()
     bad[3, 0] = 40
     with pytest.raises(RuntimeError, match="block id out of range"):
-        paged_attention.paged_decode_attention(q, kv, bad, lens, 1.0)
+        cpu_ops.paged_decode_attention(q, kv, bad, lens, 1.0)
     with pytest.raises(RuntimeError, match="context length out of range"):
-        paged_attention.paged_decode_attention(q, kv, tables, lens * 0 + 161, 1.0)
+        cpu_ops.paged_decode_attention(q, kv, tables, lens * 0 + 161, 1.0)
 
 
 @needs_op
@@ -90,13 +90,13 @@ def test_engine_decodes_the_same_through_the_op_and_the_gather_path() -> None:
 
 def test_a_failed_build_says_why(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="no-such-compiler"):
-        paged_attention.build(tmp_path, compiler=str(tmp_path / "no-such-compiler"))
+        cpu_ops.build(tmp_path, compiler=str(tmp_path / "no-such-compiler"))
     assert not list(tmp_path.glob("*.so"))
 
 
 def test_engine_falls_back_to_gather_when_the_op_is_missing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(paged_attention, "load", lambda: False)
+    monkeypatch.setattr(cpu_ops, "load", lambda: False)
     engine = Engine("tiny", SMALL_POOL)
     assert engine.attention == "gather" and not engine.runner.paged_attention
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -104,3 +104,50 @@ def test_engine_falls_back_to_gather_when_the_op_is_missing(
         engine.step()
     with pytest.raises(ValueError, match="could not be built"):
         Engine("tiny", EngineConfig(kv_cache_bytes=4 * 2**20, device="cpu", attention="kernel"))
+
+
+@needs_op
+def test_fused_ops_equal_their_eager_definitions() -> None:
+    assert cpu_ops.load(), cpu_ops.load_error()
+    ops = torch.ops.kvcake
+    gen = torch.Generator().manual_seed(2)
+    h, delta, w = (torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen),
+                   torch.randn(48, generator=gen))
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    assert torch.allclose(ops.rms_norm(h, w, 1e-5), norm(h), atol=1e-5)
+    total, normed = ops.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.allclose(total, h + delta) and torch.allclose(normed, norm(h + delta), atol=1e-5)
+    gu = torch.randn(5, 20, generator=gen)
+    assert torch.allclose(ops.silu_mul(gu), F.silu(gu[:, :10]) * gu[:, 10:], atol=1e-6)
+    # RoPE + KV store: 4 query heads, 2 KV heads, head dim 8; rows 3 and 6 of a 10-row pool.
+    qkv = torch.randn(2, (4 + 2 * 2) * 8, generator=gen)
+    ang = torch.randn(2, 4, generator=gen)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), ang.sin()
+    pool = torch.zeros(10, 2, 8)
+    q, k, v = ops.rope_qkv_store(qkv, cos, sin, pool, torch.tensor([3, 6]), torch.tensor([4, 7]),
+                                 4, 2)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # x [n, H, 8], the rotate-half definition
+        rot = torch.cat((-x[..., 4:], x[..., :4]), -1)
+        return x * cos[:, None] + rot * torch.cat((sin, sin), -1)[:, None]
+
+    heads = qkv.view(2, 8, 8)
+    assert torch.allclose(q, rope(heads[:, :4]), atol=1e-6)
+    assert torch.allclose(k, rope(heads[:, 4:6]), atol=1e-6) and torch.equal(v, heads[:, 6:])
+    assert torch.equal(pool[[3, 6]], k) and torch.equal(pool[[4, 7]], v)
+    assert pool[[0, 1, 2, 5, 8, 9]].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.rope_qkv_store(qkv, cos, sin, pool, torch.tensor([3, 10]), torch.tensor([4, 7]), 4, 2)
+
+
+@needs_op
+def test_fused_and_eager_layers_give_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = [(5 * j) % 250 + 3 for j in range(70)]
+    engine = Engine("tiny", SMALL_POOL)
+    _, fused = engine.prompt_logits(prompt)
+    monkeypatch.setattr(cpu_ops, "fused", lambda t: False)
+    _, eager = Engine("tiny", SMALL_POOL).prompt_logits(prompt)
+    assert (fused - eager).abs().max().item() < 1e-5

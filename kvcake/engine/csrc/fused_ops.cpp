@@ -1,0 +1,158 @@
+// Fused fp32 element-wise steps of a Llama layer, on the calling thread.
+//
+// Eager torch runs RMSNorm as six kernels, RoPE and the KV write as eight, SwiGLU's gate as two;
+// each is a dispatch and, on large inputs, a parallel region whose threads must all meet at its
+// end. On a busy 2-core machine a region waits for whichever thread lost its core, so a prefill
+// of ~120 such regions spent seconds waiting. Each op here is one pass over its rows on the
+// calling thread (the GEMMs and attention around them stay multi-threaded).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": CPU float32 only");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": 2-d with contiguous rows");
+}
+
+inline void norm_row(const float* x, const float* w, float eps, int64_t d, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// weight * x / sqrt(mean(x^2) + eps), per row.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  const at::Tensor w = weight.contiguous();
+  TORCH_CHECK(w.numel() == x.size(1), "rms_norm: weight size != row size");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t n = x.size(0), d = x.size(1);
+  for (int64_t r = 0; r < n; ++r)
+    norm_row(x.data_ptr<float>() + r * x.stride(0), w.data_ptr<float>(), eps, d,
+             out.data_ptr<float>() + r * d);
+  return out;
+}
+
+// (h + delta, rms_norm(h + delta)): the residual add and the next norm in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(h, "add_rms_norm");
+  check_rows(delta, "add_rms_norm");
+  TORCH_CHECK(h.sizes() == delta.sizes(), "add_rms_norm: shapes differ");
+  const at::Tensor w = weight.contiguous();
+  TORCH_CHECK(w.numel() == h.size(1), "add_rms_norm: weight size != row size");
+  const int64_t n = h.size(0), d = h.size(1);
+  at::Tensor sum = at::empty({n, d}, h.options()), out = at::empty({n, d}, h.options());
+  for (int64_t r = 0; r < n; ++r) {
+    const float* hr = h.data_ptr<float>() + r * h.stride(0);
+    const float* dr = delta.data_ptr<float>() + r * delta.stride(0);
+    float* sr = sum.data_ptr<float>() + r * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) sr[i] = hr[i] + dr[i];
+    norm_row(sr, w.data_ptr<float>(), eps, d, out.data_ptr<float>() + r * d);
+  }
+  return {sum, out};
+}
+
+// gate_up [n, 2I] -> silu(gate) * up [n, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: odd width");
+  const int64_t n = gate_up.size(0), half = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({n, half}, gate_up.options());
+  for (int64_t r = 0; r < n; ++r) {
+    const float* g = gate_up.data_ptr<float>() + r * gate_up.stride(0);
+    const float* u = g + half;
+    float* o = out.data_ptr<float>() + r * half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+  return out;
+}
+
+inline void rope_row(const float* x, const float* c, const float* s, int64_t half, float* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = x[i] * c[i] - x[i + half] * s[i];
+    out[i + half] = x[i + half] * c[i + half] + x[i] * s[i];
+  }
+}
+
+// qkv [n, (Hq + 2 Hkv) D] -> (q, k, v) as [n, H, D] tensors with RoPE applied to q and k
+// (cos [n, D], sin_half [n, D/2]: its halves are equal), and k, v written into the layer's pool
+// rows [R, Hkv, D] at k_slots / v_slots [n].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_store(
+    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_half,
+    at::Tensor pool_rows, const at::Tensor& k_slots, const at::Tensor& v_slots,
+    int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "rope_qkv_store");
+  check_rows(cos, "rope_qkv_store cos");
+  check_rows(sin_half, "rope_qkv_store sin");
+  TORCH_CHECK(pool_rows.is_contiguous() && pool_rows.dim() == 3 &&
+                  pool_rows.scalar_type() == at::kFloat,
+              "rope_qkv_store: pool rows [R, Hkv, D] contiguous float32");
+  const int64_t n = qkv.size(0), d = cos.size(1), half = d / 2;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d && sin_half.size(1) == half &&
+                  cos.size(0) == n && sin_half.size(0) == n && pool_rows.size(1) == num_kv_heads &&
+                  pool_rows.size(2) == d,
+              "rope_qkv_store: shapes disagree");
+  const at::Tensor ks = k_slots.contiguous(), vs = v_slots.contiguous();
+  TORCH_CHECK(ks.scalar_type() == at::kLong && vs.scalar_type() == at::kLong &&
+                  ks.numel() == n && vs.numel() == n,
+              "rope_qkv_store: one int64 K slot and V slot per row");
+  const int64_t* kp = ks.data_ptr<int64_t>();
+  const int64_t* vp = vs.data_ptr<int64_t>();
+  const int64_t rows = pool_rows.size(0);
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(kp[r] >= 0 && kp[r] < rows && vp[r] >= 0 && vp[r] < rows,
+                "rope_qkv_store: slot out of range of the pool");
+  auto opts = qkv.options();
+  at::Tensor q = at::empty({n, num_heads, d}, opts), k = at::empty({n, num_kv_heads, d}, opts),
+             v = at::empty({n, num_kv_heads, d}, opts);
+  float* pool = pool_rows.data_ptr<float>();
+  const int64_t kv_row = num_kv_heads * d;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* src = qkv.data_ptr<float>() + r * qkv.stride(0);
+    const float* c = cos.data_ptr<float>() + r * cos.stride(0);
+    const float* s = sin_half.data_ptr<float>() + r * sin_half.stride(0);
+    float* qr = q.data_ptr<float>() + r * num_heads * d;
+    for (int64_t h = 0; h < num_heads; ++h) rope_row(src + h * d, c, s, half, qr + h * d);
+    float* kr = k.data_ptr<float>() + r * kv_row;
+    const float* ksrc = src + num_heads * d;
+    for (int64_t h = 0; h < num_kv_heads; ++h) rope_row(ksrc + h * d, c, s, half, kr + h * d);
+    float* vr = v.data_ptr<float>() + r * kv_row;
+    const float* vsrc = ksrc + kv_row;
+    for (int64_t i = 0; i < kv_row; ++i) vr[i] = vsrc[i];
+    float* kdst = pool + kp[r] * kv_row;
+    float* vdst = pool + vp[r] * kv_row;
+    for (int64_t i = 0; i < kv_row; ++i) {
+      kdst[i] = kr[i];
+      vdst[i] = vr[i];
+    }
+  }
+  return {q, k, v};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvcake, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor h, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_qkv_store(Tensor qkv, Tensor cos, Tensor sin_half, Tensor(a!) pool_rows, "
+        "Tensor k_slots, Tensor v_slots, int num_heads, int num_kv_heads) -> "
+        "(Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvcake, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_qkv_store", &rope_qkv_store);
+}
