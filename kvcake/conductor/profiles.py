@@ -179,7 +179,7 @@ _H800_ROOFLINE = HardwareProfile(
 # sensitivity table in docs/reproduction/ reruns the headline results at half and double each):
 #   decode_step_overhead_s = 25 ms: calibrated to the paper's Figure 15b (MOONCAKE's mean TBT
 #     40-50 ms): with it the simulated mean TBT at Figure 15's setting (synthetic trace, TTFT SLO
-#     10 s, 8P:8D, the trace's own rate) is ~46 ms (15 / 20 / 25 / 30 ms give 33 / 39 / 46 / 52
+#     10 s, 8P:8D, the trace's own rate) is ~44 ms (15 / 20 / 25 / 30 ms give 32 / 38 / 44 / 50
 #     ms; docs/reproduction/calibration.md). A first-principles floor is ~6 ms: 160
 #     tensor-parallel all-reduces per forward (2 per layer x 80 layers) at ~20 us, the
 #     small-message latency of an 8-GPU NVLink all-reduce, plus ~3 ms of launches, scheduling and

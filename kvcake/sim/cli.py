@@ -55,6 +55,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _hardware_override(text: str) -> tuple[str, float]:
+    name, eq, value = text.partition("=")
+    try:
+        if not eq:
+            raise ValueError
+        return name.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected FIELD=NUMBER (a hardware profile field), got {text!r}") from None
+
+
 def _one_line_errors(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     def error(message: str) -> NoReturn:
         print(f"kvcake {name}: error: {message}", file=sys.stderr)
@@ -120,6 +131,10 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--no-prefix-cache", action="store_true",
                      help="colocated: no HBM prefix cache (plain vLLM)")
     sim.add_argument("--max-batch-size", type=_positive_int, default=_D.max_batch_size)
+    sim.add_argument("--hardware-override", action="append", default=[], metavar="FIELD=VALUE",
+                     type=_hardware_override,
+                     help="replace one hardware profile field, e.g. decode_step_overhead_s=0.02 "
+                          "(repeatable; the calibration and sensitivity runs)")
     sim.add_argument("--records", type=Path, default=None, help="write per-request JSONL here")
     sim.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT and TBT here")
     sim.add_argument("--json", action="store_true", help="print one JSON object")
@@ -170,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         cpp_nodes=args.cpp_nodes, cpp_chunk_tokens=args.cpp_chunk_tokens,
         predicted_output_len=args.predicted_output_len, uniform_decode_s=args.uniform_decode_s,
         prefill_prediction_error=args.prefill_prediction_error,
+        hardware_overrides=tuple(args.hardware_override),
     )
 
 
