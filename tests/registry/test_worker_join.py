@@ -123,3 +123,37 @@ def test_worker_join_checks_its_advertised_address(etcd: Etcd, cluster: str) -> 
     assert advertised("0.0.0.0:9000", "10.1.2.3") == "10.1.2.3:9000"
     with pytest.raises(ValueError, match="--advertise-host: the worker binds 0.0.0.0"):
         advertised("0.0.0.0:9000", None)
+
+
+def test_real_workers_join_through_etcd_and_serve(etcd: Etcd, cluster: str,
+                                                  backend: DisaggBackend) -> None:
+    """Workers started with `etcd` register (and their store nodes follow the elected master);
+    the frontend takes them in and serves greedy tokens equal to the offline engine's, the
+    second request reusing the first one's prefix through the store."""
+    from kvcake import LLM, SamplingParams
+    from kvcake.server.worker.config import WorkerConfig
+    from kvcake.server.worker.worker import Worker
+    from kvcake.store.elected import ElectedMaster
+    from tests.server.test_disagg import ENGINE, ids, run, tokens
+
+    master = ElectedMaster(etcd, cluster, recovery_s=5.0).start()
+    assert master.ready.wait(WAIT_S)
+    watch = EtcdWorkers(backend, etcd, cluster, resync_s=1.0).start()
+    workers = [Worker(WorkerConfig(role=role, engine=ENGINE, etcd=etcd.text, cluster=cluster,
+                                   worker_id=f"{role}-x", store_dram_bytes=8 << 20,
+                                   num_threads=1)).start() for role in ("prefill", "decode")]
+    try:
+        wait_until(lambda: sorted(backend.live_worker_ids()) == ["decode-x", "prefill-x"])
+        assert sorted(m.member_id for m in list_members(etcd, cluster, "store_node").values()) \
+            == ["node-decode-x", "node-prefill-x"]
+        shared = ids(5, 64)
+        prompts = [shared + ids(6, 9), shared + ids(7, 11)]
+        expected = [o.token_ids for o in LLM("tiny", ENGINE).generate(
+            prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
+        got = [tokens(run(backend, prompt, 6)) for prompt in prompts]
+        assert got == expected
+    finally:
+        watch.close()
+        for worker in workers:
+            worker.close()
+        master.close()

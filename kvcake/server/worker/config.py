@@ -26,6 +26,10 @@ class WorkerConfig:
     host: str = "127.0.0.1"  # what the control port and segment servers bind
     port: int = 0  # control port; 0: the OS picks
     advertise_host: str | None = None  # what other hosts dial (None: `host`)
+    # etcd endpoints "HOST:PORT[,HOST:PORT]": the worker registers there (worker/membership.py)
+    # and a frontend watching `cluster` takes it in; its store master is then the elected one.
+    etcd: str | None = None
+    cluster: str = "kvcake"
     worker_id: str | None = None  # None: role + random suffix
     master: str | None = None  # store master HOST:PORT; None: no store (no reuse across workers)
     store_dram_bytes: int = 64 * 2**20  # DRAM this worker contributes to the store pool
@@ -38,8 +42,17 @@ class WorkerConfig:
     # it, and the store node and segment servers ask it of every peer. None: open ports.
     secret: ClusterSecret | None = field(default=None, repr=False)
 
+    @property
+    def store_master(self) -> str | None:
+        """The store master to use: `master`, else with etcd the elected one, else none."""
+        if self.master is not None or self.etcd is None:
+            return self.master
+        return f"etcd://{self.etcd}/{self.cluster}"
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", _role(self.role))
+        if self.etcd is not None and self.role is Role.COLOCATED:
+            raise ValueError("etcd: only prefill and decode workers join a cluster through etcd")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if self.store_dram_bytes < 1:

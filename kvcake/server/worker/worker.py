@@ -29,7 +29,7 @@ import queue
 import socket
 import threading
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcake import auth
 from kvcake.engine.engine import Engine
@@ -51,6 +51,9 @@ from kvcake.server.worker.role import WorkerRole
 from kvcake.store import NodeConfig, StoreClient, StoreNode
 from kvcake.transfer import TransferConfig, TransferEngine, TransportWrapper
 
+if TYPE_CHECKING:
+    from kvcake.server.worker.membership import WorkerMembership
+
 log = logging.getLogger(__name__)
 
 
@@ -67,6 +70,7 @@ class Worker:
         self.transfer: TransferEngine | None = None
         self.store: StoreClient | None = None
         self.store_node: StoreNode | None = None
+        self.membership: WorkerMembership | None = None
         self._role: WorkerRole | None = None
         self._listener: socket.socket | None = None
         self._link: MessageLink | None = None
@@ -110,12 +114,13 @@ class Worker:
             if cfg.role is Role.DECODE else None
         self.engine = Engine(cfg.model, cfg.engine, kv_allocator=kv_allocator)
         self.transfer.start()
-        if cfg.master is not None:
-            self.store_node = StoreNode(NodeConfig(cfg.store_dram_bytes), cfg.master,
+        master = cfg.store_master
+        if master is not None:
+            self.store_node = StoreNode(NodeConfig(cfg.store_dram_bytes), master,
                                         node_id=f"node-{self.worker_id}", engine=self.transfer,
                                         host=cfg.host, secret=cfg.secret,
                                         advertise_host=cfg.advertise_host).start()
-            self.store = StoreClient(cfg.master, engine=self.transfer,
+            self.store = StoreClient(master, engine=self.transfer,
                                      transfer_config=TransferConfig(serve=False,
                                                                     secret=cfg.secret),
                                      local_node=self.store_node.node_id)
@@ -129,6 +134,17 @@ class Worker:
             thread.start()
             self._threads.append(thread)
         self._role.start()
+        if cfg.etcd is not None:  # checks the advertised address answers, then registers
+            from kvcake.registry import Etcd  # the etcd client only where etcd is used
+            from kvcake.server.worker.membership import WorkerMembership
+
+            node, transfer = self.store_node, self.transfer
+            assert transfer is not None
+            self.membership = WorkerMembership(
+                Etcd(cfg.etcd), cfg.cluster, cfg.role.value, self._engine().model_config.name,
+                self._engine().namespace)
+            self.membership.join(self, cfg.advertise_host,
+                                 (node.node_id, transfer.address) if node else None)
         return self
 
     def close(self) -> None:
@@ -136,6 +152,8 @@ class Worker:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        if self.membership is not None:  # leave etcd first: the frontend stops placing here
+            self.membership.close()
         self._running.set()
         self._inbox.put(None)
         if self._listener is not None:
