@@ -34,6 +34,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvcake.ids import RandomIds
+from kvcake.server.frontend.api_key import ApiKeyGuard
 from kvcake.server.frontend.backend import Backend, FinishReason, Rejected, TokenEvent, TokenStream
 from kvcake.server.frontend.limits import PROMPT_CHARS_PER_TOKEN, HttpLimits, json_depth_exceeds
 from kvcake.server.frontend.metrics import RequestTimer, ServerMetrics
@@ -325,9 +326,13 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def create_app(backend: Backend, metrics: ServerMetrics | None = None,
-               limits: HttpLimits | None = None) -> FastAPI:
-    """The app serving `backend`; the caller starts and closes the backend."""
-    return ApiFactory(backend, metrics, limits=limits).build()
+               limits: HttpLimits | None = None, api_key: str | None = None) -> FastAPI:
+    """The app serving `backend`; the caller starts and closes the backend. `api_key`: `/v1`
+    asks for `Authorization: Bearer <api_key>` (api_key.py; `/health`, `/metrics` stay open)."""
+    app = ApiFactory(backend, metrics, limits=limits).build()
+    if api_key is not None:
+        app.add_middleware(ApiKeyGuard, keys=(api_key,))
+    return app
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
