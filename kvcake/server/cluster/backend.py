@@ -300,6 +300,19 @@ class DisaggBackend(ModelFront):
             elif not self._workers.on_report(worker_id, message):
                 self._book.on_message(worker_id, message)
 
+    def worker_dead(self, worker_id: str, why: str = "its process exited") -> int:
+        """The worker's process is known dead (reaped by whoever launched it): lost if it was
+        not already, and the decode blocks kept out of use for its prefills are freed (it can
+        no longer write them). Returns how many reservations were freed."""
+        self._on_worker_lost(worker_id, why)
+        with self._lock:
+            if self._book is None:
+                return 0
+            released = self._book.on_worker_dead(worker_id)
+        if released:
+            log.info("worker %s is dead: %d kept KV reservations freed", worker_id, released)
+        return released
+
     def _on_worker_lost(self, worker_id: str, why: str = "its link closed") -> None:
         with self._lock:
             if not self._workers.mark_lost(worker_id):

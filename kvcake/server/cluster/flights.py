@@ -13,8 +13,8 @@ Life of one flight (its `Stage`, flight.py), p its prefill and d its decode work
 A reservation on d is cancelled (`Abort` to d) only once nothing writes its blocks: an aborted
 request's once p acked; a request whose prefill worker was lost while it might still write
 (its order out, no answer yet) never: d gets `Abort(keep_reserved=True)` and keeps the blocks
-out of use for good (p may be hung, not dead: a bounded leak on d is the price of never
-serving overwritten KV).
+out of use (p may be hung, not dead) until p is known dead, its process reaped
+(`on_worker_dead`: a plain `Abort` to d frees them): never serving overwritten KV.
 
 Not thread-safe: the backend calls every method under its lock. Events reach the HTTP side
 through `Flight.emit` (any thread).
@@ -49,6 +49,9 @@ class Flights:
         self._workers, self._router, self._clock = workers, router, clock
         self.totals = totals  # summed over every PrefillDone
         self.by_id: dict[str, Flight] = {}
+        # lost prefill worker -> [(decode worker, request id)] whose reservations d keeps out
+        # of use until that worker is known dead (`on_worker_dead`)
+        self.kept: dict[str, list[tuple[str, str]]] = {}
 
     def admit(self, flight: Flight) -> None:
         """A placed request: send its first order (`ReserveKv` to d, or colocated the
@@ -124,6 +127,8 @@ class Flights:
                 # d: never hand them back (see the module docstring)
                 flight.reserved = False
                 flight.kv_kept = True
+                self.kept.setdefault(worker_id, []).append((p.decode_id,
+                                                            flight.request.request_id))
             if flight.aborted:  # nothing will ack the abort now
                 if flight.kv_kept:
                     self._workers.send(p.decode_id, Abort(flight.request.request_id,
@@ -133,6 +138,16 @@ class Flights:
             role = "decode" if worker_id == p.decode_id else "prefill"
             self._fail(flight, RuntimeError(
                 f"{role} worker {worker_id} failed while serving this request; retry it"))
+
+    def on_worker_dead(self, worker_id: str) -> int:
+        """The lost worker's process is reaped: nothing it ran can write any more, so the
+        reservations kept for its prefills go back to their decode workers (a plain `Abort`).
+        Returns how many were released."""
+        released = 0
+        for decode_id, request_id in self.kept.pop(worker_id, []):
+            if self._workers.send(decode_id, Abort(request_id)):
+                released += 1
+        return released
 
     # -- dispatch ------------------------------------------------------------------------------
     def _dispatch(self, flight: Flight) -> None:

@@ -77,6 +77,9 @@ class DecodeRole:
         self._pending: deque[ReserveKv] = deque()  # waiting for room in the pool
         self._live: set[str] = set()
         self._reserved: set[str] = set()  # reserved, not yet committed
+        # Kept out of use: their prefill worker was lost while writing them. A later plain
+        # `Abort` (the frontend knows that worker is dead: its process reaped) frees them.
+        self._kept: set[str] = set()
 
     def start(self) -> None:
         pass
@@ -102,10 +105,15 @@ class DecodeRole:
             if rid in self._reserved:
                 self._reserved.discard(rid)
                 if message.keep_reserved:  # its writer may be hung, not dead: never reuse them
-                    log.warning("request %s: keeping its reserved KV blocks out of use for good "
-                                "(its prefill worker was lost while writing them)", rid)
+                    log.warning("request %s: keeping its reserved KV blocks out of use until "
+                                "its lost prefill worker is known dead", rid)
+                    self._kept.add(rid)
                 else:
                     self.engine.cancel_reserved(rid)
+            elif rid in self._kept and not message.keep_reserved:  # the writer is dead now
+                self._kept.discard(rid)
+                self.engine.cancel_reserved(rid)
+                log.info("request %s: its kept KV blocks are free again (writer dead)", rid)
             if rid in self._live:
                 self._live.discard(rid)
                 self.engine.abort(rid)

@@ -175,7 +175,8 @@ class Abort:
     """Stop a request. To a decode worker holding an uncommitted reservation for it: cancel
     the reservation (its blocks become free), unless `keep_reserved`, which the frontend sets
     when the prefill worker writing those blocks was lost mid-write: it may be hung rather than
-    dead, so the blocks stay out of use for good (a bounded leak, never overwritten KV)."""
+    dead, so the blocks stay out of use until a plain `Abort` for the same request says that
+    worker is dead (its process reaped): never overwritten KV."""
 
     request_id: str
     keep_reserved: bool = False
