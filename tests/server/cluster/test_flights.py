@@ -202,6 +202,11 @@ def test_a_prefill_worker_lost_mid_prefill_leaves_its_reservation_out_of_use(
     assert bench.d.next() == Abort("r", keep_reserved=True)  # never a plain (cancelling) Abort
     assert isinstance(bench.d.probe(bench.workers), Ping)
     assert bench.flights.by_id == {}
+    # Once its process is reaped (it cannot write any more) the blocks go back to d.
+    assert bench.flights.on_worker_dead("prefill-0") == 1
+    assert bench.d.next() == Abort("r")
+    assert bench.flights.on_worker_dead("prefill-0") == 0  # once only
+    assert bench.flights.kept == {}
 
 
 def test_an_abort_mid_prefill_then_a_lost_prefill_worker_keeps_the_reservation(

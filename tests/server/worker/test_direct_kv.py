@@ -110,16 +110,19 @@ def test_an_aborted_reservation_frees_its_blocks() -> None:
             link.close()
 
 
-def test_a_reservation_kept_for_a_lost_writer_is_never_freed() -> None:
+def test_a_reservation_kept_for_a_lost_writer_is_freed_once_it_is_dead() -> None:
     with Worker(WorkerConfig(role=Role.DECODE, engine=ENGINE, worker_id="d2")) as decode:
         assert decode.engine is not None
         link = MessageLink.connect(decode.address)
         try:
             free = reserve_four_blocks(decode, link)
-            link.send(Abort("a", keep_reserved=True))
-            link.send(Abort("a"))  # a later plain abort of the same request frees nothing
+            link.send(Abort("a", keep_reserved=True))  # the writer may be hung: kept
             link.send(ReserveKv("c", list(range(50)), {"max_tokens": 1}))  # a round trip
             assert next_of(link, RequestFailed).request_id == "c"
             assert decode.engine.block_manager.num_free_blocks == free - 4
+            link.send(Abort("a"))  # the frontend reaped the writer: the blocks are free again
+            link.send(ReserveKv("e", list(range(50)), {"max_tokens": 1}))
+            assert next_of(link, RequestFailed).request_id == "e"
+            assert decode.engine.block_manager.num_free_blocks == free
         finally:
             link.close()
