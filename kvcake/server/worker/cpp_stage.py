@@ -1,0 +1,236 @@
+"""One member of a chunked-pipeline-parallel (CPP) prefill group, live.
+
+A CPP group is X prefill workers in pipeline order; member s runs `StageEngine` over its slice of
+the layers (`split_layers(num_layers, X)[s]`). A prompt is cut into chunks of `chunk_tokens`
+(>= 1,000 in serving, configurable) that flow member to member: member s computes chunk i while
+member s-1 computes chunk i+1.
+
+Hidden states move through the transfer engine: every member but the first serves an inbox, a
+shared-memory transfer segment of `slots` chunk-sized slots (`cpp-hidden-<tag>`); member s-1
+WRITEs chunk i's hidden states into a free slot (a memcpy on one host, TCP across hosts) and
+then sends `CppChunk(slot)`; member s answers `CppSlotFree(slot)` once its forward has read it
+(layer 0 consumes it), so `slots` = 2 is double buffering and a slow member back-pressures the
+one before it.
+
+Control messages travel along the chain: `up` is the connection from the member before (the
+group's driver for member 0), `down` the one to the member after (the driver for the last). The
+driver sends `CppBegin` and then every `CppChunk` (slot -1: member 0 embeds the tokens itself);
+each member forwards `CppBegin` and its chunks down; the last member answers `CppFirstToken`.
+`up` / `down` are anything with `send(obj)`, `recv()` and `poll()` (multiprocessing pipes here).
+
+KV: each member streams its own layers' KV of each chunk, layer by layer from the layer hook,
+straight into the decode engine's reserved blocks (`CppBegin.kv_target`, the decode pool's
+segment, `KVPool.layer_offset_bytes` with the decoder layer index), and waits for its writes
+before it reports the request done.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kvcake.engine.sampling import SamplingParams
+from kvcake.engine.stage import StageEngine
+from kvcake.transfer import SegmentDesc, TransferEngine, TransferOp, TransferRequest
+from kvcake.transfer.request import BatchId
+
+_TRANSFER_TIMEOUT_S = 30.0
+
+
+class Channel(Protocol):
+    def send(self, obj: Any) -> None: ...
+    def recv(self) -> Any: ...
+    def poll(self, timeout: float | None = ...) -> bool: ...
+
+
+@dataclass(frozen=True)
+class KvTarget:
+    """Where a request's prompt KV goes: the decode pool segment (as a dict, `SegmentDesc`'s
+    `to_dict`), its number of blocks and the target block of every prompt block (-1: the decode
+    side already caches it)."""
+
+    kv_pool: dict[str, Any]
+    num_pool_blocks: int
+    target_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CppBegin:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int = 16
+    kv_target: KvTarget | None = None
+
+
+@dataclass(frozen=True)
+class CppChunk:
+    request_id: str
+    start: int
+    num_tokens: int
+    slot: int  # the receiver's inbox slot holding the hidden states; -1: none (member 0)
+
+
+@dataclass(frozen=True)
+class CppSlotFree:
+    slot: int
+
+
+@dataclass(frozen=True)
+class CppFirstToken:
+    request_id: str
+    token: int
+    compute_s: float  # this (last) member's forward time for the request
+
+
+@dataclass(frozen=True)
+class CppDone:
+    """A member finished a request (its KV writes are complete); sent down the chain."""
+
+    request_id: str
+    member: int
+    compute_s: float
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class CppStop:
+    pass
+
+
+def chunks(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """(start, length) of each chunk of a prompt."""
+    if chunk_tokens < 1:
+        raise ValueError(f"cpp chunk tokens: must be >= 1, got {chunk_tokens}")
+    return [(s, min(chunk_tokens, num_tokens - s)) for s in range(0, num_tokens, chunk_tokens)]
+
+
+@dataclass
+class _Request:
+    begin: CppBegin
+    kv_pool: SegmentDesc | None
+    batches: list[BatchId] = field(default_factory=list)
+    compute_s: float = 0.0
+    kv_bytes: int = 0
+
+
+class CppMember:
+    """The loop of one group member: owns the stage engine and its inbox segment."""
+
+    def __init__(self, stage: StageEngine, transfer: TransferEngine, *, member: int,
+                 chunk_tokens: int, slots: int = 2, tag: str = "") -> None:
+        if slots < 1:
+            raise ValueError(f"cpp slots: must be >= 1, got {slots}")
+        self.stage = stage
+        self.transfer = transfer
+        self.member = member
+        self.slots = slots
+        itemsize = torch.empty((), dtype=stage.dtype).element_size()
+        self.slot_bytes = chunk_tokens * stage.hidden_size * itemsize
+        self.chunk_tokens = chunk_tokens
+        self.inbox: SegmentDesc | None = None
+        self._inbox_name = f"cpp-hidden-{tag or member}"
+        if not stage.is_first:
+            self.inbox = transfer.allocate_segment(self._inbox_name, slots * self.slot_bytes)
+        self._next: SegmentDesc | None = None
+        self._free_next = list(range(slots))
+        self._requests: dict[str, _Request] = {}
+
+    def connect_next(self, inbox: SegmentDesc) -> None:
+        """The next member's inbox (none for the last member)."""
+        self._next = inbox
+
+    def _hidden_in(self, slot: int, num_tokens: int) -> torch.Tensor:
+        view = self.transfer.local_view(self._inbox_name, slot * self.slot_bytes, self.slot_bytes)
+        flat = torch.frombuffer(view, dtype=self.stage.dtype)
+        return flat[:num_tokens * self.stage.hidden_size].view(num_tokens, self.stage.hidden_size)
+
+    def run(self, up: Channel, down: Channel) -> None:
+        """Serve until `CppStop` (forwarded down)."""
+        while True:
+            msg = up.recv()
+            if isinstance(msg, CppStop):
+                down.send(msg)
+                return
+            self.handle(msg, up, down)
+
+    def handle(self, msg: Any, up: Channel, down: Channel) -> None:
+        if isinstance(msg, CppBegin):
+            if not self.stage.begin(msg.request_id, msg.prompt,
+                                    SamplingParams(max_tokens=msg.max_tokens)):
+                raise RuntimeError(f"cpp member {self.member}: no KV room for "
+                                   f"{msg.request_id} ({len(msg.prompt)} tokens)")
+            target = msg.kv_target
+            self._requests[msg.request_id] = _Request(
+                msg, None if target is None else SegmentDesc.from_dict(target.kv_pool))
+            if not self.stage.is_last:
+                down.send(msg)
+        elif isinstance(msg, CppChunk):
+            self._chunk(msg, up, down)
+        elif isinstance(msg, CppDone):  # an earlier member's report, on its way to the driver
+            down.send(msg)
+        else:
+            raise ValueError(f"cpp member {self.member}: unexpected message {msg!r}")
+
+    def _chunk(self, msg: CppChunk, up: Channel, down: Channel) -> None:
+        req = self._requests[msg.request_id]
+        hidden = None if msg.slot < 0 else self._hidden_in(msg.slot, msg.num_tokens)
+        bs = self.stage.block_size
+        first_block, end_block = msg.start // bs, -(-(msg.start + msg.num_tokens) // bs)
+
+        def hook(layer: int) -> None:
+            self._stream_layer(req, layer, first_block, end_block)
+
+        t0 = time.perf_counter()
+        out = self.stage.run_chunk(msg.request_id, msg.start, msg.num_tokens, hidden,
+                                   hook if req.kv_pool is not None else None)
+        req.compute_s += time.perf_counter() - t0
+        if msg.slot >= 0:
+            up.send(CppSlotFree(msg.slot))
+        final = msg.start + msg.num_tokens == len(req.begin.prompt)
+        if not self.stage.is_last:
+            assert isinstance(out, torch.Tensor) and self._next is not None
+            slot = self._take_slot(down)
+            data = out.contiguous()
+            self.transfer.write(self._next, slot * self.slot_bytes,
+                                data.view(torch.uint8).numpy().reshape(-1))
+            down.send(CppChunk(msg.request_id, msg.start, msg.num_tokens, slot))
+        elif final:
+            assert isinstance(out, int)
+            down.send(CppFirstToken(msg.request_id, out, req.compute_s))
+        if final:
+            self._finish(msg.request_id, req, down)
+
+    def _take_slot(self, down: Channel) -> int:
+        """A free slot of the next member's inbox, waiting for one to come back if needed."""
+        while down.poll(0) or not self._free_next:
+            msg = down.recv()
+            if not isinstance(msg, CppSlotFree):
+                raise ValueError(f"cpp member {self.member}: unexpected {msg!r} from the next")
+            self._free_next.append(msg.slot)
+        return self._free_next.pop(0)
+
+    def _stream_layer(self, req: _Request, layer: int, first_block: int, end_block: int) -> None:
+        target = req.begin.kv_target
+        assert target is not None and req.kv_pool is not None
+        block_ids = self.stage.block_ids(req.begin.request_id)
+        local = layer - self.stage.layers.start
+        pool = self.stage.pool
+        requests = [
+            TransferRequest(TransferOp.WRITE, pool.kv[local, block_ids[i]], req.kv_pool,
+                            (layer * target.num_pool_blocks + target.target_blocks[i])
+                            * pool.layer_nbytes, checksum_tcp=True)
+            for i in range(first_block, min(end_block, len(target.target_blocks)))
+            if target.target_blocks[i] >= 0]
+        if requests:
+            req.batches.append(self.transfer.submit(requests))
+            req.kv_bytes += len(requests) * pool.layer_nbytes
+
+    def _finish(self, request_id: str, req: _Request, down: Channel) -> None:
+        for batch in req.batches:
+            self.transfer.wait(batch, _TRANSFER_TIMEOUT_S).raise_for_failure()
+        self.stage.release(request_id)
+        del self._requests[request_id]
+        down.send(CppDone(request_id, self.member, req.compute_s, req.kv_bytes))

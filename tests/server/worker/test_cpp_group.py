@@ -1,0 +1,57 @@
+"""A live CPP group: 2 members (threads here; processes in benchmarks/cpp_prefill.py) (layer slices, hidden states through a shared-memory
+transfer segment, chunks pipelined), each streaming its layers' KV into a decode engine's
+reserved blocks; the first token and the decoded continuation equal the single engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcake.engine.config import EngineConfig
+from kvcake.engine.engine import Engine
+from kvcake.engine.sampling import SamplingParams
+from kvcake.server.worker.cpp_group import CppGroup
+from kvcake.server.worker.cpp_stage import KvTarget, chunks
+from kvcake.server.worker.decode import pool_allocator
+from kvcake.transfer import TransferConfig, TransferEngine
+
+CONFIG = EngineConfig(kv_cache_bytes=4 * 2**20, device="cpu")
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+PROMPT = [int(x) for x in torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(4))]
+
+
+def _tokens(engine: Engine) -> list[int]:
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    return out
+
+
+def test_chunks() -> None:
+    assert chunks(5, 2) == [(0, 2), (2, 2), (4, 1)]
+    with pytest.raises(ValueError, match=">= 1"):
+        chunks(5, 0)
+
+
+def test_group_tokens_equal_single_engine() -> None:
+    single = Engine("tiny", CONFIG)
+    single.add_request("r", PROMPT, GREEDY)
+    expected = _tokens(single)
+    assert len(set(expected)) > 2
+    with TransferEngine(TransferConfig(port=0)) as transfer:
+        decode = Engine("tiny", CONFIG, kv_allocator=pool_allocator(transfer, "d0", shared=True))
+        targets = decode.reserve_request("r", PROMPT, GREEDY)
+        assert targets is not None and len(targets) == 10
+        target = KvTarget(transfer.describe("kv-pool-d0").to_dict(), decode.num_blocks,
+                          tuple(targets))
+        with CppGroup("tiny", 2, CONFIG, chunk_tokens=40, in_process=True) as group:  # 4 chunks
+            result = group.prefill("r", PROMPT, max_tokens=GREEDY.max_tokens, kv_target=target)
+        decode.commit_reserved("r", result.first_token)
+        out = [result.first_token] + _tokens(decode)
+    assert out == expected
+    # Each member streamed its own 2 layers of the blocks each chunk touched (a block a chunk
+    # left partial goes again with the next one): 3 blocks per 40-token chunk here.
+    touched = sum(-(-(s + n) // 16) - s // 16 for s, n in chunks(len(PROMPT), 40))
+    assert touched == 12
+    assert result.kv_bytes == (2 * touched * decode.pool.layer_nbytes,) * 2
