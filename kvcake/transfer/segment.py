@@ -159,6 +159,29 @@ def private_block(length_bytes: int) -> mmap.mmap:
     return block
 
 
+def block_prefix(pid: int) -> str:
+    """The name every shared-memory block process `pid` creates starts with."""
+    return f"kvcake-{pid}-"
+
+
+def unlink_blocks_of(pid: int) -> list[str]:
+    """Unlink the shared-memory blocks a dead process `pid` left (whoever reaped it calls this;
+    mappings still open elsewhere keep their memory). Returns the names removed."""
+    prefix, removed = block_prefix(pid), []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 class SharedBlock:
     """A named POSIX shared-memory block this process creates, maps and finally unlinks.
 
@@ -170,7 +193,7 @@ class SharedBlock:
     def __init__(self, length_bytes: int) -> None:
         if length_bytes <= 0:
             raise ValueError(f"length_bytes must be positive, got {length_bytes}")
-        self.name = f"kvcake-{os.getpid()}-{os.urandom(6).hex()}"
+        self.name = f"{block_prefix(os.getpid())}{os.urandom(6).hex()}"
         fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, length_bytes)

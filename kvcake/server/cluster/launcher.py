@@ -26,6 +26,8 @@ from kvcake.auth import ClusterSecret
 from kvcake.server.cluster.backend import DisaggBackend, DisaggConfig
 from kvcake.server.cluster.config import ClusterConfig, WorkerSpec
 from kvcake.server.cluster.profiler import load_or_profile
+from kvcake.server.cluster.restart_policy import RestartPolicy
+from kvcake.server.cluster.supervisor import Supervisor
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.worker import Worker
 from kvcake.store import MasterServer, MasterService
@@ -35,9 +37,14 @@ _START_TIMEOUT_S = 120.0
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig, *, in_process: bool = False) -> None:
+    def __init__(self, config: ClusterConfig, *, in_process: bool = False,
+                 restart: RestartPolicy | None = None) -> None:
+        """`restart`: how launched worker processes that die are restarted (supervisor.py)."""
         self.config = config
         self.in_process = in_process
+        self.restart = restart or RestartPolicy()
+        self.supervisor: Supervisor | None = None  # started once the backend serves
+        self._specs: dict[str, WorkerSpec] = {}  # launched worker id -> its spec (restarts)
         self.master: MasterServer | None = None
         self.backend: DisaggBackend | None = None
         self.processes: dict[str, subprocess.Popen[str]] = {}
@@ -72,6 +79,9 @@ class Cluster:
                 secret=self.secret)
             self.backend = DisaggBackend(backend_config, profile.prefill,
                                          profile.decode).start()
+            if self.processes:
+                self.supervisor = Supervisor(self.processes, self.backend, self._relaunch,
+                                             _await_ready, self.restart).start()
         except BaseException:
             self.close()
             raise
@@ -92,6 +102,7 @@ class Cluster:
                             secret=self.secret)
 
     def _launch(self, worker_id: str, spec: WorkerSpec) -> None:
+        self._specs[worker_id] = spec
         config = self._worker_config(worker_id, spec)
         if self.in_process:
             worker = Worker(config).start()
@@ -105,6 +116,20 @@ class Cluster:
             worker_argv(config, os.getpid()), stdout=subprocess.PIPE, text=True,
             start_new_session=True, env=env)
 
+    def _relaunch(self, worker_id: str) -> subprocess.Popen[str]:
+        """A new process for launched worker `worker_id` (the supervisor's restarts)."""
+        self._launch(worker_id, self._specs[worker_id])
+        return self.processes[worker_id]
+
+    def signal_worker(self, worker_id: str, signum: int) -> int:
+        """Send `signum` (SIGSTOP, SIGCONT, SIGKILL: fault injection) to a launched worker's
+        current process; returns its pid."""
+        proc = self.processes.get(worker_id)
+        if proc is None:
+            raise ValueError(f"worker: {worker_id!r} is not a process this cluster launched")
+        proc.send_signal(signum)
+        return proc.pid
+
     def kill_worker(self, worker_id: str) -> None:
         """SIGKILL a launched worker (fault injection; its store node dies with it)."""
         proc = self.processes.get(worker_id)
@@ -114,6 +139,9 @@ class Cluster:
         proc.wait(timeout=10)
 
     def close(self) -> None:
+        if self.supervisor is not None:  # no restarts while the cluster stops
+            self.supervisor.close()
+            self.supervisor = None
         if self.backend is not None:  # workers it did not launch keep running
             self.backend.close()
             self.backend = None
