@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,34 +28,31 @@ from kvcake.server.cluster.profiler import (
     default_cache_dir,
     load_or_profile,
 )
-from kvcake.server.worker.config import Role, WorkerConfig
+from kvcake.server.cluster.settings import (
+    EngineSettings,
+    WorkerIdentity,
+    WorkerSettings,
+    add_flags,
+    from_namespace,
+    worker_config,
+)
+from kvcake.server.worker.config import WorkerConfig
 from kvcake.server.worker.worker import Worker
-from kvcake.units import parse_size
 
 
 def register(subparsers: Any) -> None:
-    w, e = WorkerConfig(), EngineConfig()
     p = subparsers.add_parser("worker", help="run one prefill / decode / colocated worker",
                               description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--role", default=w.role.value, help=" | ".join(r.value for r in Role))
-    p.add_argument("--worker-id", default=w.worker_id)
-    p.add_argument("--master", default=w.master,
-                   help="store master HOST:PORT (default: no store node, no store reuse)")
-    p.add_argument("--store-dram-bytes", default=str(w.store_dram_bytes))
-    p.add_argument("--num-threads", type=int, default=w.num_threads)
-    p.add_argument("--no-layerwise", action="store_true",
-                   help="prefill: send the KV after the prefill, not layer by layer during it")
-    p.add_argument("--no-shared-memory", action="store_true",
-                   help="move KV and store bytes over TCP even to workers on this host")
+    # Settings come from kvcake/server/cluster/settings.py (the launcher's argv is derived from
+    # the same models); only what never travels on a command line is declared here.
+    for section in (WorkerIdentity, WorkerSettings, EngineSettings):
+        add_flags(p.add_argument_group(section.__name__), section)
     p.add_argument("--secret-file", default=None,
                    help="file holding the cluster secret (`kvcake serve` hands its workers one "
                         f"in ${auth.ENV_VAR}; used when neither flag is given)")
     p.add_argument("--secret-env", default=None, metavar="NAME",
                    help="environment variable holding the cluster secret (instead of a file)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--host", default=w.host)
-    p.add_argument("--port", type=int, default=w.port)
-    _engine_args(p, w.model, e)
     p.set_defaults(func=run_worker)
 
     q = subparsers.add_parser("profile", help="measure and cache this machine's prefill times",
@@ -65,28 +63,19 @@ def register(subparsers: Any) -> None:
     q.add_argument("--num-threads", type=int, default=1)
     q.add_argument("--refresh", action="store_true", help="measure even if a cache exists")
     q.add_argument("--input-lens", default=",".join(map(str, ProfileGrid().input_lens)))
-    _engine_args(q, "tiny", e)
+    q.add_argument("--model", default="tiny")
+    add_flags(q.add_argument_group("EngineSettings"), EngineSettings)
     q.set_defaults(func=run_profile)
 
 
-def _engine_args(p: argparse.ArgumentParser, model: str, e: EngineConfig) -> None:
-    p.add_argument("--model", default=model)
-    p.add_argument("--kv-cache-bytes", default=str(e.kv_cache_bytes))
-    p.add_argument("--block-size", type=int, default=e.block_size)
-    p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
-    p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
-    p.add_argument("--max-model-len", type=int, default=e.max_model_len)
-    p.add_argument("--dtype", default=e.dtype)
-    p.add_argument("--device", default=e.device)
-    p.add_argument("--seed", type=int, default=e.seed)
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        block_size=args.block_size,
-        kv_cache_bytes=parse_size(args.kv_cache_bytes, "--kv-cache-bytes"),
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed)
+    return from_namespace(EngineSettings, args).to_config()
+
+
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return worker_config(from_namespace(WorkerIdentity, args),
+                         from_namespace(WorkerSettings, args),
+                         from_namespace(EngineSettings, args))
 
 
 def worker_secret(args: argparse.Namespace) -> ClusterSecret | None:
@@ -104,12 +93,7 @@ def worker_secret(args: argparse.Namespace) -> ClusterSecret | None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    config = WorkerConfig(
-        role=args.role, model=args.model, engine=engine_config(args), host=args.host,
-        port=args.port, worker_id=args.worker_id, master=args.master,
-        store_dram_bytes=parse_size(args.store_dram_bytes, "--store-dram-bytes"),
-        num_threads=args.num_threads, layerwise=not args.no_layerwise,
-        shared_memory=not args.no_shared_memory, secret=worker_secret(args))
+    config = replace(worker_config_from_args(args), secret=worker_secret(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -77,6 +77,9 @@ class DisaggConfig:
     # The cluster secret (`kvcake.auth`) proved to every worker's control port and the store
     # master; None: the workers and the master run without one.
     secret: ClusterSecret | None = field(default=None, repr=False)
+    # Admission before the Conductor: 429 while this many requests wait for their first token.
+    max_waiting_requests: int | None = None
+    served_model_names: tuple[str, ...] = ()  # (): the model's own name
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_addresses, str):
@@ -92,7 +95,7 @@ class DisaggBackend(ModelFront):
 
     def __init__(self, config: DisaggConfig, prefill_model: PrefillModel,
                  decode_model: DecodeModel, clock: Clock | None = None) -> None:
-        super().__init__(config.model)
+        super().__init__(config.model, config.served_model_names)
         self.config = config
         self._prefill_model, self._decode_model = prefill_model, decode_model
         self.clock = clock or SystemClock()
@@ -226,6 +229,10 @@ class DisaggBackend(ModelFront):
         with self._lock:
             if self._router is None or self._book is None:
                 raise RuntimeError("DisaggBackend.generate() before start()")
+            limit = self.config.max_waiting_requests
+            if limit is not None and self._book.counts()[0] >= limit:
+                raise Rejected(f"{limit} requests are waiting for their first token (limit "
+                               f"{limit}); retry later", self.config.conductor.min_retry_after_s)
             placement = self._router.place(schedule, self.clock.now_s())
             self._book.admit(Flight(request, sink, asyncio.get_running_loop(), placement,
                                     sampling))

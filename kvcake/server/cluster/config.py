@@ -2,9 +2,10 @@
 
     model = "tiny"
     mode = "disaggregated"          # or "colocated": every worker prefills and decodes
-    [frontend]  host = "127.0.0.1"  port = 8000
+    [frontend]  host = "127.0.0.1"  port = 8000  served_model_name = ["my-model"]
+                max_waiting_requests = 64
     [store]     master_host = "127.0.0.1"  master_port = 0    # the master runs in the frontend
-    [engine]    kv_cache_bytes = "64MiB"  block_size = 16     # EngineConfig keys, every worker
+    [engine]    kv_cache_bytes = "64MiB"  block_size = 16     # EngineSettings keys, every worker
     [conductor] policy = "global_cache"  tbt_slo_s = 0.3      # ConductorConfig keys
     [monitor]   worker_timeout_s = 30  store_audit_max_keys = 2048   # MonitorConfig keys
     [security]  secret_file = "cluster.secret"   # or secret_env = "NAME"; neither: a fresh one
@@ -14,6 +15,7 @@
                                   # --master FRONTEND:PORT`; the frontend connects to it
 
 `docs/cluster.example.toml` is a complete example. Unknown keys are errors that name the key.
+The `[engine]` keys and the per-worker keys are those of `kvcake/server/cluster/settings.py`.
 """
 
 from __future__ import annotations
@@ -26,10 +28,8 @@ from typing import Any
 from kvcake.conductor import ConductorConfig, Policy
 from kvcake.engine.config import EngineConfig
 from kvcake.server.cluster.monitor import MonitorConfig
+from kvcake.server.cluster.settings import EngineSettings, WorkerSettings, build
 from kvcake.server.worker.config import Role
-from kvcake.units import parse_size
-
-_SIZE_KEYS = ("kv_cache_bytes", "store_dram_bytes")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class ClusterConfig:
     workers: tuple[WorkerSpec, ...] = ()
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # pings, store audit
     profile_dir: str | None = None  # None: kvcake.server.cluster.profiler.default_cache_dir()
+    max_waiting_requests: int | None = None  # 429 while this many wait for a first token
+    served_model_names: tuple[str, ...] = ()  # (): the model's own name
     # [security]: where the cluster secret is (a file, or an environment variable's name);
     # neither: `kvcake serve` makes one for the workers it launches (launch = false needs one).
     secret_file: str | None = None
@@ -129,21 +131,20 @@ class ClusterConfig:
                  "workers", "profile_dir", "security"}
         _no_unknown(raw, known, source)
         frontend = dict(raw.get("frontend", {}))
-        _no_unknown(frontend, {"host", "port"}, f"{source} [frontend]")
+        _no_unknown(frontend, {"host", "port", "max_waiting_requests", "served_model_name"},
+                    f"{source} [frontend]")
         store = dict(raw.get("store", {}))
         security = dict(raw.get("security", {}))
         _no_unknown(security, {"secret_file", "secret_env"}, f"{source} [security]")
         _no_unknown(store, {"master_host", "master_port"}, f"{source} [store]")
-        engine = {k: parse_size(v, k) if k in _SIZE_KEYS and isinstance(v, str) else v
-                  for k, v in raw.get("engine", {}).items()}
+        engine = build(EngineSettings, dict(raw.get("engine", {})), "[engine]").to_config()
         workers: list[WorkerSpec] = []
         for entry in raw.get("workers", []):
             entry = dict(entry)
             count = entry.pop("count", 1)
             _no_unknown(entry, {f.name for f in fields(WorkerSpec)}, f"{source} [[workers]]")
-            for key in _SIZE_KEYS:
-                if isinstance(entry.get(key), str):
-                    entry[key] = parse_size(entry[key], key)
+            known = {k: v for k, v in entry.items() if k in WorkerSettings.model_fields}
+            entry.update(build(WorkerSettings, known, "[[workers]]").model_dump(include=set(known)))
             if count > 1 and entry.get("port", 0):
                 raise ValueError(f"{source} [[workers]]: count > 1 needs port = 0")
             workers += [WorkerSpec(**entry) for _ in range(count)]
@@ -151,12 +152,18 @@ class ClusterConfig:
                    host=frontend.get("host", "127.0.0.1"), port=frontend.get("port", 8000),
                    master_host=store.get("master_host", "127.0.0.1"),
                    master_port=store.get("master_port", 0),
-                   engine=EngineConfig.from_dict(engine),
+                   engine=engine,
                    conductor=ConductorConfig.from_dict(raw.get("conductor", {})),
                    monitor=MonitorConfig.from_dict(raw.get("monitor", {})),
                    workers=tuple(workers), profile_dir=raw.get("profile_dir"),
                    secret_file=security.get("secret_file"),
-                   secret_env=security.get("secret_env"))
+                   secret_env=security.get("secret_env"),
+                   max_waiting_requests=frontend.get("max_waiting_requests"),
+                   served_model_names=_names(frontend.get("served_model_name", ())))
+
+
+def _names(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _conductor_dict(config: ConductorConfig) -> dict[str, Any]:

@@ -132,10 +132,15 @@ class ApiFactory:
         return {"status": "ok"} if live is None else {"status": "ok", "workers": int(live)}
 
     async def models(self) -> dict[str, Any]:
-        card = {"id": self.backend.model_name, "object": "model", "created": 0,
-                "owned_by": "kvcake", "max_model_len": self.backend.max_model_len,
-                "vocab_size": self.backend.vocab_size}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "kvcake",
+                  "root": self.backend.model_name, "max_model_len": self.backend.max_model_len,
+                  "vocab_size": self.backend.vocab_size} for name in self._served_names()]
+        return {"object": "list", "data": cards}
+
+    def _served_names(self) -> tuple[str, ...]:
+        """`--served-model-name`s (every one is accepted; the first is reported)."""
+        return tuple(getattr(self.backend, "served_model_names", ())) or \
+            (self.backend.model_name,)
 
     async def render_metrics(self) -> PlainTextResponse:
         return PlainTextResponse(self.metrics.render(self.backend.stats()),
@@ -197,9 +202,10 @@ class ApiFactory:
                 "prompt", code="prompt_too_long")
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.backend.model_name:
+        if model is not None and model not in self._served_names():
+            names = " or ".join(repr(n) for n in self._served_names())
             raise InvalidRequest(f"model {model!r} does not exist; this server serves "
-                                 f"{self.backend.model_name!r}", "model", 404, "model_not_found")
+                                 f"{names}", "model", 404, "model_not_found")
 
     def _invalid(self, exc: ValueError) -> JSONResponse:
         if isinstance(exc, InvalidRequest):

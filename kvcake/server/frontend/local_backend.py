@@ -55,6 +55,7 @@ class LocalBackendConfig:
     max_waiting_requests: int | None = None  # None: no admission limit
     retry_after_s: float = 1.0
     num_threads: int | None = None  # torch intra-op threads of the engine; None: torch's default
+    served_model_names: tuple[str, ...] = ()  # (): the model's own name
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -100,8 +101,12 @@ class LocalBackend:
 
     # -- the Backend contract ------------------------------------------------------------------
     @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return tuple(self.config.served_model_names) or (self.engine.model_config.name,)
+
+    @property
     def model_name(self) -> str:
-        return self.engine.model_config.name
+        return self.served_model_names[0]
 
     @property
     def max_model_len(self) -> int:

@@ -15,14 +15,15 @@ from kvcake.server.frontend.protocol import render_chat_text
 
 
 class ModelFront:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, served_model_names: Sequence[str] = ()) -> None:
         source = resolve(model)  # config and tokenizer files only: no weights are loaded
         self._model_config = source.config
         self._tokenizer = source.tokenizer
+        self.served_model_names = tuple(served_model_names) or (source.config.name,)
 
     @property
     def model_name(self) -> str:
-        return self._model_config.name
+        return self.served_model_names[0]
 
     @property
     def vocab_size(self) -> int:

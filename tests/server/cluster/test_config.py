@@ -72,12 +72,15 @@ def test_serve_arguments_become_a_cluster() -> None:
     assert [w.num_threads for w in config.workers] == [1, 1, 1]  # WorkerSpec's default
     args.num_threads = 2
     assert [w.num_threads for w in config_from_args(args).workers] == [2, 2, 2]
-    args.mode = "colocated"
-    assert [w.num_threads for w in config_from_args(args).workers] == [2, 2]
+    args.mode = "colocated"  # as many workers as --prefill + --decode
+    assert [w.num_threads for w in config_from_args(args).workers] == [2, 2, 2]
     args.config = str(EXAMPLE)
     with pytest.raises(ValueError, match=r"^--num-threads: with --config, set num_threads"):
         config_from_args(args)
     args.num_threads = None
+    with pytest.raises(ValueError, match=r"^--kv-cache-bytes: with --config, set"):
+        config_from_args(args)  # never silently ignored
+    args.kv_cache_bytes = None
     assert config_from_args(args) == ClusterConfig.from_toml(EXAMPLE)
 
 
@@ -91,4 +94,4 @@ def test_shared_memory_can_be_turned_off_from_the_file_to_the_worker_process() -
     parser = argparse.ArgumentParser()
     worker_cli.register(parser.add_subparsers())
     args = parser.parse_args(argv[argv.index("worker"):])
-    assert args.no_shared_memory is True
+    assert args.shared_memory is False
