@@ -348,7 +348,8 @@ class Conductor:
         loads = self._decodes
         if self.config.policy is Policy.COLOCATED:
             loads = {prefill_id: self._decodes[prefill_id]}
-        step = self._decode_step_s
+        step = self._decode_model.decode_step_time_s
+        fits = self._kv_fits
         # An estimate is a pure function of (instance, batch, context tokens), and an instance's
         # forecast rarely changes between decisions: reuse the last estimate when it matches
         # rather than asking the model again and allocating a new record.
@@ -358,6 +359,9 @@ class Conductor:
         forecasts = map(DecodeLoad.batch_at, loads.values(), repeat(at_s))
         for instance_id, (batch, tokens) in zip(loads, forecasts, strict=True):
             batch, tokens = batch + 1, tokens + context
+            if not fits(req, batch, tokens):
+                estimates.append(new(DecodeEstimate, (instance_id, batch, tokens, math.inf)))
+                continue
             estimate = last_estimates.get(instance_id)
             if estimate is None or estimate[1] != batch or estimate[2] != tokens:
                 estimate = new(DecodeEstimate, (instance_id, batch, tokens, step(batch, tokens)))
@@ -365,14 +369,16 @@ class Conductor:
             estimates.append(estimate)
         return tuple(estimates)
 
-    def _decode_step_s(self, batch_size: int, context_tokens: int) -> float:
-        """The predicted step time (TBT), or +inf when the batch's KV would not fit in the
-        instance's `decode_kv_capacity_tokens`: its requests would wait for memory, a gap no
-        step time shows."""
+    def _kv_fits(self, req: ScheduleRequest, batch_size: int, context_tokens: int) -> bool:
+        """Whether a batch of `batch_size` requests like `req`, holding `context_tokens` on
+        average (prompt + max_output_len // 2 each), fits `decode_kv_capacity_tokens` when each
+        reserves its prompt plus its whole output. Where it does not, the predicted TBT is +inf:
+        its requests would wait for memory, a gap no step time shows."""
         capacity = self.config.decode_kv_capacity_tokens
-        if capacity is not None and context_tokens > capacity:
-            return math.inf
-        return self._decode_model.decode_step_time_s(batch_size, context_tokens)
+        if capacity is None:
+            return True
+        rest_of_output = req.max_output_len - req.max_output_len // 2
+        return context_tokens + batch_size * rest_of_output <= capacity
 
     def _choose_decode(self, candidates: tuple[DecodeEstimate, ...]) -> DecodeEstimate:
         # Least predicted TBT; among equals (e.g. all idle at the forecast time) the instance with
@@ -492,11 +498,14 @@ class Conductor:
             return None
         context, output_len = expected
         self._decodes[booked_on].remove(request_id)  # counted below as joining now
+        as_request = ScheduleRequest(request_id, 1, (), 1, output_len)
         estimates = []
         for instance_id, load in self._decodes.items():
             batch, tokens = load.batch_at(now_s)
-            estimates.append(DecodeEstimate(instance_id, batch + 1, tokens + context,
-                                            self._decode_step_s(batch + 1, tokens + context)))
+            batch, tokens = batch + 1, tokens + context
+            tbt_s = (self._decode_model.decode_step_time_s(batch, tokens)
+                     if self._kv_fits(as_request, batch, tokens) else math.inf)
+            estimates.append(DecodeEstimate(instance_id, batch, tokens, tbt_s))
         best = self._choose_decode(tuple(estimates))
         if best.tbt_s <= self.config.tbt_slo_s:
             self._decodes[best.instance_id].expect(request_id, now_s, context, output_len)

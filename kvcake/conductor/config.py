@@ -78,8 +78,9 @@ class ConductorConfig:
     cpp_nodes: X, the prefill instances of one CPP group (>= 2 when CPP is on).
     cpp_chunk_tokens: tokens per pipelined chunk (the paper: at least 1,000).
     decode_kv_capacity_tokens: KV tokens one decode instance holds; a decode candidate whose
-        forecast context (each request counted at prompt + max_output_len // 2) would exceed it
-        is predicted at TBT +inf (its requests would wait for memory). None: not checked.
+        forecast batch would not fit when each request reserves its prompt plus its whole
+        max_output_len is predicted at TBT +inf (its requests would wait for memory). None: not
+        checked.
     """
 
     policy: Policy = Policy.GLOBAL_CACHE

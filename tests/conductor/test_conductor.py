@@ -482,10 +482,10 @@ def test_cpp_group_reuses_only_the_prefix_every_member_holds_and_aborts_free_all
 
 
 def test_a_decode_instance_whose_kv_would_overflow_is_predicted_at_infinite_tbt() -> None:
-    c = make(num_decode=2, decode_kv_capacity_tokens=500)
+    c = make(num_decode=2, decode_kv_capacity_tokens=500)  # each reserves 300 + 100
     first = placed(c.schedule(request("a", prompt_len=300, output_len=100), 0.0))  # 350 tokens
     second = placed(c.schedule(request("b", prompt_len=300, output_len=100, first_key=50), 0.0))
-    assert first.decode_id != second.decode_id  # the other one would hold 700 > 500
+    assert first.decode_id != second.decode_id  # the other one would need 800 > 500
     rejection = c.schedule(request("c", prompt_len=300, output_len=100, first_key=90), 0.0)
     assert isinstance(rejection, Rejection) and rejection.reason is RejectReason.TBT_SLO
     assert rejection.predicted_tbt_s == float("inf")
