@@ -33,6 +33,7 @@ from kvcake.server.cluster.settings import (
     modes_of,
     set_by_user,
 )
+from kvcake.server.frontend.api_key import resolve_api_key
 from kvcake.server.frontend.local_backend import LocalBackendConfig
 
 _SECTIONS: tuple[type[Any], ...] = (ServeSettings, WorkerSettings, EngineSettings)
@@ -118,14 +119,16 @@ def configure_logging(level: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)[0]
     configure_logging(settings.log_level)
+    api_key = resolve_api_key(settings.api_key)  # --api-key, else $KVCAKE_API_KEY
     if settings.config or settings.mode != ServeMode.SINGLE:
         from kvcake.server.cluster.launcher import serve_disaggregated
 
-        return serve_disaggregated(config_from_args(args))
-    return _serve_single(settings, local_config(args))
+        return serve_disaggregated(config_from_args(args), api_key=api_key)
+    return _serve_single(settings, local_config(args), api_key)
 
 
-def _serve_single(settings: ServeSettings, config: LocalBackendConfig) -> int:
+def _serve_single(settings: ServeSettings, config: LocalBackendConfig,
+                  api_key: str | None = None) -> int:
     import uvicorn
 
     from kvcake.server.frontend.api import create_app, listen_socket
@@ -135,7 +138,8 @@ def _serve_single(settings: ServeSettings, config: LocalBackendConfig) -> int:
     # Bind first, so that --port 0 can report the port it got before serving.
     sock = listen_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(backend), log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, api_key=api_key),
+                                           log_level="warning",
                                            lifespan="off"))
     backend.start()
     print(f"kvcake serve: http://{settings.host}:{port} (model {backend.model_name}, mode "

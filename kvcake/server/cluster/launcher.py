@@ -222,7 +222,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def serve_disaggregated(config: ClusterConfig) -> int:
+def serve_disaggregated(config: ClusterConfig, api_key: str | None = None) -> int:
     """Run the cluster and the OpenAI API in the foreground until SIGINT/SIGTERM."""
     import uvicorn
 
@@ -239,7 +239,8 @@ def serve_disaggregated(config: ClusterConfig) -> int:
         # The long-lived state (Conductor index, app, models) is built: keep the collector off it
         # so that decisions do not pay for full collections over it (conductor/heap.py).
         freeze_heap()
-        server = uvicorn.Server(uvicorn.Config(create_app(cluster.backend), log_level="warning",
+        server = uvicorn.Server(uvicorn.Config(create_app(cluster.backend, api_key=api_key),
+                                               log_level="warning",
                                                lifespan="off"))
         print(f"kvcake serve: http://{config.host}:{sock.getsockname()[1]} (model "
               f"{config.model}, mode {config.mode}, {len(config.workers)} workers, store master "

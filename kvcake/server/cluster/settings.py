@@ -142,6 +142,9 @@ class ServeSettings(_Settings):
     retry_after_s: float = setting(1.0, "Retry-After of a 429 (the Conductor's floor of its "
                                    "estimate)")
     log_level: str = setting("info", "debug | info | warning | error")
+    api_key: str | None = setting(
+        None, "clients must send 'Authorization: Bearer KEY' on /v1 (as vllm serve --api-key; "
+        "401 otherwise); default: $KVCAKE_API_KEY; /health and /metrics stay open")
 
 
 def flag_name(model: type[BaseModel], name: str) -> str:
