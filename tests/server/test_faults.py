@@ -13,6 +13,7 @@ from kvcake.server.cluster.backend import DisaggBackend
 from kvcake.server.cluster.launcher import Cluster
 from kvcake.server.frontend.backend import GenerateRequest
 from kvcake.store import StoreClient
+from kvcake.transfer import TransferConfig
 from kvcake.types import RequestId
 from tests.server.test_disagg import (
     ENGINE,
@@ -66,7 +67,8 @@ def test_failed_fetch_falls_back_to_recompute(cluster: Cluster, llm: LLM) -> Non
     from kvcake.hashing import block_keys, key_hex
 
     def drop_from_store() -> None:  # the Conductor still believes the store holds them
-        with StoreClient(str(cluster.master_address)) as store:
+        with StoreClient(str(cluster.master_address),
+                         transfer_config=TransferConfig(secret=cluster.secret)) as store:
             keys = [f"{ns}:{key_hex(k)}" for k in block_keys(first, 16, ns)]
             assert all(store.remove_batch(keys))
 

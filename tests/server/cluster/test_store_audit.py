@@ -16,6 +16,7 @@ from kvcake.server.cluster.launcher import Cluster
 from kvcake.server.cluster.monitor import MonitorConfig
 from kvcake.server.cluster.store_audit import StoreAudit
 from kvcake.store import StoreClient
+from kvcake.transfer import TransferConfig
 from tests.server.test_disagg import (
     ENGINE,
     WORKER,
@@ -142,7 +143,8 @@ def test_removed_blocks_leave_the_index_and_no_fetch_is_planned(cluster: Cluster
         tokens_a = tokens(run(backend, first, 6))
         wait_until(lambda: store_blocks(backend, first) == 11)
         assert _audit_until_quiet(cluster) == []  # everything is there: nothing reported
-        with StoreClient(cluster.master_address) as store:
+        with StoreClient(cluster.master_address,
+                         transfer_config=TransferConfig(secret=cluster.secret)) as store:
             assert all(store.remove_batch(_store_keys(cluster, first)[4:]))
         ns = backend._hello().namespace
         expected = [int(k) for k in block_keys(first, ENGINE.block_size, ns)[4:]]
