@@ -61,9 +61,13 @@ def settings_from_args(args: argparse.Namespace) -> tuple[ServeSettings, WorkerS
     if serve.mode not in {m.value for m in ServeMode}:
         raise ValueError(f"--mode: unknown mode {serve.mode!r}; choose one of "
                          f"{', '.join(m.value for m in ServeMode)}")
-    if serve.prefill < 1 or serve.decode < 1:
+    if serve.etcd is None and (serve.prefill < 1 or serve.decode < 1):
         raise ValueError(f"--prefill / --decode: need at least 1 of each, got "
-                         f"{serve.prefill} and {serve.decode}")
+                         f"{serve.prefill} and {serve.decode} (with --etcd, 0: serve only the "
+                         "workers that register there)")
+    if serve.prefill < 0 or serve.decode < 0:
+        raise ValueError(f"--prefill / --decode: must be >= 0, got {serve.prefill} and "
+                         f"{serve.decode}")
     if not 0 <= serve.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {serve.port}")
     worker, engine = from_namespace(WorkerSettings, args), from_namespace(EngineSettings, args)
@@ -98,10 +102,17 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     else:
         workers = serve.prefill + serve.decode if serve.mode == "colocated" else serve.prefill
         options = {k: v for k, v in worker.model_dump().items() if v is not None}
+        etcd = {"etcd_endpoints": tuple(serve.etcd.split(",")) if serve.etcd else (),
+                "etcd_cluster": serve.cluster}
         config = ClusterConfig.simple(workers, serve.decode, model=serve.model, mode=serve.mode,
                                       host=serve.host, port=serve.port,
-                                      engine=engine.to_config(), worker=options)
+                                      engine=engine.to_config(), worker=options, **etcd)
     conductor = replace(config.conductor, min_retry_after_s=serve.retry_after_s)
+    if serve.config and serve.etcd:  # the flags name the etcd of a file's cluster too
+        config = replace(config, etcd_endpoints=tuple(serve.etcd.split(",")),
+                         etcd_cluster=serve.cluster)
+    elif serve.config and serve.cluster != config.etcd_cluster:
+        config = replace(config, etcd_cluster=serve.cluster)
     return replace(config, conductor=conductor,
                    max_waiting_requests=serve.max_waiting_requests,
                    served_model_names=serve.served_model_name or config.served_model_names)

@@ -74,8 +74,23 @@ class ClusterConfig:
     # neither: `kvcake serve` makes one for the workers it launches (launch = false needs one).
     secret_file: str | None = None
     secret_env: str | None = None
+    # [etcd]: endpoints "HOST:PORT" of the etcd that holds membership; workers then join by
+    # registering there (any number, from any host), and the store master is the elected one.
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_cluster: str = "kvcake"
+
+    @property
+    def etcd(self) -> str | None:
+        """The endpoints as one "HOST:PORT,HOST:PORT" string (None without etcd)."""
+        return ",".join(self.etcd_endpoints) if self.etcd_endpoints else None
 
     def __post_init__(self) -> None:
+        if self.etcd_endpoints:
+            from kvcake.registry.etcd import parse_endpoints
+
+            parse_endpoints(list(self.etcd_endpoints), "[etcd] endpoints / --etcd")
+            if self.mode != "disaggregated":
+                raise ValueError("[etcd]: workers join through etcd in mode disaggregated only")
         if self.secret_file and self.secret_env:
             raise ValueError("[security]: give secret_file or secret_env, not both")
         if not (self.secret_file or self.secret_env) and any(not w.launch for w in self.workers):
@@ -86,10 +101,11 @@ class ClusterConfig:
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode: must be disaggregated or colocated, got {self.mode!r}")
         roles = [w.role for w in self.workers]
-        if self.mode == "disaggregated":
+        if self.mode == "disaggregated" and not self.etcd_endpoints:
             if Role.PREFILL not in roles or Role.DECODE not in roles:
                 raise ValueError("workers: a disaggregated cluster needs at least one prefill "
                                  "and one decode worker (--prefill N --decode M)")
+        if self.mode == "disaggregated":
             if Role.COLOCATED in roles:
                 raise ValueError("workers: colocated workers belong in mode = \"colocated\"")
         elif not roles or any(r is not Role.COLOCATED for r in roles):
@@ -105,8 +121,9 @@ class ClusterConfig:
     def simple(cls, num_prefill: int, num_decode: int, **options: Any) -> ClusterConfig:
         """`num_prefill` prefill + `num_decode` decode workers on this host (mode
         colocated: `num_prefill` colocated workers)."""
-        if num_prefill < 1 or (options.get("mode", "disaggregated") == "disaggregated"
-                               and num_decode < 1):
+        if not options.get("etcd_endpoints") and (
+                num_prefill < 1 or (options.get("mode", "disaggregated") == "disaggregated"
+                                    and num_decode < 1)):
             raise ValueError(f"--prefill / --decode: need at least 1 of each, got "
                              f"{num_prefill} and {num_decode}")
         worker_opts = options.pop("worker", {})
@@ -128,7 +145,7 @@ class ClusterConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ClusterConfig:
         known = {"model", "mode", "frontend", "store", "engine", "conductor", "monitor",
-                 "workers", "profile_dir", "security"}
+                 "workers", "profile_dir", "security", "etcd"}
         _no_unknown(raw, known, source)
         frontend = dict(raw.get("frontend", {}))
         _no_unknown(frontend, {"host", "port", "max_waiting_requests", "served_model_name"},
@@ -137,6 +154,8 @@ class ClusterConfig:
         security = dict(raw.get("security", {}))
         _no_unknown(security, {"secret_file", "secret_env"}, f"{source} [security]")
         _no_unknown(store, {"master_host", "master_port"}, f"{source} [store]")
+        etcd = dict(raw.get("etcd", {}))
+        _no_unknown(etcd, {"endpoints", "cluster"}, f"{source} [etcd]")
         engine = build(EngineSettings, dict(raw.get("engine", {})), "[engine]").to_config()
         workers: list[WorkerSpec] = []
         for entry in raw.get("workers", []):
@@ -159,7 +178,9 @@ class ClusterConfig:
                    secret_file=security.get("secret_file"),
                    secret_env=security.get("secret_env"),
                    max_waiting_requests=frontend.get("max_waiting_requests"),
-                   served_model_names=_names(frontend.get("served_model_name", ())))
+                   served_model_names=_names(frontend.get("served_model_name", ())),
+                   etcd_endpoints=_names(etcd.get("endpoints", ())),
+                   etcd_cluster=etcd.get("cluster", "kvcake"))
 
 
 def _names(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:

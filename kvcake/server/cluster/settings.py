@@ -145,6 +145,12 @@ class ServeSettings(_Settings):
     api_key: str | None = setting(
         None, "clients must send 'Authorization: Bearer KEY' on /v1 (as vllm serve --api-key; "
         "401 otherwise); default: $KVCAKE_API_KEY; /health and /metrics stay open")
+    etcd: str | None = setting(None, "etcd endpoints HOST:PORT[,HOST:PORT]: serve the workers "
+                               "that register there (--prefill 0 --decode 0: only those) and "
+                               "use the elected store master (none of its own); docs/cluster.md",
+                               modes=("disaggregated",))
+    cluster: str = setting("kvcake", "the cluster's name in etcd", modes=("disaggregated",))
+
 
 
 def flag_name(model: type[BaseModel], name: str) -> str:

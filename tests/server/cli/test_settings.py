@@ -49,6 +49,8 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "max_waiting_requests": ("7", 7),
     "retry_after_s": ("2.5", 2.5),
     "log_level": ("debug", "debug"),
+    "etcd": ("10.0.0.1:2379,10.0.0.2:2379", "10.0.0.1:2379,10.0.0.2:2379"),
+    "cluster": ("blue", "blue"),
     # WorkerSettings
     "store_dram_bytes": ("8MiB", 8 * 2**20),
     "num_threads": ("3", 3),
@@ -130,6 +132,7 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
                    else roles.count(Role.COLOCATED) - 1],
         "max_waiting_requests": [frontend.max_waiting_requests],
         "retry_after_s": [frontend.conductor.min_retry_after_s],
+        "etcd": [cluster.etcd], "cluster": [cluster.etcd_cluster],
     }[name]
 
 
