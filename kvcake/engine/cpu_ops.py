@@ -36,7 +36,9 @@ from torch import Tensor
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention.cpp", "fused_ops.cpp"))
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC",
+HEADER = SOURCES[0].with_name("fast_exp.h")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+         "-shared", "-fPIC",
          "-std=c++17", "-w")
 
 _error: list[str] = []
@@ -70,7 +72,8 @@ def build(out_dir: Path, compiler: str | None = None) -> Path:
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libdirs = cpp_extension.library_paths()
-    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), torch.__version__, cxx,
+    texts = [s.read_text() for s in (*SOURCES, HEADER)]
+    key = hashlib.sha256("\n".join([*texts, torch.__version__, cxx,
                                     abi, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     target = out_dir / f"kvcake_ops-{key}.so"
     if target.is_file():
@@ -81,7 +84,7 @@ def build(out_dir: Path, compiler: str | None = None) -> Path:
         if target.is_file():
             return target
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, *FLAGS, abi, *includes, *map(str, SOURCES), *[f"-L{d}" for d in libdirs],
+        cmd = [cxx, *FLAGS, abi, f"-I{SOURCES[0].parent}", *includes, *map(str, SOURCES), *[f"-L{d}" for d in libdirs],
                *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu", "-o", str(tmp)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

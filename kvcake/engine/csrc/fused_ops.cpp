@@ -10,6 +10,8 @@
 
 #include <cmath>
 
+#include "fast_exp.h"
+
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -71,7 +73,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     const float* u = g + half;
     float* o = out.data_ptr<float>() + r * half;
 #pragma omp simd
-    for (int64_t i = 0; i < half; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < half; ++i) o[i] = g[i] / (1.f + kvcake::fast_exp(-g[i])) * u[i];
   }
   return out;
 }

@@ -13,6 +13,8 @@
 #include <limits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
 template <typename T>
@@ -70,7 +72,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
         float* sg = scores.data() + g * ctx;
         const float m = row_max[g];
 #pragma omp simd
-        for (int64_t p = 0; p < ctx; ++p) sg[p] = std::exp(sg[p] - m);  // libmvec when vectorised
+        for (int64_t p = 0; p < ctx; ++p) sg[p] = kvcake::fast_exp(sg[p] - m);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t p = 0; p < ctx; ++p) sum += sg[p];
