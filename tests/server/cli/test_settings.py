@@ -31,6 +31,7 @@ from kvcake.server.cluster.settings import (
     flag_name,
     modes_of,
 )
+from kvcake.server.frontend.api_key import resolve_api_key
 from kvcake.server.worker.config import Role, WorkerConfig
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "docs" / "cluster.example.toml"
@@ -49,6 +50,7 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "max_waiting_requests": ("7", 7),
     "retry_after_s": ("2.5", 2.5),
     "log_level": ("debug", "debug"),
+    "api_key": ("sk-walk", "sk-walk"),
     "etcd": ("10.0.0.1:2379,10.0.0.2:2379", "10.0.0.1:2379,10.0.0.2:2379"),
     "cluster": ("blue", "blue"),
     # WorkerSettings
@@ -103,6 +105,8 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
     """Every value of `name` that the parts of `mode` act on."""
     if name == "log_level":  # applied by serve() before any mode starts
         return [settings_from_args(args)[0].log_level]
+    if name == "api_key":  # resolved by serve() and handed to create_app in every mode
+        return [resolve_api_key(settings_from_args(args)[0].api_key)]
     if mode == "single" and args.config is None:
         local = local_config(args)
         if name in EngineSettings.model_fields:
