@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+# Llama-family checkpoints that differ only in config: Mistral (sliding window: contexts are
+# capped at it, so attention is exact), Qwen2 (biases on q, k and v, not on o_proj).
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM"}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -40,8 +44,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v and o_proj (Llama's attention_bias)
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     mlp_bias: bool = False
+    model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     instantiable: bool = True
@@ -59,6 +65,10 @@ class ModelConfig:
                              f"num_heads ({self.num_heads}) when head_dim is not given")
         if self.head_size % 2:
             raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_size}")
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.attention_bias or self.qkv_bias
 
     @property
     def head_size(self) -> int:
@@ -86,6 +96,15 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            max_pos = int(raw.get("max_position_embeddings", 2048))
+            window = raw.get("sliding_window")
+            if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+                window = None
+            if window is not None and int(window) < max_pos:  # never beyond the window: exact
+                max_pos = int(window)
+            # transformers >= 5 writes RoPE settings as `rope_parameters` (theta inside)
+            rope = raw.get("rope_parameters") or {}
+            rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
             return cls(
                 name=name,
                 vocab_size=int(raw["vocab_size"]),
@@ -94,14 +113,16 @@ class ModelConfig:
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=max_pos,
                 head_dim=int(raw["head_dim"]) if raw.get("head_dim") else None,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
-                rope_scaling=_parse_rope_scaling(raw.get("rope_scaling")),
+                rope_theta=float(rope_theta),
+                rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or rope or None),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", False)),
+                qkv_bias=model_type == "qwen2",
                 mlp_bias=bool(raw.get("mlp_bias", False)),
+                model_type=str(model_type),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -113,7 +134,7 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A `config.json` that transformers' LlamaForCausalLM loads to the same model."""
         out: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "architectures": [_ARCHITECTURES[self.model_type]], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,

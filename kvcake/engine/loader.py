@@ -10,7 +10,7 @@ compare against it).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,12 +49,29 @@ def resolve(model: str) -> ModelSource:
         raise ValueError(f"model: {config_path} is not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"model: {config_path} must hold a JSON object")
-    config = ModelConfig.from_hf_dict(raw, name=path.name)
+    config = _with_generation_eos(ModelConfig.from_hf_dict(raw, name=path.name), path)
     if not _weight_files(path):
         raise ValueError(f"model: directory {model!r} has no *.safetensors weights")
     tok_path = path / "tokenizer.json"
     tokenizer = HFTokenizer(tok_path) if tok_path.is_file() else None
     return ModelSource(config, path, tokenizer)
+
+
+def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
+    """generation_config.json's `eos_token_id` (one or a list) joins config.json's EOS ids."""
+    gen_path = path / "generation_config.json"
+    if not gen_path.is_file():
+        return config
+    try:
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"model: {gen_path} is not a JSON object ({exc})") from None
+    extra = [eos] if isinstance(eos, int) else list(eos or [])
+    if not all(isinstance(e, int) for e in extra):
+        raise ValueError(f"model: {gen_path}: eos_token_id must be an integer or a list of "
+                         f"integers, got {eos!r}")
+    ids = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
+    return replace(config, eos_token_ids=ids)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -106,7 +123,8 @@ def dummy_weights(config: ModelConfig, seed: int) -> dict[str, Tensor]:
         for name, shape in shapes.items():
             state[p + name + ".weight"] = normal(*shape)
             is_attn = name.startswith("self_attn")
-            if (config.attention_bias and is_attn) or (config.mlp_bias and not is_attn):
+            attn_bias = config.attention_bias or (config.qkv_bias and name != "self_attn.o_proj")
+            if (attn_bias and is_attn) or (config.mlp_bias and not is_attn):
                 state[p + name + ".bias"] = normal(shape[0])
         state[p + "input_layernorm.weight"] = norm()
         state[p + "post_attention_layernorm.weight"] = norm()

@@ -107,7 +107,7 @@ class DecoderLayer(nn.Module):
         d, hd = config.hidden_size, config.head_size
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.q_size, self.kv_size = config.num_heads * hd, config.num_kv_heads * hd
-        self.qkv_proj = Linear(d, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(d, self.q_size + 2 * self.kv_size, bias=config.has_qkv_bias)
         self.o_proj = Linear(self.q_size, d, bias=config.attention_bias)
         self.gate_up_proj = Linear(d, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, d, bias=config.mlp_bias)
@@ -272,9 +272,10 @@ class LlamaModel(nn.Module):
             own[f"layers.{i}.qkv_proj.weight"] = torch.cat(
                 [state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
             own[f"layers.{i}.o_proj.weight"] = state[p + "self_attn.o_proj.weight"]
-            if cfg.attention_bias:
+            if cfg.has_qkv_bias:  # Qwen2: q, k, v only
                 own[f"layers.{i}.qkv_proj.bias"] = torch.cat(
                     [state[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            if cfg.attention_bias:
                 own[f"layers.{i}.o_proj.bias"] = state[p + "self_attn.o_proj.bias"]
             own[f"layers.{i}.gate_up_proj.weight"] = torch.cat(
                 [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
