@@ -1,0 +1,173 @@
+r"""TTFT of one long prompt: a chunked-pipeline-parallel (CPP) group of 2 prefill workers vs one
+prefill worker, same run, same weights, same prompt.
+
+    .venv/bin/python benchmarks/cpp_prefill.py                       # 16k tokens, `small` shape
+    .venv/bin/python benchmarks/cpp_prefill.py --prompt-tokens 4096 --chunk-tokens 1024
+
+Systems (one at a time, never two at once; each in its own processes, loaded, warmed up on a
+short prompt, then timed on the long one):
+- `cpp2`: `CppGroup` of 2 member processes, 1 torch thread each, each holding half the layers
+  (`StageEngine`); the prompt in chunks of `--chunk-tokens` flows member 1 -> member 2 (member 2
+  runs chunk i while member 1 runs chunk i+1), hidden states through the transfer engine (a
+  shared-memory inbox segment of member 2). TTFT: first chunk sent -> first token received.
+- `single1`: one prefill engine (`Engine`, prefill-only, chunked prefill at the engine's token
+  budget `--single-budget`), 1 thread. TTFT: `add_request` -> the step that samples.
+- `single2`: the same with 2 threads (the same 2 cores as cpp2, in one process).
+
+Model: the `small` preset's shape (d 768, 12 layers, GQA 12:4, vocab 32000) with its context
+raised to `--context` (16k tokens do not fit the preset's 8,192), seeded random weights written
+to a temporary Hugging Face directory that every system loads. Ideal CPP ratio with J chunks and
+X members: (J + X - 1) / (J X) of one worker's time (here J = 16, X = 2: 0.53); the target is
+<= 0.65x single1. Prints one JSON object: `ttft_s` per system, `ratio_vs_single1`,
+`tokens_equal` (the first token of every system equal), the member compute times, the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from kvcake.engine.config import PRESETS, EngineConfig
+from kvcake.engine.loader import dummy_weights, save_hf_dir
+from kvcake.server.worker.cpp_group import CppGroup
+
+WARMUP_TOKENS = 512
+
+
+def write_model(path: Path, context: int, seed: int) -> None:
+    config = dataclasses.replace(PRESETS["small"], name="small-long",
+                                 max_position_embeddings=context)
+    save_hf_dir(config, dummy_weights(config, seed), path)
+
+
+def engine_config(prompt_tokens: int, budget: int) -> EngineConfig:
+    # KV room for the prompt and the warm-up (small: 24 KiB per token in fp32), plus slack.
+    return EngineConfig(device="cpu", kv_cache_bytes=(prompt_tokens + 4 * WARMUP_TOKENS) * 24576,
+                        max_num_batched_tokens=budget)
+
+
+def _single_main(model: str, threads: int, config: EngineConfig, prompts: list[list[int]],
+                 conn: Connection) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    from kvcake.engine.engine import Engine
+
+    engine = Engine(model, config)
+    out = []
+    for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        engine.add_request(f"r{i}", prompt, prefill_only=True)
+        token = None
+        while token is None:
+            for o in engine.step():
+                token = o.new_token_ids[0]
+        out.append((token, time.perf_counter() - t0))
+        engine.release(f"r{i}")
+    conn.send(out)
+
+
+def run_single(model: str, threads: int, config: EngineConfig,
+               prompts: list[list[int]]) -> list[tuple[int, float]]:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_single_main, args=(model, threads, config, prompts, there))
+    proc.start()
+    result: list[tuple[int, float]] = here.recv()
+    proc.join()
+    return result
+
+
+def run_cpp(model: str, members: int, config: EngineConfig, chunk_tokens: int,
+            prompts: list[list[int]]) -> tuple[list[tuple[int, float]], list[float]]:
+    out = []
+    with CppGroup(model, members, config, chunk_tokens=chunk_tokens, threads=1) as group:
+        for i, prompt in enumerate(prompts):
+            r = group.prefill(f"r{i}", prompt)
+            out.append((r.first_token, r.ttft_s))
+    return out, list(r.compute_s)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompt-tokens", type=int, default=16384)
+    p.add_argument("--context", type=int, default=32768, help="the model's max positions")
+    p.add_argument("--chunk-tokens", type=int, default=1024, help="CPP chunk size")
+    p.add_argument("--single-budget", type=int, default=EngineConfig().max_num_batched_tokens,
+                   help="the single worker's prefill chunk (engine token budget)")
+    p.add_argument("--members", type=int, default=2)
+    p.add_argument("--systems", default="single1,cpp2,single2")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", type=Path, help="reuse this directory (written if absent)")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.prompt_tokens >= args.context:
+        sys.exit(f"--prompt-tokens {args.prompt_tokens}: must be below --context {args.context}")
+    tmp = None
+    model_dir = args.model_dir
+    if model_dir is None:
+        tmp = Path(tempfile.mkdtemp(prefix="kvcake-cpp-"))
+        model_dir = tmp / "model"
+    if not (model_dir / "config.json").exists():
+        write_model(model_dir, args.context, args.seed)
+    rng = random.Random(args.seed)
+    vocab = PRESETS["small"].vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)]
+               for n in (WARMUP_TOKENS, args.prompt_tokens)]
+    config = engine_config(args.prompt_tokens, args.single_budget)
+    load_before = os.getloadavg()
+    results: dict[str, Any] = {}
+    compute: list[float] = []
+    try:
+        for system in args.systems.split(","):
+            t0 = time.perf_counter()
+            if system.startswith("single"):
+                results[system] = run_single(str(model_dir), int(system[6:]), config, prompts)
+            elif system.startswith("cpp"):
+                results[system], compute = run_cpp(str(model_dir), args.members, config,
+                                                   args.chunk_tokens, prompts)
+            else:
+                sys.exit(f"--systems: unknown {system!r} (single1, single2, cpp2)")
+            print(f"# {system}: ttft {results[system][-1][1]:.2f} s "
+                  f"(wall {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    ttft = {s: r[-1][1] for s, r in results.items()}
+    first = {s: r[-1][0] for s, r in results.items()}
+    j = -(-args.prompt_tokens // args.chunk_tokens)
+    x = args.members
+    out = {
+        "prompt_tokens": args.prompt_tokens,
+        "chunk_tokens": args.chunk_tokens,
+        "single_budget": args.single_budget,
+        "ttft_s": {s: round(v, 3) for s, v in ttft.items()},
+        "ratio_vs_single1": {s: round(v / ttft["single1"], 3) for s, v in ttft.items()}
+        if "single1" in ttft else {},
+        "ideal_cpp_ratio": round((j + x - 1) / (j * x), 3),
+        "cpp_member_compute_s": [round(c, 3) for c in compute],
+        "tokens_equal": len(set(first.values())) == 1,
+        "first_tokens": first,
+        "loadavg_before": [round(v, 2) for v in load_before],
+        "loadavg_after": [round(v, 2) for v in os.getloadavg()],
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
