@@ -38,6 +38,7 @@ from kvcake.server.frontend.api_key import ApiKeyGuard
 from kvcake.server.frontend.backend import Backend, FinishReason, Rejected, TokenEvent, TokenStream
 from kvcake.server.frontend.limits import PROMPT_CHARS_PER_TOKEN, HttpLimits, json_depth_exceeds
 from kvcake.server.frontend.metrics import RequestTimer, ServerMetrics
+from kvcake.server.frontend.openapi import request_body
 from kvcake.server.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -116,8 +117,10 @@ class ApiFactory:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/metrics", self.render_metrics, methods=["GET"])
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"],
+                          openapi_extra=request_body(CompletionRequest))
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"],
+                          openapi_extra=request_body(ChatCompletionRequest))
         app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]
         return app
 
