@@ -9,7 +9,7 @@ from kvcake.engine.config import BYTE_BOS_ID, BYTE_EOS_ID
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -20,8 +20,9 @@ class ByteTokenizer:
     bos_token_id = BYTE_BOS_ID
     eos_token_id = BYTE_EOS_ID
 
-    def encode(self, text: str) -> list[int]:
-        return [BYTE_BOS_ID, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [BYTE_BOS_ID, *text.encode("utf-8")] if add_special_tokens \
+            else list(text.encode("utf-8"))
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
@@ -38,8 +39,8 @@ class HFTokenizer:
         except Exception as exc:  # the library raises a bare Exception on a bad file
             raise ValueError(f"model: {path} is not a valid tokenizer.json ({exc})") from None
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tok.decode(token_ids))

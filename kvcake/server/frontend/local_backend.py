@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from kvcake.engine.chat_template import ChatTemplate
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine, RequestOutput
 from kvcake.engine.sampling import SamplingParams
@@ -93,7 +92,8 @@ class LocalBackend:
         self._num_waiting = 0  # admitted, no token yet (guarded by _lock)
         self._stats = BackendStats()
         self._num_live = 0  # requests the engine thread holds (written by it only)
-        self._chat_template = _load_chat_template(self.config.model)
+        model_dir = Path(self.config.model)
+        self._chat_template = ChatTemplate.load(model_dir) if model_dir.is_dir() else None
 
     @classmethod
     def from_config(cls, config: LocalBackendConfig) -> LocalBackend:
@@ -128,15 +128,15 @@ class LocalBackend:
         return self.engine.tokenizer.decode(list(token_ids))
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """The model's template rendered as transformers' `apply_chat_template` does (special
+        tokens written by the template, none added); else the built-in one."""
         if self._chat_template is None:
             return self.encode(render_chat_text(messages))
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        template = ImmutableSandboxedEnvironment().from_string(self._chat_template)
-        # The tokenizer adds BOS itself, so the template's own bos_token renders empty.
-        text = template.render(messages=[{"role": r, "content": c} for r, c in messages],
-                               add_generation_prompt=True, bos_token="", eos_token="")
-        return self.encode(text)
+        if self.engine.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer.json; use /v1/completions "
+                             "with token ids")
+        text = self._chat_template.render([{"role": r, "content": c} for r, c in messages])
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     async def generate(self, request: GenerateRequest) -> QueueTokenStream:
         """Admit `request` (Rejected when the waiting queue is full; ValueError when the engine
@@ -289,12 +289,3 @@ def _sampling_params(request: GenerateRequest) -> SamplingParams:
         top_k=request.top_k or None, top_p=request.top_p, seed=request.seed,
         stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens)
-
-
-def _load_chat_template(model: str) -> str | None:
-    """The `chat_template` of a Hugging Face directory's tokenizer_config.json, if any."""
-    path = Path(model) / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    raw: Any = json.loads(path.read_text()).get("chat_template")
-    return raw if isinstance(raw, str) else None
