@@ -36,6 +36,7 @@ from kvcake.server.cluster.settings import (
     from_namespace,
     worker_config,
 )
+from kvcake.server.worker import faults
 from kvcake.server.worker.config import WorkerConfig
 from kvcake.server.worker.worker import Worker
 
@@ -97,7 +98,7 @@ def run_worker(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    worker = Worker(config)
+    worker = Worker(config, wrap_transport=faults.wrapper_from_env())  # soak only: env var
     try:
         worker.start()
         print(f"kvcake worker ready {worker.worker_id} {worker.address}", flush=True)
