@@ -34,6 +34,7 @@ import torch
 
 from kvcake.engine.sampling import SamplingParams
 from kvcake.engine.stage import StageEngine
+from kvcake.server.worker.kv_runs import block_runs
 from kvcake.transfer import SegmentDesc, TransferEngine, TransferOp, TransferRequest
 from kvcake.transfer.request import BatchId
 
@@ -218,15 +219,15 @@ class CppMember:
         block_ids = self.stage.block_ids(req.begin.request_id)
         local = layer - self.stage.layers.start
         pool = self.stage.pool
+        runs = block_runs(block_ids, target.target_blocks, first_block, end_block)
         requests = [
-            TransferRequest(TransferOp.WRITE, pool.kv[local, block_ids[i]], req.kv_pool,
-                            (layer * target.num_pool_blocks + target.target_blocks[i])
-                            * pool.layer_nbytes, checksum_tcp=True)
-            for i in range(first_block, min(end_block, len(target.target_blocks)))
-            if target.target_blocks[i] >= 0]
+            TransferRequest(TransferOp.WRITE, pool.kv[local, src:src + n], req.kv_pool,
+                            (layer * target.num_pool_blocks + dst) * pool.layer_nbytes,
+                            checksum_tcp=True)
+            for src, dst, n in runs]
         if requests:
             req.batches.append(self.transfer.submit(requests))
-            req.kv_bytes += len(requests) * pool.layer_nbytes
+            req.kv_bytes += sum(n for _, _, n in runs) * pool.layer_nbytes
 
     def _finish(self, request_id: str, req: _Request, down: Channel) -> None:
         for batch in req.batches:

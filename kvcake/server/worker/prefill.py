@@ -29,6 +29,7 @@ from typing import Any
 from kvcake.engine.engine import RequestOutput
 from kvcake.engine.sequence import FinishReason
 from kvcake.hashing import key_hex
+from kvcake.server.worker.kv_runs import block_runs
 from kvcake.server.worker.messages import (
     Abort,
     Message,
@@ -237,18 +238,19 @@ class PrefillRole:
         # KV written into a decode engine's blocks has no end-to-end check (a store object has):
         # where it crosses TCP, each slice carries a digest the decode side verifies; a memcpy
         # into a same-host pool's shared memory follows the engine's `checksum_shm` (off).
+        # One request per run of consecutive blocks at both ends (`block_runs`), not per block.
+        runs = block_runs(block_ids, targets, first_block, end_block)
         requests = [
-            TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, block_id], kv_pool,
-                            (layer_idx * num_pool_blocks + targets[i]) * pool.layer_nbytes,
+            TransferRequest(TransferOp.WRITE, pool.kv[layer_idx, src:src + n], kv_pool,
+                            (layer_idx * num_pool_blocks + dst) * pool.layer_nbytes,
                             checksum_tcp=True)
-            for i, block_id in enumerate(block_ids[:min(end_block, len(targets))])
-            if i >= first_block and targets[i] >= 0]
+            for src, dst, n in runs]
         if not requests:
             return
         if state.first_submit_s is None:
             state.first_submit_s = time.perf_counter()
         state.batches.append(self.transfer.submit(requests))
-        state.transfer_bytes += len(requests) * pool.layer_nbytes
+        state.transfer_bytes += sum(n for _, _, n in runs) * pool.layer_nbytes
 
     def _note_progress(self) -> None:
         bs = self.engine.block_size

@@ -130,12 +130,17 @@ def expected_ranges(decode: Worker, block_ids: list[int]) -> set[tuple[int, int]
 
 
 def covered(writes: list[Write], ranges: set[tuple[int, int]]) -> set[tuple[int, int]]:
-    """The ranges the writes filled (every write must lie inside one of them)."""
+    """The ranges the writes filled. A write may span several adjacent ranges (a run of
+    consecutive blocks of one layer is one request), but every byte must lie inside one."""
     filled: dict[tuple[int, int], int] = {}
     for w in writes:
-        owner = [r for r in ranges if r[0] <= w.offset and w.offset + w.length <= r[0] + r[1]]
-        assert len(owner) == 1, f"write [{w.offset}, +{w.length}) outside the reserved blocks"
-        filled[owner[0]] = filled.get(owner[0], 0) + w.length
+        at, end = w.offset, w.offset + w.length
+        while at < end:
+            owner = [r for r in ranges if r[0] <= at < r[0] + r[1]]
+            assert len(owner) == 1, f"write [{w.offset}, +{w.length}) outside the reserved blocks"
+            step = min(end, owner[0][0] + owner[0][1]) - at
+            filled[owner[0]] = filled.get(owner[0], 0) + step
+            at += step
     return {r for r, n in filled.items() if n == r[1]}
 
 
