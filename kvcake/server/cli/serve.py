@@ -111,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if serve.config and serve.etcd:  # the flags name the etcd of a file's cluster too
         config = replace(config, etcd_endpoints=tuple(serve.etcd.split(",")),
                          etcd_cluster=serve.cluster)
-    elif serve.config and serve.cluster != config.etcd_cluster:
+    elif serve.config and getattr(args, "cluster", None) is not None:
         config = replace(config, etcd_cluster=serve.cluster)
     return replace(config, conductor=conductor,
                    max_waiting_requests=serve.max_waiting_requests,

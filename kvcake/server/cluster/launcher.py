@@ -25,6 +25,7 @@ from kvcake import auth
 from kvcake.auth import ClusterSecret
 from kvcake.server.cluster.backend import DisaggBackend, DisaggConfig
 from kvcake.server.cluster.config import ClusterConfig, WorkerSpec
+from kvcake.server.cluster.membership import EtcdWorkers, start_membership
 from kvcake.server.cluster.profiler import load_or_profile
 from kvcake.server.cluster.restart_policy import RestartPolicy
 from kvcake.server.cluster.supervisor import Supervisor
@@ -47,6 +48,7 @@ class Cluster:
         self._specs: dict[str, WorkerSpec] = {}  # launched worker id -> its spec (restarts)
         self.master: MasterServer | None = None
         self.backend: DisaggBackend | None = None
+        self.membership: EtcdWorkers | None = None  # with etcd: the watch of its workers
         self.processes: dict[str, subprocess.Popen[str]] = {}
         self.workers: dict[str, Worker] = {}  # in-process workers
         self.addresses: dict[str, str] = {}  # worker id -> control address
@@ -58,7 +60,7 @@ class Cluster:
     def start(self) -> Cluster:
         cfg = self.config
         try:
-            if cfg.mode == "disaggregated":
+            if cfg.mode == "disaggregated" and cfg.etcd is None:  # etcd: the elected one
                 self.master = MasterServer(MasterService(), cfg.master_host,
                                            cfg.master_port, secret=self.secret).start()
             for i, spec in enumerate(cfg.workers):  # children start in parallel
@@ -74,11 +76,15 @@ class Cluster:
                                       Path(cfg.profile_dir) if cfg.profile_dir else None,
                                       num_threads=threads)
             backend_config = DisaggConfig(
-                model=cfg.model, worker_addresses=tuple(self.addresses.values()),
+                model=cfg.model, workers_join=cfg.etcd is not None,
+                worker_addresses=() if cfg.etcd else tuple(self.addresses.values()),
                 conductor=cfg.conductor, monitor=cfg.monitor, store_master=self.master_address,
                 secret=self.secret)
             self.backend = DisaggBackend(backend_config, profile.prefill,
                                          profile.decode).start()
+            if cfg.etcd is not None:  # workers join (and leave) through etcd from now on
+                self.membership = start_membership(self.backend, cfg.etcd, cfg.etcd_cluster,
+                                                   list(self.processes) + list(self.workers))
             if self.processes:
                 self.supervisor = Supervisor(self.processes, self.backend, self._relaunch,
                                              _await_ready, self.restart).start()
@@ -89,6 +95,8 @@ class Cluster:
 
     @property
     def master_address(self) -> str | None:
+        if self.config.etcd is not None:
+            return f"etcd://{self.config.etcd}/{self.config.etcd_cluster}"
         return self.master.address if self.master is not None else None
 
     def _worker_config(self, worker_id: str, spec: WorkerSpec) -> WorkerConfig:
@@ -99,7 +107,8 @@ class Cluster:
                             store_dram_bytes=spec.store_dram_bytes,
                             num_threads=spec.num_threads,
                             layerwise=spec.layerwise, shared_memory=spec.shared_memory,
-                            secret=self.secret)
+                            secret=self.secret, etcd=self.config.etcd,
+                            cluster=self.config.etcd_cluster)
 
     def _launch(self, worker_id: str, spec: WorkerSpec) -> None:
         self._specs[worker_id] = spec
@@ -142,6 +151,9 @@ class Cluster:
         if self.supervisor is not None:  # no restarts while the cluster stops
             self.supervisor.close()
             self.supervisor = None
+        if self.membership is not None:
+            self.membership.close()
+            self.membership = None
         if self.backend is not None:  # workers it did not launch keep running
             self.backend.close()
             self.backend = None

@@ -11,6 +11,7 @@ address it advertises is logged with what to fix and tried again at the next cha
 from __future__ import annotations
 
 import logging
+import time
 
 from kvcake.registry import Etcd, Member, MemberWatch
 from kvcake.server.cluster.backend import DisaggBackend
@@ -58,3 +59,20 @@ class EtcdWorkers:
     def _leave(self, member: Member) -> None:
         if self.joined.pop(member.member_id, None) is not None:
             self.backend.worker_left(member.member_id)
+
+
+def start_membership(backend: DisaggBackend, etcd: str, cluster: str,
+                     expected: list[str], timeout_s: float = 120.0) -> EtcdWorkers:
+    """Watch `cluster`'s workers in etcd for `backend`, and wait until the workers this process
+    launched (`expected` ids, which register like any other) have joined."""
+    watch = EtcdWorkers(backend, Etcd(etcd), cluster).start()
+    deadline = time.monotonic() + timeout_s
+    while not set(expected) <= set(backend.live_worker_ids()):
+        missing = sorted(set(expected) - set(backend.live_worker_ids()))
+        refused = {w: watch.refused[w] for w in missing if w in watch.refused}
+        if refused or time.monotonic() > deadline:
+            watch.close()
+            raise RuntimeError(f"workers {missing} did not join through etcd {etcd}"
+                               + (f": {refused}" if refused else f" within {timeout_s:.0f} s"))
+        time.sleep(0.05)
+    return watch

@@ -152,7 +152,6 @@ class ServeSettings(_Settings):
     cluster: str = setting("kvcake", "the cluster's name in etcd", modes=("disaggregated",))
 
 
-
 def flag_name(model: type[BaseModel], name: str) -> str:
     extra = model.model_fields[name].json_schema_extra
     flag = extra.get("flag") if isinstance(extra, dict) else None
