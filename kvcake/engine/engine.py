@@ -48,7 +48,7 @@ from kvcake.engine.linear import BUCKET_NAMES, Linear, table_path, tune
 from kvcake.engine.loader import load_weights, resolve
 from kvcake.engine.model import LlamaModel
 from kvcake.engine.runner import ModelRunner
-from kvcake.engine.sampling import Sampler, SamplingParams, suppress_tokens
+from kvcake.engine.sampling import Sampler, SamplingParams, apply_penalties, suppress_tokens
 from kvcake.engine.sequence import FinishReason
 from kvcake.engine.sequence import Sequence as Seq
 from kvcake.engine.tokenizer import Tokenizer
@@ -323,6 +323,7 @@ class Engine:
         logits = self.runner.run(plan, self._seqs, tables, layer_hook)
         sampling = [c.request_id for c in plan.chunks if c.samples]
         self._suppress_early_stops(logits, sampling)
+        self._penalize(logits, sampling)
         new_ids = self.sampler.sample(logits, sampling, [self._params[r] for r in sampling])
         sampled = dict(zip(sampling, new_ids, strict=True))
         now_s = self.clock.now_s()
@@ -354,6 +355,16 @@ class Engine:
         if rows:
             with torch.inference_mode():  # the logits are an inference-mode tensor
                 suppress_tokens(logits, rows, banned)
+
+    def _penalize(self, logits: torch.Tensor, sampling: list[str]) -> None:
+        """Repetition / frequency / presence penalties of the rows that ask for them."""
+        for row, rid in enumerate(sampling):
+            params = self._params[rid]
+            if params.penalized:
+                seq = self._seqs[rid]
+                with torch.inference_mode():
+                    apply_penalties(logits, row, seq.token_ids[:seq.num_prompt_tokens],
+                                    seq.output_token_ids, params)
 
     def _append_token(self, seq: Seq, token_id: int, now_s: float) -> None:
         seq.token_ids.append(token_id)

@@ -31,8 +31,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # True: the model's EOS does not stop generation
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    # vLLM's sampling extras (neutral defaults): a repeated token's logit is divided (if > 0) or
+    # multiplied by repetition_penalty (prompt and output tokens); frequency / presence
+    # penalties subtract count * f and (count > 0) * p (output tokens); min_p drops tokens whose
+    # probability is below min_p times the top token's.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got "
+                             f"{self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
@@ -53,6 +69,30 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+def apply_penalties(logits: Tensor, row: int, prompt_ids: list[int], output_ids: list[int],
+                    p: SamplingParams) -> None:
+    """vLLM's repetition / frequency / presence penalties on one row of `logits`, in place."""
+    vocab = logits.shape[-1]
+    x = logits[row]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in (*prompt_ids, *output_ids) if t < vocab}),
+                            dtype=torch.long, device=x.device)
+        if seen.numel():
+            vals = x[seen]
+            x[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                  vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor([t for t in output_ids if t < vocab],
+                                             dtype=torch.long), minlength=vocab).to(x.device)
+        x -= p.frequency_penalty * counts.to(x.dtype)
+        x -= p.presence_penalty * (counts > 0).to(x.dtype)
 
 
 def suppress_tokens(logits: Tensor, rows: list[int], token_ids: list[tuple[int, ...]]) -> None:
@@ -112,6 +152,8 @@ class Sampler:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             # Keep the smallest prefix whose mass reaches top_p (the top token always stays).

@@ -103,4 +103,6 @@ def sampling_of(request: GenerateRequest) -> Sampling:
     return Sampling(max_tokens=request.max_tokens, temperature=request.temperature,
                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
                     stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,
-                    min_tokens=request.min_tokens)
+                    min_tokens=request.min_tokens, repetition_penalty=request.repetition_penalty,
+                    frequency_penalty=request.frequency_penalty,
+                    presence_penalty=request.presence_penalty, min_p=request.min_p)

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import uvicorn
@@ -36,13 +36,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvcake.ids import RandomIds
 from kvcake.server.frontend.api_key import ApiKeyGuard
 from kvcake.server.frontend.backend import Backend, FinishReason, Rejected, TokenEvent, TokenStream
+from kvcake.server.frontend.detokenizer import TextStream
 from kvcake.server.frontend.limits import PROMPT_CHARS_PER_TOKEN, HttpLimits, json_depth_exceeds
 from kvcake.server.frontend.metrics import RequestTimer, ServerMetrics
 from kvcake.server.frontend.openapi import request_body
 from kvcake.server.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     InvalidRequest,
+    TokenizeRequest,
     build_generate_request,
     chat_body,
     chat_chunk,
@@ -50,36 +53,11 @@ from kvcake.server.frontend.protocol import (
     error_body,
     parse_request,
     prompt_token_ids,
+    stop_strings,
     usage,
     usage_chunk,
 )
 from kvcake.types import RequestId
-
-
-class TextStream:
-    """Incremental detokenization: the new text each time tokens arrive.
-
-    Holds back text while the decoded tail is an incomplete UTF-8 character (U+FFFD), for at
-    most 4 tokens, so multi-byte characters are never split into replacement characters.
-    Decodes the whole output each time: fine for the lengths served here.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = decode
-        self.token_ids: list[int] = []
-        self._emitted = ""
-        self._held = 0
-
-    def push(self, token_ids: tuple[int, ...], final: bool) -> str:
-        self.token_ids.extend(token_ids)
-        text = self._decode(self.token_ids)
-        if text.endswith("\ufffd") and not final and self._held < 4:
-            self._held += len(token_ids)
-            return ""
-        self._held = 0
-        new = text[len(self._emitted):] if text.startswith(self._emitted) else ""
-        self._emitted = text
-        return new
 
 
 @dataclass
@@ -121,6 +99,11 @@ class ApiFactory:
                           openapi_extra=request_body(CompletionRequest))
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"],
                           openapi_extra=request_body(ChatCompletionRequest))
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"],
+                          openapi_extra=request_body(TokenizeRequest))
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"],
+                          openapi_extra=request_body(DetokenizeRequest))
+        app.add_api_route("/version", self.version, methods=["GET"])
         app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]
         return app
 
@@ -148,6 +131,42 @@ class ApiFactory:
     async def render_metrics(self) -> PlainTextResponse:
         return PlainTextResponse(self.metrics.render(self.backend.stats()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def version(self) -> dict[str, str]:
+        return {"version": _VERSION}
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {count, max_model_len, tokens} of a prompt or a chat."""
+        try:
+            body = parse_request(TokenizeRequest, await self._body(request))
+            self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise InvalidRequest("send exactly one of prompt and messages", "prompt")
+            if body.messages is not None:
+                messages = [(m.role, m.text()) for m in body.messages]
+                self._check_prompt_chars([text for _role, text in messages])
+                tokens = self.backend.chat_prompt(messages)
+            else:
+                assert body.prompt is not None
+                self._check_prompt_chars([body.prompt])
+                tokens = self.backend.encode(body.prompt)
+            return JSONResponse({"count": len(tokens), "max_model_len":
+                                 self.backend.max_model_len, "tokens": list(tokens)})
+        except ValueError as exc:
+            return self._invalid(exc)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = parse_request(DetokenizeRequest, await self._body(request))
+            self._check_model(body.model)
+            vocab = self.backend.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"tokens: {bad} is outside the vocabulary [0, {vocab})",
+                                     "tokens")
+            return JSONResponse({"prompt": self.backend.decode(body.tokens)})
+        except ValueError as exc:
+            return self._invalid(exc)
 
     async def completions(self, request: Request) -> Response:
         try:
@@ -240,7 +259,8 @@ class ApiFactory:
         self.metrics.on_admitted(len(token_ids))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         job = _Job(request_id, kind, len(token_ids), stream, timer, include_usage,
-                   body.return_token_ids, int(self._wall_s()), TextStream(self.backend.decode))
+                   body.return_token_ids, int(self._wall_s()),
+                   TextStream(self.backend.decode, stop_strings(body.stop)))
         if body.stream:
             # The background close covers a client gone before the body is ever iterated.
             return StreamingResponse(self._sse(job), media_type="text/event-stream",
@@ -257,7 +277,12 @@ class ApiFactory:
                 final = event.finish_reason is not None
                 if final:
                     job.finish_reason = event.finish_reason  # type: ignore[assignment]
-                yield event, job.text.push(event.token_ids, final)
+                text = job.text.push(event.token_ids, final)
+                if job.text.stopped:  # a stop string: the output ends before it
+                    job.finish_reason = FinishReason.STOP
+                    yield replace(event, finish_reason=FinishReason.STOP), text
+                    break  # closing the stream aborts the rest of the generation
+                yield event, text
         finally:
             await job.stream.aclose()
             self.metrics.on_finished(job.timer, self._now_s(), job.num_cached_tokens,
@@ -316,6 +341,18 @@ class ApiFactory:
             yield _sse_data(usage_chunk(name, job.request_id, job.created, model,
                                         self._usage(job)))
         yield "data: [DONE]\n\n"
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvcake")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+_VERSION = _package_version()
 
 
 def _too_large(size: str, cap: int) -> InvalidRequest:

@@ -63,6 +63,10 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    repetition_penalty: float = 1.0  # vLLM's sampling extras (engine/sampling.py)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)

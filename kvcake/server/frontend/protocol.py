@@ -4,7 +4,10 @@ Every request field OpenAI (or vLLM, for `top_k`, `min_tokens`, `ignore_eos`, `s
 defines is either supported or accepted only at the value that means "off" (for example `n=1`,
 `echo=false`, `logprobs=null`); anything else, and any field we do not know, is an
 `InvalidRequest` (HTTP 400) that names the field and says what to change. Nothing is silently
-ignored except `user`, which OpenAI defines as an opaque end-user tag.
+ignored except opaque tags and service hints that change no output (`user`, `metadata`, `store`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls` without tools).
+`stop` strings are applied by the API on the streamed text (detokenizer.py); vLLM's sampling
+extras (`repetition_penalty`, `min_p`) and the OpenAI penalties reach the engine's sampler.
 """
 
 from __future__ import annotations
@@ -54,11 +57,28 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: choices carry `token_ids`
+    # vLLM's sampling extras (clients send them through extra_body)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    # Accepted only at their neutral value (checked in _reject_unsupported)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    # OpenAI fields that change nothing here: opaque tags and service options
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]  # json_object / json_schema (structured output) are not implemented
 
 
 class CompletionRequest(_SamplingFields):
@@ -92,20 +112,63 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI chat fields accepted at their neutral value only
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | None = None
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
-_RequestT = TypeVar("_RequestT", CompletionRequest, ChatCompletionRequest)
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Literal[True] = True  # False is not implemented: a 400 naming it
+    add_generation_prompt: Literal[True] = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+_RequestT = TypeVar("_RequestT", CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                    DetokenizeRequest)
 
 _UNSUPPORTED_UNLESS = {  # field -> (value that means "off", what to send instead)
-    "n": (1, "send n=1 (one completion per request) or omit it"),
-    "best_of": (None, "omit best_of"),
-    "echo": (False, "omit echo or send false"),
-    "logprobs": (None, "omit logprobs (log probabilities are not returned)"),
-    "top_logprobs": (None, "omit top_logprobs"),
-    "suffix": (None, "omit suffix"),
-    "presence_penalty": (0.0, "omit presence_penalty or send 0"),
-    "frequency_penalty": (0.0, "omit frequency_penalty or send 0"),
-    "stop": (None, "use stop_token_ids (stop strings are not supported)"),
+    "n": ((1,), "send n=1 (one completion per request) or omit it"),
+    "best_of": ((None, 1), "omit best_of or send 1"),
+    "echo": ((False,), "omit echo or send false"),
+    "logprobs": ((None, False), "omit logprobs (log probabilities are not returned)"),
+    "top_logprobs": ((None, 0), "omit top_logprobs"),
+    "suffix": ((None, ""), "omit suffix"),
+    "skip_special_tokens": ((True,), "omit it (special tokens are always skipped)"),
+    "spaces_between_special_tokens": ((True,), "omit it"),
+    "include_stop_str_in_output": ((False,), "omit it (stop strings are withheld)"),
+    "prompt_logprobs": ((None,), "omit prompt_logprobs"),
+    "truncate_prompt_tokens": ((None,), "omit it and send a prompt that fits"),
+    "tools": ((None, []), "omit tools (tool calling is not implemented)"),
+    "tool_choice": ((None, "none"), "omit tool_choice or send \"none\""),
+    "functions": ((None, []), "omit functions"),
+    "function_call": ((None, "none"), "omit function_call"),
+    "audio": ((None,), "omit audio (text only)"),
+    "prediction": ((None,), "omit prediction"),
+    "reasoning_effort": ((None,), "omit reasoning_effort"),
+    "web_search_options": ((None,), "omit web_search_options"),
+    "verbosity": ((None,), "omit verbosity"),
+    "service_tier": ((None, "auto", "default"), "omit service_tier"),
 }
 
 _FIELD_HINTS = {
@@ -126,7 +189,8 @@ def parse_request(model: type[_RequestT], body: bytes) -> _RequestT:
         request = model.model_validate_json(body)
     except ValidationError as exc:
         raise _invalid_from(exc) from None
-    _reject_unsupported(request)
+    if isinstance(request, _SamplingFields):
+        _reject_unsupported(request)
     return request
 
 
@@ -158,15 +222,20 @@ def _short(value: Any) -> str:
 
 def _reject_unsupported(request: _SamplingFields) -> None:
     for field, (off, advice) in _UNSUPPORTED_UNLESS.items():
-        value = getattr(request, field, off)
-        if value is False and field == "logprobs":  # chat's logprobs is a bool
-            continue
-        if value != off and not (field == "stop" and value in ("", [])):
+        value = getattr(request, field, off[0])
+        if not any(value == v and type(value) is type(v) for v in off):
             raise InvalidRequest(f"{field}={_short(value)} is not supported: {advice}", field)
     if request.logit_bias:
         raise InvalidRequest("logit_bias is not supported: omit it", "logit_bias")
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The request's `stop` strings (empty ones mean nothing)."""
+    if stop is None:
+        return ()
+    return tuple(s for s in ([stop] if isinstance(stop, str) else stop) if s)
 
 
 def prompt_token_ids(prompt: str | list[int] | list[str] | list[list[int]],
@@ -225,6 +294,8 @@ def build_generate_request(request_id: RequestId, token_ids: Sequence[int],
         temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
         seed=body.seed, stop_token_ids=tuple(body.stop_token_ids),
         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+        repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty, min_p=body.min_p,
     )
 
 

@@ -55,6 +55,10 @@ class Sampling:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop ids are masked until this many tokens exist
+    repetition_penalty: float = 1.0  # vLLM's extras (engine/sampling.py); neutral defaults
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)

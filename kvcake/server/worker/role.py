@@ -59,4 +59,7 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
     return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                           top_k=sampling.top_k or None, top_p=sampling.top_p, seed=sampling.seed,
                           stop_token_ids=tuple(sampling.stop_token_ids),
-                          ignore_eos=sampling.ignore_eos, min_tokens=sampling.min_tokens)
+                          ignore_eos=sampling.ignore_eos, min_tokens=sampling.min_tokens,
+                          repetition_penalty=sampling.repetition_penalty,
+                          frequency_penalty=sampling.frequency_penalty,
+                          presence_penalty=sampling.presence_penalty, min_p=sampling.min_p)

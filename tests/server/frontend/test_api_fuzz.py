@@ -75,7 +75,7 @@ def operations(server: ApiServer) -> list[Any]:
 def test_the_schema_describes_every_route_and_its_body(server: ApiServer) -> None:
     paths = httpx.get(server.url + "/openapi.json").json()["paths"]
     assert set(paths) == {"/health", "/v1/models", "/metrics", "/v1/completions",
-                          "/v1/chat/completions"}
+                          "/v1/chat/completions", "/tokenize", "/detokenize", "/version"}
     body = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
     assert "messages" in body["schema"]["properties"]
     assert "$ref" not in str(body)  # inlined: a client needs no $defs
@@ -101,9 +101,10 @@ def test_no_5xx_and_no_dropped_connection(operations: list[Any], mode: str) -> N
                 assert isinstance(error["message"], str) and error["message"]
 
         check()
-    assert sorted(labels) == (["GET /health", "GET /metrics", "GET /v1/models"]
-                              if mode == "positive" else []) + [
-        "POST /v1/chat/completions", "POST /v1/completions"]
+    assert sorted(labels) == sorted((["GET /health", "GET /metrics", "GET /v1/models",
+                                      "GET /version"] if mode == "positive" else []) + [
+        "POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize",
+        "POST /detokenize"])
 
 
 def test_the_server_serves_after_the_fuzzing(server: ApiServer) -> None:
