@@ -52,6 +52,8 @@ MAX_MACS = 1 << 31
 
 
 def bucket_of(rows: int) -> int:
+    if rows <= 1:  # the decode step of one sequence: the common case, no loop
+        return 0
     for i, (upper, _) in enumerate(BUCKETS):
         if rows <= upper:
             return i

@@ -142,13 +142,14 @@ class DecoderLayer(nn.Module):
         n = h.shape[0]
         x = ops.rms_norm(h, self.input_layernorm.weight, self.input_layernorm.eps)
         rows = kv.view(-1, self.num_kv_heads, self.head_dim)
-        q, k, v = ops.rope_qkv_store(self.qkv_proj(x), cos.view(n, -1), sin.view(n, -1), rows,
-                                     batch.k_slots, batch.v_slots, self.num_heads,
+        q, k, v = ops.rope_qkv_store(self.qkv_proj.forward(x), cos.view(n, -1), sin.view(n, -1),
+                                     rows, batch.k_slots, batch.v_slots, self.num_heads,
                                      self.num_kv_heads)
         attn = self._attend(q, k, v, kv, batch)
         norm = self.post_attention_layernorm
-        h, x = ops.add_rms_norm(h, self.o_proj(attn.view(n, self.q_size)), norm.weight, norm.eps)
-        return h + self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        h, x = ops.add_rms_norm(h, self.o_proj.forward(attn.view(n, self.q_size)), norm.weight,
+                                norm.eps)
+        return h + self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
@@ -235,8 +236,13 @@ class LlamaModel(nn.Module):
             h = hidden.to(dtype=next(self.layers.parameters()).dtype)
         cos, sin = self._rope(positions, h.dtype)
         first = self.layer_range.start
+        fused = cpu_ops.fused(h)  # decided once per forward: each check costs a decode step
         for idx, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, pool.layer(idx), batch)
+            kv = pool.kv[idx]
+            if fused:  # direct call: nn.Module's __call__ is measurable at decode sizes
+                h = layer._forward_fused(h, cos, sin, kv, batch)
+            else:
+                h = layer(h, cos, sin, kv, batch)
             if layer_hook is not None:
                 layer_hook(first + idx)
         if not self.is_last:
