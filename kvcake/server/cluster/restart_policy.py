@@ -31,7 +31,7 @@ class RestartPolicy:
     window_s: float = 60.0
     # A worker declared lost (hung: its pings unanswered) while its process lives is killed
     # and replaced after this long (it may come back first: SIGCONT, a long GC pause).
-    hung_grace_s: float = 0.0
+    hung_grace_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("backoff_s", "max_backoff_s", "window_s"):
