@@ -5,7 +5,8 @@ with its lease (worker/membership.py). `EtcdWorkers` watches those keys: a worke
 connected and handed to the Conductor (`DisaggBackend.add_worker`); one whose key goes (its
 process died or left: the lease ended) is removed, as a lost link would be. A worker that
 restarts registers again and rejoins under its id. A worker that cannot be reached at the
-address it advertises is logged with what to fix and tried again at the next change or resync.
+address it advertises (or serves another KV layout) is logged with what to fix, kept in
+`refused`, and tried again when it registers again.
 """
 
 from __future__ import annotations
