@@ -119,6 +119,13 @@ def test_worker_join_checks_its_advertised_address(etcd: Etcd, cluster: str) -> 
         members = list_members(etcd, cluster)
         assert sorted(m.role for m in members.values()) == ["decode", "store_node"]
         membership.close()
+        again = WorkerMembership(etcd, cluster, "decode", "tiny", "ns")  # a restart, same port
+        again.join(_Bound(bound), None)
+        restarted = list_members(etcd, cluster, "decode")
+        old = next(m for m in members.values() if m.role == "decode")
+        assert [m.address for m in restarted.values()] == [old.address]
+        assert list(restarted.values()) != [old]  # a watcher sees it as a new member
+        again.close()
         assert list_members(etcd, cluster) == {}
     assert advertised("0.0.0.0:9000", "10.1.2.3") == "10.1.2.3:9000"
     with pytest.raises(ValueError, match="--advertise-host: the worker binds 0.0.0.0"):

@@ -14,6 +14,7 @@ process dies (the lease is no longer renewed) or leaves (`close()` revokes it).
 from __future__ import annotations
 
 import socket
+import uuid
 from typing import Protocol
 
 from kvcake.registry import Etcd, Member, Registration
@@ -70,8 +71,10 @@ class WorkerMembership:
         the address it advertises. ValueError when it is not reachable there."""
         address = advertised(worker.address, advertise_host)
         check_reachable(address)
+        # A new process under the same id and address still differs from the old one
+        # (`incarnation`), so a watcher sees the restart even with a fixed --port.
         member = Member(self.role, worker.worker_id, address, model=self.model,
-                        fingerprint=self.namespace)
+                        fingerprint=self.namespace, extra={"incarnation": uuid.uuid4().hex})
         self.registrations.append(Registration(self.etcd, self.cluster, member,
                                                self.ttl_s).start())
         if store_node is not None:
