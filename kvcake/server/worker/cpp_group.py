@@ -38,7 +38,7 @@ class CppResult:
 
 
 def _member_main(model: str, layers: range, config: EngineConfig, member: int,
-                 chunk_tokens: int, threads: int, ctl: Connection, up: Connection,
+                 chunk_tokens: int, slots: int, threads: int, ctl: Connection, up: Connection,
                  down: Connection) -> None:
     if threads > 0:  # a process of its own (a thread member shares its process's pool)
         import torch
@@ -49,7 +49,7 @@ def _member_main(model: str, layers: range, config: EngineConfig, member: int,
 
     stage = StageEngine(model, layers, config)
     with TransferEngine(TransferConfig(port=0)) as transfer:
-        m = CppMember(stage, transfer, member=member, chunk_tokens=chunk_tokens,
+        m = CppMember(stage, transfer, member=member, chunk_tokens=chunk_tokens, slots=slots,
                       tag=f"{member}-{os.getpid()}-{threading.get_ident()}")
         ctl.send(None if m.inbox is None else m.inbox.to_dict())
         nxt = ctl.recv()
@@ -61,8 +61,9 @@ def _member_main(model: str, layers: range, config: EngineConfig, member: int,
 
 class CppGroup:
     def __init__(self, model: str, num_members: int, config: EngineConfig, *,
-                 chunk_tokens: int, threads: int = 1, in_process: bool = False) -> None:
-        """`threads`: torch threads of each member process. `in_process`: members run as
+                 chunk_tokens: int, threads: int = 1, in_process: bool = False,
+                 slots: int = 2) -> None:
+        """`threads`: torch threads of each member process; `slots`: chunks each inbox holds. `in_process`: members run as
         threads of this process instead (tests: no start-up of processes; same messages,
         same shared-memory inboxes and transfer engines)."""
         from kvcake.engine.loader import resolve
@@ -79,7 +80,7 @@ class CppGroup:
             down_here, down_there = ctx.Pipe()
             ctl_here, ctl_there = ctx.Pipe()
             proc = make(target=_member_main, daemon=True,
-                        args=(model, span, config, member, chunk_tokens,
+                        args=(model, span, config, member, chunk_tokens, slots,
                               0 if in_process else threads, ctl_there, up, down_here))
             proc.start()
             self._procs.append(proc)

@@ -55,3 +55,15 @@ def test_group_tokens_equal_single_engine() -> None:
     touched = sum(-(-(s + n) // 16) - s // 16 for s, n in chunks(len(PROMPT), 40))
     assert touched == 12
     assert result.kv_bytes == (2 * touched * decode.pool.layer_nbytes,) * 2
+
+
+def test_three_members_one_slot_each_back_pressure() -> None:
+    """One inbox slot per member: every chunk waits for the next member to free it."""
+    single = Engine("tiny", CONFIG)
+    single.add_request("long", PROMPT, SamplingParams(max_tokens=1))
+    single.add_request("short", PROMPT[:20], SamplingParams(max_tokens=1))
+    expected = {o.request_id: o.new_token_ids[0] for _ in range(3) for o in single.step()}
+    with CppGroup("tiny", 3, CONFIG, chunk_tokens=32, in_process=True, slots=1) as group:
+        assert group.prefill("a", PROMPT).first_token == expected["long"]
+        assert group.prefill("b", PROMPT[:20]).first_token == expected["short"]  # one chunk
+        assert group.prefill("c", PROMPT).first_token == expected["long"]  # blocks released
