@@ -203,9 +203,9 @@ def stop(server: Server, args: argparse.Namespace, port: int, run_dir: Path) -> 
 
 
 def prefix_hits(url: str) -> float | None:
-    """The server's prefix_cache_hits_total (vllm: or kvcake_ prefix), summed over labels."""
+    """The server's prefix_cache_hits_total (vllm: or kvcake: prefix), summed over labels."""
     text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    found = re.findall(r"^(?:vllm:|kvcake_)prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", text,
+    found = re.findall(r"^(?:vllm:|kvcake:)prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", text,
                        re.MULTILINE)
     return sum(float(v) for v in found) if found else None
 

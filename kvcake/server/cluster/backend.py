@@ -134,6 +134,8 @@ class DisaggBackend(ModelFront):
         """The Conductor over the first workers; their layout is the cluster's from now on."""
         cfg = self.config
         self._layout = hellos[0]
+        for hello in hellos:
+            log.info("worker %s (%s) joined", hello.worker_id, hello.role)
         audit: StoreAudit | None = None  # made before the readers start: it sees every StoreEvents
         if cfg.store_master is not None and cfg.monitor.store_audit_max_keys > 0:
             self._store = StoreClient(cfg.store_master, transfer_config=TransferConfig(
@@ -223,7 +225,7 @@ class DisaggBackend(ModelFront):
         sampling = sampling_of(request)
         if self._layout is None and self.config.workers_join:
             raise Rejected("no worker has joined the cluster yet: start `kvcake worker --etcd "
-                           "...` on a host", 1.0)
+                           "...` on a host", 1.0, "no_worker")
         schedule = schedule_request(request, self._hello())
         sink: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         with self._lock:
@@ -232,7 +234,8 @@ class DisaggBackend(ModelFront):
             limit = self.config.max_waiting_requests
             if limit is not None and self._book.counts()[0] >= limit:
                 raise Rejected(f"{limit} requests are waiting for their first token (limit "
-                               f"{limit}); retry later", self.config.conductor.min_retry_after_s)
+                               f"{limit}); retry later", self.config.conductor.min_retry_after_s,
+                               "max_waiting_requests")
             placement = self._router.place(schedule, self.clock.now_s())
             self._book.admit(Flight(request, sink, asyncio.get_running_loop(), placement,
                                     sampling))

@@ -65,7 +65,8 @@ class Router:
         if not isinstance(decision, Placement):
             raise Rejected(f"the Conductor rejected the request ({decision.reason.value}: "
                            f"predicted TTFT {decision.predicted_ttft_s:.3f} s, TBT "
-                           f"{decision.predicted_tbt_s:.3f} s)", decision.retry_after_s)
+                           f"{decision.predicted_tbt_s:.3f} s)", decision.retry_after_s,
+                           decision.reason.value)
         return decision
 
     # -- a request's life ----------------------------------------------------------------------

@@ -38,6 +38,7 @@ from kvcake.server.frontend.api_key import ApiKeyGuard
 from kvcake.server.frontend.backend import Backend, FinishReason, Rejected, TokenEvent, TokenStream
 from kvcake.server.frontend.detokenizer import TextStream
 from kvcake.server.frontend.limits import PROMPT_CHARS_PER_TOKEN, HttpLimits, json_depth_exceeds
+from kvcake.server.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvcake.server.frontend.metrics import RequestTimer, ServerMetrics
 from kvcake.server.frontend.openapi import request_body
 from kvcake.server.frontend.protocol import (
@@ -85,7 +86,7 @@ class ApiFactory:
                  wall_s: Callable[[], float] = time.time,
                  limits: HttpLimits | None = None) -> None:
         self.backend = backend
-        self.metrics = metrics or ServerMetrics()
+        self.metrics = metrics or ServerMetrics(backend.model_name)
         self.limits = limits or HttpLimits()
         self._now_s, self._wall_s = now_s, wall_s
         self._ids = {"completion": RandomIds("cmpl"), "chat": RandomIds("chatcmpl")}
@@ -130,7 +131,7 @@ class ApiFactory:
 
     async def render_metrics(self) -> PlainTextResponse:
         return PlainTextResponse(self.metrics.render(self.backend.stats()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+                                 media_type=METRICS_CONTENT_TYPE)
 
     async def version(self) -> dict[str, str]:
         return {"version": _VERSION}
@@ -249,7 +250,7 @@ class ApiFactory:
         try:
             stream = await self.backend.generate(gen)
         except Rejected as exc:
-            self.metrics.on_rejected()
+            self.metrics.on_rejected(exc.kind)
             retry = str(max(1, math.ceil(exc.retry_after_s)))
             return self._error(exc.reason, 429, None, "rejected", {"Retry-After": retry})
         except ValueError:

@@ -127,10 +127,11 @@ class QueueTokenStream:
 class Rejected(Exception):
     """The backend will not take this request now. The API answers 429 with Retry-After."""
 
-    def __init__(self, reason: str, retry_after_s: float) -> None:
+    def __init__(self, reason: str, retry_after_s: float, kind: str = "rejected") -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.kind = kind  # a metric label: the Conductor's reason, or max_waiting_requests
 
 
 @dataclass(frozen=True)

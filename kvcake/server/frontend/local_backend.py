@@ -147,7 +147,8 @@ class LocalBackend:
         with self._lock:
             if limit is not None and self._num_waiting >= limit:
                 raise Rejected(f"{self._num_waiting} requests are already waiting for prefill "
-                               f"(limit {limit}); retry later", self.config.retry_after_s)
+                               f"(limit {limit}); retry later", self.config.retry_after_s,
+                               "max_waiting_requests")
             self._num_waiting += 1
         sink: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         admitted: concurrent.futures.Future[None] = concurrent.futures.Future()

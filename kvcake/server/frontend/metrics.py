@@ -1,69 +1,42 @@
-"""Serving metrics in the Prometheus text exposition format (version 0.0.4), for /metrics.
+"""Serving metrics for /metrics: `prometheus_client` with one registry per server.
 
-Written here rather than with `prometheus_client` so that every server in a test process gets
-its own registry and nothing is global. Families (all prefixed `kvcake_`):
+vLLM's names and labels under a `kvcake:` prefix, every family labelled with `model_name`:
 
-- `time_to_first_token_seconds` (histogram): request arrival -> first token leaves the backend.
-- `time_between_tokens_seconds` (histogram): every gap between consecutive token events.
-- `request_tbt_seconds` (histogram): MOONCAKE's per-request TBT (mean of its slowest 10% gaps).
-- `e2e_request_latency_seconds` (histogram).
-- `requests_total{finish_reason}`, `rejected_requests_total`, `http_errors_total{status}`.
-- `prompt_tokens_total`, `generation_tokens_total`, `prefix_cache_queries_total` (prompt tokens
-  looked up), `prefix_cache_hits_total` (prompt tokens served from cache) and their ratio
-  `prefix_cache_hit_rate` (gauge).
-- From the backend's `stats()`: `num_requests_waiting`, `num_requests_running`,
-  `kv_cache_usage_ratio` (gauges) and `transfer_bytes_total` (zero on the colocated path).
+- `kvcake:time_to_first_token_seconds`, `kvcake:inter_token_latency_seconds`,
+  `kvcake:e2e_request_latency_seconds` (histograms), and ours, `kvcake:request_tbt_seconds`
+  (MOONCAKE's per-request TBT: mean of its slowest 10% gaps).
+- `kvcake:request_success_total{finished_reason}`, `kvcake:prompt_tokens_total`,
+  `kvcake:generation_tokens_total`, `kvcake:prefix_cache_queries_total` (prompt tokens looked
+  up), `kvcake:prefix_cache_hits_total` (prompt tokens served from a prefix cache, local or the
+  store).
+- `kvcake:num_requests_waiting`, `kvcake:num_requests_running`, `kvcake:kv_cache_usage_perc`
+  (gauges read from the backend's `stats()` at scrape time).
+- Ours: `kvcake:request_rejected_total{reason}` (429s: the Conductor's reason, or the waiting
+  limit), `kvcake:conductor_decisions_total{decision}` (placed | rejected),
+  `kvcake:http_errors_total{status}`, `kvcake:kv_transfer_bytes_total`, and the cluster view of
+  a disaggregated backend: `kvcake:kv_stream_hidden_share` (share of KV streaming hidden behind
+  compute), `kvcake:store_fetched_tokens_total`, `kvcake:live_workers{role}`.
+
+A registry per `ServerMetrics`, so that several servers in one process (tests) never share one.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from kvcake.bench.stats import paper_tbt_s
 from kvcake.server.frontend.backend import BackendStats, FinishReason
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                      0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
-PREFIX = "kvcake_"
-
-
-class Histogram:
-    """Cumulative-bucket histogram; `observe` is O(log buckets)."""
-
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
-        if list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"histogram {name}: buckets must be strictly increasing")
-        self.name, self.help_text, self.buckets = name, help_text, tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-
-    def render(self) -> list[str]:
-        name = PREFIX + self.name
-        lines = [f"# HELP {name} {self.help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else repr(float(bound))
-            lines.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
-        lines += [f"{name}_sum {self.total!r}", f"{name}_count {cumulative}"]
-        return lines
-
-
-def _family(name: str, kind: str, help_text: str, samples: dict[str, float]) -> list[str]:
-    full = PREFIX + name
-    lines = [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
-    lines += [f"{full}{labels} {_number(value)}" for labels, value in samples.items()]
-    return lines
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+PREFIX = "kvcake:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class RequestTimer:
@@ -83,85 +56,113 @@ class RequestTimer:
         self.last_token_s = now_s
 
 
-class ServerMetrics:
-    """All counters of one server; thread-safe (the API and a backend thread may both write)."""
+class _BackendView(Collector):
+    """Gauges and counters read from `BackendStats` at scrape time."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.ttft = Histogram("time_to_first_token_seconds",
-                              "Request arrival to first token.", LATENCY_BUCKETS_S)
-        self.tbt = Histogram("time_between_tokens_seconds",
-                             "Gap between consecutive token events of a request.",
-                             LATENCY_BUCKETS_S)
-        self.request_tbt = Histogram("request_tbt_seconds",
-                                     "MOONCAKE TBT: mean of a request's slowest 10% of gaps.",
-                                     LATENCY_BUCKETS_S)
-        self.e2e = Histogram("e2e_request_latency_seconds", "Request arrival to last token.",
-                             LATENCY_BUCKETS_S)
-        self.finished: dict[str, int] = {}
-        self.http_errors: dict[int, int] = {}
-        self.num_rejected = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.num_cached_tokens = 0
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats = BackendStats()
+
+    def collect(self) -> Iterator[Metric]:
+        stats, labels = self.stats, [self.model_name]
+
+        def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("num_requests_waiting", "Requests admitted, no first token yet.",
+                    stats.num_waiting_requests)
+        yield gauge("num_requests_running", "Requests being decoded.", stats.num_running_requests)
+        yield gauge("kv_cache_usage_perc", "Share of KV pages in use (0..1).",
+                    stats.kv_cache_usage)
+        moved = CounterMetricFamily(PREFIX + "kv_transfer_bytes", "KV bytes moved between "
+                                    "instances and the store.", labels=["model_name"])
+        moved.add_metric(labels, stats.transfer_bytes)
+        yield moved
+        extra = stats.extra
+        if "kv_stream_hidden_share" in extra:
+            yield gauge("kv_stream_hidden_share", "Share of layer-wise KV streaming hidden "
+                        "behind prefill compute.", extra["kv_stream_hidden_share"])
+        if "fetched_tokens" in extra:
+            fetched = CounterMetricFamily(PREFIX + "store_fetched_tokens", "Prompt tokens whose "
+                                          "KV was fetched from the store.", labels=["model_name"])
+            fetched.add_metric(labels, extra["fetched_tokens"])
+            yield fetched
+        roles = {k[len("live_"):-len("_workers")]: v for k, v in extra.items()
+                 if k.startswith("live_") and k.endswith("_workers")}
+        if roles:
+            live = GaugeMetricFamily(PREFIX + "live_workers", "Workers alive, by role.",
+                                     labels=["model_name", "role"])
+            for role, count in sorted(roles.items()):
+                live.add_metric([self.model_name, role], count)
+            yield live
+
+
+class ServerMetrics:
+    """All metrics of one server, in its own registry; thread-safe (prometheus_client is)."""
+
+    def __init__(self, model_name: str = "kvcake") -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ["model_name"]
+
+        def histogram(name: str, help_text: str) -> Histogram:
+            return Histogram(PREFIX + name, help_text, m, registry=r, buckets=LATENCY_BUCKETS_S)
+
+        def counter(name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, help_text, [*m, *labels], registry=r)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Request arrival to first token.")
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Gap between consecutive token events of a request.")
+        self.request_tbt = histogram("request_tbt_seconds",
+                                     "MOONCAKE TBT: mean of a request's slowest 10% of gaps.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to last token.")
+        self.success = counter("request_success_total", "Finished requests by reason.",
+                               ("finished_reason",))
+        self.rejected = counter("request_rejected_total", "Requests refused with HTTP 429.",
+                                ("reason",))
+        self.decisions = counter("conductor_decisions_total", "Admission decisions.",
+                                 ("decision",))
+        self.http_errors = counter("http_errors_total", "Error responses by status.",
+                                   ("status",))
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens admitted.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.cache_queries = counter("prefix_cache_queries_total",
+                                     "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits_total",
+                                  "Prompt tokens served from a prefix cache (local or store).")
+        self._view = _BackendView(model_name)
+        r.register(self._view)
+        self._lock = threading.Lock()  # one scrape at a time sees one stats snapshot
 
     def on_admitted(self, num_prompt_tokens: int) -> None:
-        with self._lock:
-            self.num_prompt_tokens += num_prompt_tokens
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self.cache_queries.labels(self.model_name).inc(num_prompt_tokens)
+        self.decisions.labels(self.model_name, "placed").inc()
 
     def on_finished(self, timer: RequestTimer, end_s: float, num_cached_tokens: int,
                     num_generated: int, reason: FinishReason) -> None:
-        with self._lock:
-            self.finished[reason.value] = self.finished.get(reason.value, 0) + 1
-            self.num_generation_tokens += num_generated
-            self.num_cached_tokens += num_cached_tokens
-            if timer.first_token_s is not None:
-                self.ttft.observe(timer.first_token_s - timer.arrival_s)
-                for gap in timer.gaps_s:
-                    self.tbt.observe(gap)
-                self.request_tbt.observe(paper_tbt_s(timer.gaps_s))
-            self.e2e.observe(end_s - timer.arrival_s)
+        name = self.model_name
+        self.success.labels(name, reason.value).inc()
+        self.generation_tokens.labels(name).inc(num_generated)
+        self.cache_hits.labels(name).inc(num_cached_tokens)
+        if timer.first_token_s is not None:
+            self.ttft.labels(name).observe(timer.first_token_s - timer.arrival_s)
+            for gap in timer.gaps_s:
+                self.itl.labels(name).observe(gap)
+            self.request_tbt.labels(name).observe(paper_tbt_s(timer.gaps_s))
+        self.e2e.labels(name).observe(end_s - timer.arrival_s)
 
-    def on_rejected(self) -> None:
-        with self._lock:
-            self.num_rejected += 1
+    def on_rejected(self, reason: str = "rejected") -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+        self.decisions.labels(self.model_name, "rejected").inc()
 
     def on_http_error(self, status: int) -> None:
-        with self._lock:
-            self.http_errors[status] = self.http_errors.get(status, 0) + 1
+        self.http_errors.labels(self.model_name, str(status)).inc()
 
     def render(self, stats: BackendStats) -> str:
         with self._lock:
-            lines: list[str] = []
-            for hist in (self.ttft, self.tbt, self.request_tbt, self.e2e):
-                lines += hist.render()
-            lines += _family("requests_total", "counter", "Finished requests by reason.",
-                             {f'{{finish_reason="{k}"}}': v for k, v in
-                              sorted(self.finished.items())})
-            lines += _family("rejected_requests_total", "counter",
-                             "Requests refused with HTTP 429.", {"": self.num_rejected})
-            lines += _family("http_errors_total", "counter", "Error responses by status.",
-                             {f'{{status="{k}"}}': v for k, v in sorted(self.http_errors.items())})
-            queries, hits = self.num_prompt_tokens, self.num_cached_tokens
-            for name, help_text, value in (
-                ("prompt_tokens_total", "Prompt tokens admitted.", queries),
-                ("generation_tokens_total", "Tokens generated.", self.num_generation_tokens),
-                ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-                 queries),
-                ("prefix_cache_hits_total", "Prompt tokens served from the prefix cache.", hits),
-            ):
-                lines += _family(name, "counter", help_text, {"": value})
-        gauges = (
-            ("prefix_cache_hit_rate", "Share of prompt tokens served from cache.",
-             hits / queries if queries else 0.0),
-            ("num_requests_waiting", "Requests admitted, not yet prefilled.",
-             stats.num_waiting_requests),
-            ("num_requests_running", "Requests being decoded.", stats.num_running_requests),
-            ("kv_cache_usage_ratio", "Share of KV pages in use.", stats.kv_cache_usage),
-        )
-        for name, help_text, gauge in gauges:
-            lines += _family(name, "gauge", help_text, {"": gauge})
-        lines += _family("transfer_bytes_total", "counter",
-                         "KV bytes moved between instances and the store.",
-                         {"": stats.transfer_bytes})
-        return "\n".join(lines) + "\n"
+            self._view.stats = stats
+            return generate_latest(self.registry).decode()

@@ -12,6 +12,7 @@ from kvcake.server.frontend.api import ApiServer, create_app
 from kvcake.server.frontend.backend import GenerateRequest, Rejected
 from kvcake.server.frontend.local_backend import LocalBackend, LocalBackendConfig
 from kvcake.types import RequestId
+from tests.server.prom import value
 
 ENGINE = EngineConfig(kv_cache_bytes=16 * 2**20, max_num_batched_tokens=8)
 
@@ -28,8 +29,9 @@ def test_queue_limit_zero_rejects_with_429_and_keeps_serving() -> None:
             assert "limit 0" in error["message"]
         assert httpx.get(api.url + "/health").status_code == 200
         metrics = httpx.get(api.url + "/metrics").text
-        assert "kvcake_rejected_requests_total 2" in metrics.splitlines()
-        assert 'kvcake_http_errors_total{status="429"} 2' in metrics.splitlines()
+        assert value(metrics, "kvcake:request_rejected_total",
+                     reason="max_waiting_requests") == 2
+        assert value(metrics, "kvcake:http_errors_total", status="429") == 2
 
 
 def test_queue_limit_one_rejects_while_a_prefill_waits() -> None:

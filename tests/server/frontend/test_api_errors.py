@@ -15,6 +15,7 @@ import pytest
 
 from kvcake.server.frontend.api import ApiServer, create_app
 from kvcake.server.frontend.backend import BackendStats, FinishReason, GenerateRequest, TokenEvent
+from tests.server.prom import value
 
 
 class _Stream:
@@ -90,10 +91,8 @@ def test_failure_at_admission(url: str) -> None:
 
 
 def errors_500(url: str) -> int:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith('kvcake_http_errors_total{status="500"}'):
-            return int(line.split()[-1])
-    return 0
+    return int(value(httpx.get(url + "/metrics").text, "kvcake:http_errors_total",
+                     status="500"))
 
 
 def test_failure_mid_generation(url: str) -> None:

@@ -1,56 +1,60 @@
-"""Prometheus exposition and the API's incremental detokenizer."""
+"""/metrics through prometheus_client: vLLM's names under `kvcake:`, a registry per server,
+parsed back with prometheus_client's parser."""
 
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvcake.server.frontend.api import TextStream
 from kvcake.server.frontend.backend import BackendStats, FinishReason
-from kvcake.server.frontend.metrics import Histogram, RequestTimer, ServerMetrics
+from kvcake.server.frontend.metrics import RequestTimer, ServerMetrics
+from tests.server.prom import value
 
 
-def test_histogram_buckets_are_cumulative() -> None:
-    hist = Histogram("x_seconds", "x", (0.1, 1.0))
-    for value in (0.05, 0.1, 0.5, 3.0):
-        hist.observe(value)
-    assert hist.render()[2:] == [
-        'kvcake_x_seconds_bucket{le="0.1"} 2',  # le: the bound is inclusive
-        'kvcake_x_seconds_bucket{le="1.0"} 3',
-        'kvcake_x_seconds_bucket{le="+Inf"} 4',
-        "kvcake_x_seconds_sum 3.65",
-        "kvcake_x_seconds_count 4",
-    ]
-    with pytest.raises(ValueError, match="strictly increasing"):
-        Histogram("y", "y", (1.0, 0.5))
-
-
-def test_request_timing_and_hit_rate() -> None:
-    metrics = ServerMetrics()
+def _observed() -> ServerMetrics:
+    metrics = ServerMetrics("m")
     timer = RequestTimer(arrival_s=10.0)
     for now_s in (10.5, 10.6, 10.8, 11.2):  # gaps 0.1, 0.2, 0.4
         timer.on_tokens(now_s)
     metrics.on_admitted(100)
     metrics.on_finished(timer, 11.2, num_cached_tokens=64, num_generated=4,
                         reason=FinishReason.LENGTH)
-    lines = metrics.render(BackendStats(num_waiting_requests=2, transfer_bytes=5)).splitlines()
-    assert "kvcake_time_to_first_token_seconds_sum 0.5" in lines
-    assert "kvcake_time_between_tokens_seconds_count 3" in lines
-    tbt_sum = next(line for line in lines if line.startswith("kvcake_request_tbt_seconds_sum"))
-    assert float(tbt_sum.split()[1]) == pytest.approx(0.4)  # 3 gaps: the slowest one
-    assert 'kvcake_requests_total{finish_reason="length"} 1' in lines
-    assert "kvcake_prefix_cache_hit_rate 0.64" in lines
-    assert "kvcake_num_requests_waiting 2" in lines
-    assert "kvcake_transfer_bytes_total 5" in lines
+    metrics.on_rejected("ttft_slo")
+    return metrics
 
 
-def test_text_stream_holds_back_split_characters() -> None:
-    def decode(ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+def test_vllm_names_and_labels_parse() -> None:
+    stats = BackendStats(num_waiting_requests=2, transfer_bytes=5,
+                         extra={"kv_stream_hidden_share": 0.75, "fetched_tokens": 32.0,
+                                "live_prefill_workers": 2.0, "live_decode_workers": 1.0})
+    text = _observed().render(stats)
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"kvcake:time_to_first_token_seconds", "kvcake:request_success",
+            "kvcake:prefix_cache_hits", "kvcake:prefix_cache_queries",
+            "kvcake:inter_token_latency_seconds", "kvcake:e2e_request_latency_seconds",
+            "kvcake:num_requests_waiting", "kvcake:kv_cache_usage_perc",
+            "kvcake:live_workers", "kvcake:kv_stream_hidden_share",
+            "kvcake:store_fetched_tokens", "kvcake:request_rejected",
+            "kvcake:conductor_decisions"} <= names
+    assert value(text, "kvcake:time_to_first_token_seconds_sum", model_name="m") == \
+        pytest.approx(0.5)
+    assert value(text, "kvcake:inter_token_latency_seconds_count") == 3
+    assert value(text, "kvcake:request_tbt_seconds_sum") == pytest.approx(0.4)  # slowest gap
+    assert value(text, "kvcake:request_success_total", finished_reason="length",
+                 model_name="m") == 1
+    assert value(text, "kvcake:prefix_cache_hits_total") == 64
+    assert value(text, "kvcake:prefix_cache_queries_total") == 100
+    assert value(text, "kvcake:num_requests_waiting", model_name="m") == 2
+    assert value(text, "kvcake:kv_transfer_bytes_total") == 5
+    assert value(text, "kvcake:live_workers", role="prefill") == 2
+    assert value(text, "kvcake:live_workers", role="decode") == 1
+    assert value(text, "kvcake:store_fetched_tokens_total") == 32
+    assert value(text, "kvcake:request_rejected_total", reason="ttft_slo") == 1
+    assert value(text, "kvcake:conductor_decisions_total", decision="placed") == 1
+    assert value(text, "kvcake:conductor_decisions_total", decision="rejected") == 1
 
-    stream = TextStream(decode)
-    euro = "€".encode()  # three bytes
-    assert stream.push((ord("a"),), final=False) == "a"
-    assert stream.push((euro[0],), final=False) == ""
-    assert stream.push((euro[1],), final=False) == ""
-    assert stream.push((euro[2],), final=False) == "€"
-    assert stream.push((0xFF,), final=True) == "\ufffd"  # invalid byte: flushed at the end
+
+def test_each_server_has_its_own_registry() -> None:
+    first, second = _observed(), ServerMetrics("m")
+    assert value(second.render(BackendStats()), "kvcake:request_success_total") == 0
+    assert value(first.render(BackendStats()), "kvcake:request_success_total") == 1

@@ -20,6 +20,7 @@ from kvcake.server.frontend.api import ApiServer, create_app
 from kvcake.server.frontend.local_backend import LocalBackend, LocalBackendConfig
 from kvcake.server.frontend.protocol import render_chat_text
 from tests.server.checks import check_curl_stream, check_min_tokens_masks_stop_ids
+from tests.server.prom import value
 
 ENGINE = EngineConfig(kv_cache_bytes=16 * 2**20)
 
@@ -217,24 +218,24 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
 
 
 def test_stream_disconnect_aborts_in_engine(server: Running) -> None:
-    before = _metric(server, 'kvcake_requests_total{finish_reason="abort"}')
+    before = _metric(server, "kvcake:request_success_total", finished_reason="abort")
     body = {"prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as reply:
             lines = reply.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
     # The connection is closed now; the engine must drop the request long before 1500 tokens.
-    wait_until(lambda: _metric(server, 'kvcake_requests_total{finish_reason="abort"}')
+    wait_until(lambda: _metric(server, "kvcake:request_success_total", finished_reason="abort")
                == before + 1)
     wait_until(lambda: server.backend.num_live_requests == 0)
 
 
 def test_nonstream_disconnect_aborts_in_engine(server: Running) -> None:
-    before = _metric(server, 'kvcake_requests_total{finish_reason="abort"}')
+    before = _metric(server, "kvcake:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(60, read=0.3),
                    json={"prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": True})
-    wait_until(lambda: _metric(server, 'kvcake_requests_total{finish_reason="abort"}')
+    wait_until(lambda: _metric(server, "kvcake:request_success_total", finished_reason="abort")
                == before + 1)
     wait_until(lambda: server.backend.num_live_requests == 0)
 
@@ -244,12 +245,13 @@ def test_metrics_exposition(server: Running, client: openai.OpenAI) -> None:
     for _ in range(2):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=3)
     text = httpx.get(server.url + "/metrics").text
-    assert "# TYPE kvcake_time_to_first_token_seconds histogram" in text
-    assert _metric(server, "kvcake_time_to_first_token_seconds_count") >= 2
-    assert _metric(server, "kvcake_prefix_cache_hits_total") >= 48  # the repeat hit 3 blocks
-    assert 0 < _metric(server, "kvcake_prefix_cache_hit_rate") < 1
-    assert _metric(server, "kvcake_transfer_bytes_total") == 0  # colocated: nothing moves
-    assert "kvcake_num_requests_waiting" in text
+    assert "# TYPE kvcake:time_to_first_token_seconds histogram" in text
+    assert _metric(server, "kvcake:time_to_first_token_seconds_count", model_name="tiny") >= 2
+    hits = _metric(server, "kvcake:prefix_cache_hits_total")
+    assert hits >= 48  # the repeat hit 3 blocks
+    assert hits < _metric(server, "kvcake:prefix_cache_queries_total")
+    assert _metric(server, "kvcake:kv_transfer_bytes_total") == 0  # colocated: nothing moves
+    assert "kvcake:num_requests_waiting" in text
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
@@ -258,11 +260,8 @@ def test_curl_stream(server: Running) -> None:
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
 
 
-def _metric(server: Running, name: str) -> float:
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
+def _metric(server: Running, name: str, **labels: str) -> float:
+    return value(httpx.get(server.url + "/metrics").text, name, **labels)
 
 
 def test_min_tokens_masks_stop_ids_until_reached(server) -> None:  # type: ignore[no-untyped-def]

@@ -50,3 +50,13 @@ def test_a_tail_that_is_not_a_stop_prefix_is_not_held() -> None:
     assert stream.push(TOK.encode("ax", add_special_tokens=False), final=False) == "a"
     assert stream.push(TOK.encode("q", add_special_tokens=False), final=True) == "xq"
     assert not stream.stopped
+
+
+def test_a_split_character_is_held_until_complete() -> None:
+    stream = TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    euro = "€".encode()  # three bytes
+    assert stream.push((ord("a"),), final=False) == "a"
+    assert stream.push((euro[0],), final=False) == ""
+    assert stream.push((euro[1],), final=False) == ""
+    assert stream.push((euro[2],), final=False) == "€"
+    assert stream.push((0xFF,), final=True) == "\ufffd"  # invalid byte: flushed at the end
