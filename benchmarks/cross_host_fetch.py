@@ -91,9 +91,9 @@ def main() -> int:
     source = Engine(args.model, config)
     first_token_s(source, prompt)  # computes the prefix's KV once
     keys = source.prompt_block_keys(prompt)[: args.prefix_tokens // source.block_size]
-    blocks = [source.export_block_kv(k) for k in keys]
-    assert all(b is not None for b in blocks)
-    kv_bytes = sum(len(b) for b in blocks if b is not None)
+    blocks = [b for b in (source.export_block_kv(k) for k in keys) if b is not None]
+    assert len(blocks) == len(keys), "the prefix's blocks are not all cached"
+    kv_bytes = sum(len(b) for b in blocks)
     prefix_len = len(keys) * source.block_size
     try:
         hosts = NetnsHosts(["b"]).start()
@@ -122,8 +122,9 @@ def main() -> int:
                 start = time.perf_counter()
                 got = client.get_batch(names)
                 fetched = time.perf_counter() - start
-                for key, data in zip(keys, got, strict=True):
-                    engine.import_block_kv(key, data)
+                for key, got_bytes in zip(keys, got, strict=True):
+                    assert got_bytes is not None, "a prefix block left the store"
+                    engine.import_block_kv(key, got_bytes)
                 first_token_s(engine, prompt)
                 fetch_s.append(fetched)
                 fetch_ttft.append(time.perf_counter() - start)  # fetch + import + suffix

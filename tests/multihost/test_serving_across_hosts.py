@@ -81,8 +81,8 @@ cluster = "{CLUSTER}"
                                   "0", "--strategy", "most_free_first", *common],
                               name=f"master-{h}") for h in ("a", "b")}
     wait_until(lambda: etcd.get(leader_key(CLUSTER)) is not None, "a store leader")
-    leader_host = next(h for h in ("a", "b") if etcd.get(leader_key(CLUSTER)).decode()
-                       .startswith(hosts.ip(h) + ":"))  # type: ignore[union-attr]
+    leader = (etcd.get(leader_key(CLUSTER)) or b"").decode()
+    leader_host = next(h for h in ("a", "b") if leader.startswith(hosts.ip(h) + ":"))
 
     def worker(host: str, role: str, dram: str) -> object:
         return hosts.spawn(host, [*KVCAKE, "worker", "--role", role, "--host", hosts.ip(host),

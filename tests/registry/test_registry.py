@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_watch_reports_join_leave_and_restart(etcd: Etcd, cluster: str) -> None:
     events: list[tuple[str, str]] = []
     seen = threading.Condition()
 
-    def record(kind: str) -> object:
+    def record(kind: str) -> Callable[[Member], None]:
         def callback(member: Member) -> None:
             with seen:
                 events.append((kind, member.address))

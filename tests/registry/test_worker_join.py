@@ -138,7 +138,7 @@ def test_real_workers_join_through_etcd_and_serve(etcd: Etcd, cluster: str,
     the frontend takes them in and serves greedy tokens equal to the offline engine's, the
     second request reusing the first one's prefix through the store."""
     from kvcake import LLM, SamplingParams
-    from kvcake.server.worker.config import WorkerConfig
+    from kvcake.server.worker.config import Role, WorkerConfig
     from kvcake.server.worker.worker import Worker
     from kvcake.store.elected import ElectedMaster
     from tests.server.test_disagg import ENGINE, ids, run, tokens
@@ -146,7 +146,7 @@ def test_real_workers_join_through_etcd_and_serve(etcd: Etcd, cluster: str,
     master = ElectedMaster(etcd, cluster, recovery_s=5.0).start()
     assert master.ready.wait(WAIT_S)
     watch = EtcdWorkers(backend, etcd, cluster, resync_s=1.0).start()
-    workers = [Worker(WorkerConfig(role=role, engine=ENGINE, etcd=etcd.text, cluster=cluster,
+    workers = [Worker(WorkerConfig(role=Role(role), engine=ENGINE, etcd=etcd.text, cluster=cluster,
                                    worker_id=f"{role}-x", store_dram_bytes=8 << 20,
                                    num_threads=1)).start() for role in ("prefill", "decode")]
     try:
