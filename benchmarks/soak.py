@@ -21,7 +21,7 @@ or lost (no end: a stream cut without an error event, a connection error, or no 
 --request-timeout-s). Every completed output is checked against the offline engine
 (`kvcake.LLM`, same model and engine settings, greedy): `wrong` counts the differences.
 Capacity back: after each fault, the seconds until `/health` shows every worker live and a
-probe request completes again. Target: 0 lost, 0 wrong, 0 5xx, capacity back within 30 s.
+probe request completes again (after a kill: once the killed worker runs as a new process). Target: 0 lost, 0 wrong, 0 5xx, capacity back within 30 s.
 """
 
 from __future__ import annotations
@@ -161,9 +161,16 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
 
 
 async def capacity_back(client: httpx.AsyncClient, url: str, num_workers: int,
-                        since: float, limit_s: float) -> float | None:
-    """Seconds from `since` until every worker is live and a probe request completes."""
+                        since: float, limit_s: float, serve_pid: int,
+                        replaced: tuple[str, int] | None) -> float | None:
+    """Seconds from `since` until every worker is live and a probe request completes; after a
+    kill, only once the killed worker `replaced` = (id, old pid) runs as a new process (before
+    that the frontend may not have noticed the loss yet)."""
     while time.monotonic() - since < limit_s:
+        if replaced is not None and worker_pids(serve_pid).get(replaced[0]) in (None,
+                                                                               replaced[1]):
+            await asyncio.sleep(0.25)
+            continue
         try:
             health = (await client.get(url + "/health", timeout=5)).json()
             if health.get("workers") == num_workers:
@@ -229,8 +236,9 @@ async def run(args: argparse.Namespace, url: str, serve_pid: int, faults_file: s
                 t0 = time.monotonic()
                 record = await inject(kind, serve_pid, faults_file, args.fault_length_s, tally)
                 record["t_s"] = round(t0 - start, 1)
+                killed = (record["target"], record["pid"]) if kind.startswith("kill") else None
                 record["capacity_back_s"] = await capacity_back(
-                    client, url, num_workers, t0, args.fault_every_s - 1)
+                    client, url, num_workers, t0, args.fault_every_s - 1, serve_pid, killed)
                 faults.append(record)
                 print(f"[soak] t={record['t_s']}s {kind} {record.get('target', '')}: capacity "
                       f"back after {record['capacity_back_s']} s", file=sys.stderr, flush=True)
