@@ -80,6 +80,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="show the store processes' logs")
     args = ap.parse_args()
 
     import torch
@@ -103,12 +104,16 @@ def main() -> int:
     rows = []
     try:
         store = [sys.executable, "-m", "kvcake.store"]
+        quiet = {} if args.verbose else {"stdout": subprocess.DEVNULL,
+                                         "stderr": subprocess.DEVNULL}
         master = hosts.spawn("b", [*store, "master", "--host", hosts.ip("b"), "--port", "24500"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             **quiet)
         hosts.spawn("b", [*store, "node", "--master", f"{hosts.ip('b')}:24500", "--dram",
-                          f"{2 * kv_bytes + (64 << 20)}", "--host", hosts.ip("b")],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: master.poll() is None and _nodes(hosts) == 1, "the store on host b")
+                          f"{2 * kv_bytes + (64 << 20)}", "--host", hosts.ip("b")], **quiet)
+        wait_for(lambda: _nodes(hosts) == 1 or master.poll() is not None, "the store on host b",
+                 timeout_s=120.0)
+        if master.poll() is not None:
+            raise SystemExit("the store master on host b exited (run with --verbose)")
         client = StoreClient(f"{hosts.ip('b')}:24500", transfer_config=TransferConfig(
             serve=False, use_shared_memory=False))
         names = [f"bench:{int(k):x}" for k in keys]
@@ -170,6 +175,8 @@ def _nodes(hosts: NetnsHosts) -> int:
         return 0
     try:
         return int(probe.master.stats()["num_nodes"])
+    except Exception:  # noqa: BLE001 (the master is still starting)
+        return 0
     finally:
         probe.close()
 
