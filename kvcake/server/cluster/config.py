@@ -42,6 +42,7 @@ class WorkerSpec:
     num_threads: int | None = 1
     layerwise: bool = True  # prefill: stream KV layer by layer during compute (else after)
     shared_memory: bool = True  # same-host KV and store bytes through shared memory (else TCP)
+    kv_events_endpoint: str | None = None  # vLLM-format KV events: ZMQ PUB bound here
 
     def __post_init__(self) -> None:
         try:

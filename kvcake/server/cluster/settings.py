@@ -99,6 +99,10 @@ class WorkerSettings(_Settings):
     shared_memory: bool = setting(_W.shared_memory, "move KV and store bytes to same-host "
                                   "workers through shared memory (--no-shared-memory: TCP)",
                                   modes=("disaggregated",))
+    kv_events_endpoint: str | None = setting(
+        None, "publish each worker's KV cache events as vLLM's KVEventBatch (msgpack) on a ZMQ "
+        "PUB socket bound here: tcp://HOST:* (each worker its own port, logged) or "
+        "tcp://HOST:PORT (one worker)", modes=("disaggregated", "colocated"))
 
 
 class WorkerIdentity(_Settings):

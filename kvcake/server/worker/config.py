@@ -38,6 +38,9 @@ class WorkerConfig:
     # Same-host KV by memcpy: a decode worker's KV pool is a shared-memory segment, and this
     # worker's transfer engine maps same-host segments. False: private pool, TCP only.
     shared_memory: bool = True
+    # vLLM-format KV events (worker/kv_event_publisher.py) on a ZMQ PUB socket bound here
+    # (tcp://HOST:PORT, or tcp://HOST:* for any port); None: not published.
+    kv_events_endpoint: str | None = None
     # The cluster secret (`kvcake.auth`): the control port admits only a frontend that proves
     # it, and the store node and segment servers ask it of every peer. None: open ports.
     secret: ClusterSecret | None = field(default=None, repr=False)

@@ -35,6 +35,7 @@ from kvcake import auth
 from kvcake.engine.engine import Engine
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.decode import DecodeRole, pool_allocator
+from kvcake.server.worker.kv_event_publisher import KvEventPublisher
 from kvcake.server.worker.messages import (
     Hello,
     KvEvents,
@@ -71,6 +72,7 @@ class Worker:
         self.store: StoreClient | None = None
         self.store_node: StoreNode | None = None
         self.membership: WorkerMembership | None = None
+        self.kv_events: KvEventPublisher | None = None  # vLLM-format events (ZMQ PUB)
         self._role: WorkerRole | None = None
         self._listener: socket.socket | None = None
         self._link: MessageLink | None = None
@@ -113,6 +115,12 @@ class Worker:
         kv_allocator = pool_allocator(self.transfer, self.worker_id, shared=cfg.shared_memory) \
             if cfg.role is Role.DECODE else None
         self.engine = Engine(cfg.model, cfg.engine, kv_allocator=kv_allocator)
+        if cfg.kv_events_endpoint is not None:
+            self.kv_events = KvEventPublisher(
+                cfg.kv_events_endpoint, f"kv@{self.worker_id}@{self.engine.model_config.name}",
+                self.engine.block_size, "GPU" if self.engine.device.type == "cuda" else "CPU")
+            log.info("%s: KV events (vLLM KVEventBatch) on %s", self.worker_id,
+                     self.kv_events.endpoint)
         self.transfer.start()
         master = cfg.store_master
         if master is not None:
@@ -170,6 +178,8 @@ class Worker:
             thread.join(timeout=10)
         if self._role is not None:
             self._role.close()
+        if self.kv_events is not None:  # its thread (the engine loop) has stopped
+            self.kv_events.close()
         if self.store is not None:
             self.store.close()
         if self.store_node is not None:
@@ -316,6 +326,8 @@ class Worker:
             stored = [int(e.key) for e in events if e.kind.value == "stored"]
             removed = [int(e.key) for e in events if e.kind.value == "removed"]
             self.send(KvEvents(stored, removed))
+            if self.kv_events is not None:
+                self.kv_events.publish((e.kind.value == "stored", int(e.key)) for e in events)
         load = LoadReport(len(engine.batcher.waiting) + self._active_role().num_pending(),
                           len(engine.batcher.running), engine.block_manager.num_free_blocks)
         if load != self._last_load:

@@ -58,6 +58,7 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "num_threads": ("3", 3),
     "layerwise": (False, False),
     "shared_memory": (False, False),
+    "kv_events_endpoint": ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
     # EngineSettings
     "block_size": ("32", 32),
     "kv_cache_bytes": ("8MiB", 8 * 2**20),
