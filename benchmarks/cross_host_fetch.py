@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -104,8 +105,8 @@ def main() -> int:
     rows = []
     try:
         store = [sys.executable, "-m", "kvcake.store"]
-        quiet = {} if args.verbose else {"stdout": subprocess.DEVNULL,
-                                         "stderr": subprocess.DEVNULL}
+        quiet: dict[str, Any] = {} if args.verbose else {
+            "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
         master = hosts.spawn("b", [*store, "master", "--host", hosts.ip("b"), "--port", "24500"],
                              **quiet)
         hosts.spawn("b", [*store, "node", "--master", f"{hosts.ip('b')}:24500", "--dram",
