@@ -119,3 +119,23 @@ def test_tokenize_detokenize_version(url: str) -> None:
     both = httpx.post(url + "/tokenize", json={"prompt": "a", "messages": []})
     assert both.status_code == 400
     assert httpx.get(url + "/version").json()["version"]
+
+
+def test_n_choices_each_seeded_and_streamed(client: openai.OpenAI) -> None:
+    kwargs = dict(model="alpha", prompt=[9, 8, 7, 6], max_tokens=6, temperature=1.0, seed=42,
+                  n=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    out = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert [c.index for c in out.choices] == [0, 1]
+    llm = LLM("tiny", config=ENGINE)
+    for choice, seed in zip(out.choices, (42, 43), strict=True):
+        [ref] = llm.generate([[9, 8, 7, 6]], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                            temperature=1.0, seed=seed))
+        assert choice.token_ids == ref.token_ids  # type: ignore[attr-defined]
+    assert out.choices[0].token_ids != out.choices[1].token_ids  # type: ignore[attr-defined]
+    assert out.usage is not None and out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens == 4  # the prompt counted once
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {c.index: c.text for c in out.choices}

@@ -75,6 +75,7 @@ class _Job:
     created: int
     text: TextStream
     num_cached_tokens: int = 0
+    index: int = 0  # the choice's index (n > 1)
     finish_reason: FinishReason = FinishReason.ABORT
 
 
@@ -243,31 +244,42 @@ class ApiFactory:
     async def _serve(self, request: Request, kind: str,
                      body: CompletionRequest | ChatCompletionRequest, token_ids: list[int],
                      max_tokens: int | None) -> Response:
+        """Admit the request's `n` choices (each its own backend request, seeded seed + i; the
+        prompt's KV is shared through the prefix cache) and answer them as one response."""
         request_id = self._ids[kind].next_id()
-        gen = build_generate_request(RequestId(request_id), token_ids, body, max_tokens,
-                                     self.backend.vocab_size, self.backend.max_model_len)
-        timer = RequestTimer(self._now_s())
-        try:
-            stream = await self.backend.generate(gen)
-        except Rejected as exc:
-            self.metrics.on_rejected(exc.kind)
-            retry = str(max(1, math.ceil(exc.retry_after_s)))
-            return self._error(exc.reason, 429, None, "rejected", {"Retry-After": retry})
-        except ValueError:
-            raise  # the backend refuses the request as invalid: the route answers 400
-        except Exception as exc:
-            return self._error(f"the backend failed to admit the request: {exc}", 500)
-        self.metrics.on_admitted(len(token_ids))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        job = _Job(request_id, kind, len(token_ids), stream, timer, include_usage,
-                   body.return_token_ids, int(self._wall_s()),
-                   TextStream(self.backend.decode, stop_strings(body.stop)))
+        jobs: list[_Job] = []
+        for index in range(body.n):
+            seeded = body if body.seed is None or index == 0 else \
+                body.model_copy(update={"seed": body.seed + index})
+            backend_id = request_id if body.n == 1 else f"{request_id}-{index}"
+            gen = build_generate_request(RequestId(backend_id), token_ids, seeded, max_tokens,
+                                         self.backend.vocab_size, self.backend.max_model_len)
+            timer = RequestTimer(self._now_s())
+            try:
+                stream = await self.backend.generate(gen)
+            except Rejected as exc:
+                await _close_all(jobs)
+                self.metrics.on_rejected(exc.kind)
+                retry = str(max(1, math.ceil(exc.retry_after_s)))
+                return self._error(exc.reason, 429, None, "rejected", {"Retry-After": retry})
+            except ValueError:
+                await _close_all(jobs)
+                raise  # the backend refuses the request as invalid: the route answers 400
+            except Exception as exc:
+                await _close_all(jobs)
+                return self._error(f"the backend failed to admit the request: {exc}", 500)
+            self.metrics.on_admitted(len(token_ids))
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            jobs.append(_Job(request_id, kind, len(token_ids), stream, timer, include_usage,
+                             body.return_token_ids, int(self._wall_s()),
+                             TextStream(self.backend.decode, stop_strings(body.stop)),
+                             index=index))
         if body.stream:
             # The background close covers a client gone before the body is ever iterated.
-            return StreamingResponse(self._sse(job), media_type="text/event-stream",
+            return StreamingResponse(self._sse(jobs), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(job.stream.aclose))
-        return await self._whole(request, job)
+                                     background=BackgroundTask(_close_all, jobs))
+        return await self._whole(request, jobs)
 
     async def _events(self, job: _Job) -> AsyncIterator[tuple[TokenEvent, str]]:
         """The backend's events with their new text; records timing and finishes the job."""
@@ -289,14 +301,17 @@ class ApiFactory:
             self.metrics.on_finished(job.timer, self._now_s(), job.num_cached_tokens,
                                      len(job.text.token_ids), job.finish_reason)
 
-    def _usage(self, job: _Job) -> dict[str, Any]:
-        return usage(job.num_prompt_tokens, len(job.text.token_ids), job.num_cached_tokens)
+    def _usage(self, jobs: list[_Job]) -> dict[str, Any]:
+        """The prompt counted once (its KV is shared), every choice's tokens."""
+        first = jobs[0]
+        return usage(first.num_prompt_tokens, sum(len(j.text.token_ids) for j in jobs),
+                     first.num_cached_tokens)
 
-    async def _whole(self, request: Request, job: _Job) -> Response:
-        async def collect() -> str:
+    async def _whole(self, request: Request, jobs: list[_Job]) -> Response:
+        async def collect(job: _Job) -> str:
             return "".join([text async for _event, text in self._events(job)])
 
-        work = asyncio.ensure_future(collect())
+        work = asyncio.ensure_future(asyncio.gather(*(collect(job) for job in jobs)))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -305,43 +320,87 @@ class ApiFactory:
             if not work.done():  # the client left: cancelling aborts the request
                 work.cancel()
         if work.cancelled():
-            await job.stream.aclose()  # idempotent; covers a task cancelled before it started
+            await _close_all(jobs)  # idempotent; covers tasks cancelled before they started
             return Response(status_code=499)
         try:
-            text = work.result()
+            texts = work.result()
         except Exception as exc:
+            await _close_all(jobs)
             return self._error(f"generation failed: {exc}", 500)
-        ids = job.text.token_ids if job.return_token_ids else None
-        if job.kind == "chat":
-            out = chat_body(job.request_id, job.created, self.backend.model_name, text,
-                            job.finish_reason, self._usage(job), ids)
-        else:
-            out = completion_body(job.request_id, job.created, self.backend.model_name, text,
-                                  job.finish_reason, self._usage(job), ids)
-        return JSONResponse(out)
+        name, first = self.backend.model_name, jobs[0]
+        choices = []
+        for job, text in zip(jobs, texts, strict=True):
+            ids = job.text.token_ids if job.return_token_ids else None
+            make = chat_body if job.kind == "chat" else completion_body
+            out = make(job.request_id, job.created, name, text, job.finish_reason,
+                       self._usage(jobs), ids)
+            choices.append({**out["choices"][0], "index": job.index})
+        return JSONResponse({**out, "id": first.request_id, "choices": choices})
 
-    async def _sse(self, job: _Job) -> AsyncIterator[str]:
-        model, first = self.backend.model_name, True
+    async def _sse(self, jobs: list[_Job]) -> AsyncIterator[str]:
+        model, first = self.backend.model_name, {job.index: True for job in jobs}
         try:
-            async for event, text in self._events(job):
+            async for job, event, text in _merged(self._events, jobs):
                 ids = event.token_ids if job.return_token_ids else None
                 if job.kind == "chat":
                     chunk = chat_chunk(job.request_id, job.created, model, text,
-                                       event.finish_reason, first, ids)
+                                       event.finish_reason, first[job.index], ids)
                 else:
                     chunk = completion_body(job.request_id, job.created, model, text,
                                             event.finish_reason, None, ids)
-                first = False
+                chunk["choices"][0]["index"] = job.index
+                first[job.index] = False
                 yield _sse_data(chunk)
         except Exception as exc:  # after the headers went out: report it in the stream
             self.metrics.on_http_error(500)
             yield _sse_data(error_body(f"generation failed: {exc}", 500))
             return
+        job = jobs[0]
         if job.include_usage:
             name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
             yield _sse_data(usage_chunk(name, job.request_id, job.created, model,
-                                        self._usage(job)))
+                                        self._usage(jobs)))
         yield "data: [DONE]\n\n"
+
+
+async def _close_all(jobs: list[_Job]) -> None:
+    for job in jobs:
+        await job.stream.aclose()
+
+
+async def _merged(events: Callable[[_Job], AsyncIterator[tuple[TokenEvent, str]]],
+                  jobs: list[_Job]) -> AsyncIterator[tuple[_Job, TokenEvent, str]]:
+    """The events of every job as they come (one job: its own order, no extra task)."""
+    if len(jobs) == 1:
+        async for event, text in events(jobs[0]):
+            yield jobs[0], event, text
+        return
+    queue: asyncio.Queue[tuple[_Job, TokenEvent, str] | BaseException | None] = asyncio.Queue()
+
+    async def pump(job: _Job) -> None:
+        try:
+            async for event, text in events(job):
+                await queue.put((job, event, text))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+    try:
+        done = 0
+        while done < len(jobs):
+            item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await _close_all(jobs)
 
 
 def _package_version() -> str:

@@ -34,6 +34,9 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
+MAX_N = 16  # choices per request
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -56,7 +59,7 @@ class _SamplingFields(_Strict):
     min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)  # choices, each its own request sharing the prompt
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -148,7 +151,6 @@ _RequestT = TypeVar("_RequestT", CompletionRequest, ChatCompletionRequest, Token
                     DetokenizeRequest)
 
 _UNSUPPORTED_UNLESS = {  # field -> (value that means "off", what to send instead)
-    "n": ((1,), "send n=1 (one completion per request) or omit it"),
     "best_of": ((None, 1), "omit best_of or send 1"),
     "echo": ((False,), "omit echo or send false"),
     "logprobs": ((None, False), "omit logprobs (log probabilities are not returned)"),
@@ -180,6 +182,7 @@ _FIELD_HINTS = {
     "top_p": "must be a number in (0, 1]",
     "top_k": "must be an integer >= 1, or 0 / -1 to disable",
     "min_tokens": "must be an integer >= 0",
+    "n": "must be an integer in [1, 16]",
 }
 
 

@@ -154,7 +154,7 @@ BAD_COMPLETIONS: list[tuple[str, bytes | dict[str, object], int, str]] = [
     ("negative token id", {"prompt": [-3]}, 400, "-3"),
     ("over-long", {"prompt": [1] * 2000, "max_tokens": 100}, 400, "maximum model length"),
     ("prompt fills context", {"prompt": [1] * 2048}, 400, "no room"),
-    ("n=2", {"prompt": "a", "n": 2}, 400, "n=2"),
+    ("n above 16", {"prompt": "a", "n": 17}, 400, "n: must be an integer in [1, 16]"),
     ("echo", {"prompt": "a", "echo": True}, 400, "echo"),
     ("logprobs", {"prompt": "a", "logprobs": 1}, 400, "logprobs"),
     ("best_of above 1", {"prompt": "a", "best_of": 2}, 400, "best_of"),
