@@ -236,8 +236,9 @@ class LlamaModel(nn.Module):
             h = hidden.to(dtype=next(self.layers.parameters()).dtype)
         cos, sin = self._rope(positions, h.dtype)
         first = self.layer_range.start
-        fused = cpu_ops.fused(h)  # decided once per forward: each check costs a decode step
-        for idx, layer in enumerate(self.layers):
+        fused = cpu_ops.fused(h)  # decided once per forward (a check per layer showed in a step)
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        for idx, layer in enumerate(layers):
             kv = pool.kv[idx]
             if fused:  # direct call: nn.Module's __call__ is measurable at decode sizes
                 h = layer._forward_fused(h, cos, sin, kv, batch)
