@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -109,6 +110,8 @@ def main() -> int:
             "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
         master = hosts.spawn("b", [*store, "master", "--host", hosts.ip("b"), "--port", "24500"],
                              **quiet)
+        wait_for(lambda: _answers(f"{hosts.ip('b')}:24500") or master.poll() is not None,
+                 "the store master on host b", timeout_s=120.0)
         hosts.spawn("b", [*store, "node", "--master", f"{hosts.ip('b')}:24500", "--dram",
                           f"{2 * kv_bytes + (64 << 20)}", "--host", hosts.ip("b")], **quiet)
         wait_for(lambda: _nodes(hosts) == 1 or master.poll() is not None, "the store on host b",
@@ -167,6 +170,15 @@ def main() -> int:
     print(f"KV of the {prefix_len}-token prefix: {kv_bytes / 1e6:.2f} MB; the Conductor chose "
           f"the faster way in {summary['conductor_agrees']} of {len(rows)} bandwidths")
     return 0
+
+
+def _answers(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def _nodes(hosts: NetnsHosts) -> int:
