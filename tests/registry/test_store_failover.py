@@ -104,3 +104,20 @@ def test_node_catalogue_drops_stale_entries(etcd: Etcd, cluster: str,
         client.close()
         registration.close()
         node.close()
+
+
+def test_a_leader_that_loses_its_lease_stops_serving(etcd: Etcd, cluster: str,
+                                                     masters: tuple[ElectedMaster, ElectedMaster]
+                                                     ) -> None:
+    from kvcake.store.errors import MasterUnavailable
+    from kvcake.store.protocol import RpcConnection
+
+    first, second = masters
+    assert RpcConnection(first.address).call("stats")["num_nodes"] == 0  # serving now
+    assert first.election is not None and first.election.lease is not None
+    assert first.election.lease.lease_id is not None
+    etcd.revoke(first.election.lease.lease_id)  # e.g. partitioned from etcd for a TTL
+    assert first.lost.wait(WAIT_S)
+    assert second.ready.wait(WAIT_S) and second.leading
+    with pytest.raises(MasterUnavailable):
+        RpcConnection(first.address, timeout_s=2.0).call("stats")
