@@ -76,20 +76,24 @@ class ModelRunner:
                 logit_rows.extend(range(row, row + chunk.num_tokens))
             elif chunk.samples:
                 logit_rows.append(row + chunk.num_tokens - 1)
-        batch = AttentionBatch(
-            prefill=prefill,
-            decode=[],
-            k_slots=(k := self._long(k_slots)), v_slots=k + bs, block_size=bs)
-        if decode_rows and self.paged_attention:
-            width = max(len(t) for t in decode_tables)
-            batch.paged.append((self._long(decode_rows),
-                                self._long([list(t) + [0] * (width - len(t))
-                                            for t in decode_tables]),
-                                self._long(decode_lens)))
+        # Every int list of the step goes to the device as one tensor, then views of it: a
+        # torch.tensor call per list was a measurable share of a decode step.
+        parts: list[list[int]] = [input_ids, positions, k_slots, logit_rows]
+        paged = bool(decode_rows) and self.paged_attention
+        width = max((len(t) for t in decode_tables), default=0)
+        if paged:
+            parts += [decode_rows, decode_lens,
+                      [b for t in decode_tables for b in (*t, *[0] * (width - len(t)))]]
+        flat = self._long([v for part in parts for v in part])
+        views = flat.split([len(part) for part in parts])
+        ids_t, pos_t, k, logit_t = views[:4]
+        batch = AttentionBatch(prefill=prefill, decode=[], k_slots=k, v_slots=k + bs,
+                               block_size=bs)
+        if paged:
+            batch.paged.append((views[4], views[6].view(len(decode_rows), width), views[5]))
         elif decode_rows:
             self._fill_decode(batch, decode_rows, decode_tables, decode_lens)
-        return self.model(self._long(input_ids), self._long(positions), batch, self.pool,
-                          self._long(logit_rows), layer_hook, hidden=hidden)
+        return self.model(ids_t, pos_t, batch, self.pool, logit_t, layer_hook, hidden=hidden)
 
     def _fill_decode(self, batch: AttentionBatch, rows: list[int],
                      tables: list[list[BlockId]], lens: list[int]) -> None:
