@@ -113,7 +113,9 @@ def test_a_leader_that_loses_its_lease_stops_serving(etcd: Etcd, cluster: str,
     from kvcake.store.protocol import RpcConnection
 
     first, second = masters
-    assert RpcConnection(first.address).call("stats")["num_nodes"] == 0  # serving now
+    conn = RpcConnection(first.address)
+    assert conn.call("stats")["num_nodes"] == 0  # serving now
+    conn.close()
     assert first.election is not None and first.election.lease is not None
     assert first.election.lease.lease_id is not None
     etcd.revoke(first.election.lease.lease_id)  # e.g. partitioned from etcd for a TTL
