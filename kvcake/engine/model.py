@@ -118,7 +118,8 @@ class DecoderLayer(nn.Module):
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
         if cpu_ops.fused(h):
-            return self._forward_fused(h, cos, sin, kv, batch)
+            h, delta = self._forward_fused(h, None, cos, sin, kv, batch)
+            return h + delta
         x = self.input_layernorm(h)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = h.shape[0]
@@ -135,12 +136,18 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
 
-    def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, kv: Tensor,
-                       batch: AttentionBatch) -> Tensor:
-        """`forward` with the element-wise steps as single-pass ops (CPU fp32, `cpu_ops`)."""
+    def _forward_fused(self, h: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor,
+                       kv: Tensor, batch: AttentionBatch) -> tuple[Tensor, Tensor]:
+        """`forward` with the element-wise steps as single-pass ops (CPU fp32, `cpu_ops`). The
+        residual stream is h + pending (the previous layer's last add, folded into this
+        layer's first norm); returns this layer's output the same way, (h, delta)."""
         ops = torch.ops.kvcake
         n = h.shape[0]
-        x = ops.rms_norm(h, self.input_layernorm.weight, self.input_layernorm.eps)
+        norm = self.input_layernorm
+        if pending is None:
+            x = ops.rms_norm(h, norm.weight, norm.eps)
+        else:
+            h, x = ops.add_rms_norm(h, pending, norm.weight, norm.eps)
         rows = kv.view(-1, self.num_kv_heads, self.head_dim)
         q, k, v = ops.rope_qkv_store(self.qkv_proj.forward(x), cos.view(n, -1), sin.view(n, -1),
                                      rows, batch.k_slots, batch.v_slots, self.num_heads,
@@ -149,7 +156,7 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         h, x = ops.add_rms_norm(h, self.o_proj.forward(attn.view(n, self.q_size)), norm.weight,
                                 norm.eps)
-        return h + self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
+        return h, self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
@@ -238,16 +245,19 @@ class LlamaModel(nn.Module):
         first = self.layer_range.start
         fused = cpu_ops.fused(h)  # decided once per forward (a check per layer showed in a step)
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        pending: Tensor | None = None  # fused path: the residual stream is h + pending
         for idx, layer in enumerate(layers):
             kv = pool.kv[idx]
             if fused:  # direct call: nn.Module's __call__ is measurable at decode sizes
-                h = layer._forward_fused(h, cos, sin, kv, batch)
+                h, pending = layer._forward_fused(h, pending, cos, sin, kv, batch)
             else:
                 h = layer(h, cos, sin, kv, batch)
             if layer_hook is not None:
                 layer_hook(first + idx)
         if not self.is_last:
-            return h
+            return h if pending is None else h + pending
+        if pending is not None:  # only the rows that give logits need the last add
+            return self.lm_head(self.norm(h[logit_rows] + pending[logit_rows])).float()
         return self.lm_head(self.norm(h[logit_rows])).float()
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
