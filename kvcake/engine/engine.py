@@ -48,7 +48,14 @@ from kvcake.engine.linear import BUCKET_NAMES, Linear, table_path, tune
 from kvcake.engine.loader import load_weights, resolve
 from kvcake.engine.model import LlamaModel
 from kvcake.engine.runner import ModelRunner
-from kvcake.engine.sampling import Sampler, SamplingParams, apply_penalties, suppress_tokens
+from kvcake.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    suppress_tokens,
+    token_logprob,
+)
 from kvcake.engine.sequence import FinishReason
 from kvcake.engine.sequence import Sequence as Seq
 from kvcake.engine.tokenizer import Tokenizer
@@ -72,6 +79,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     arrival_s: float
     first_token_s: float | None  # clock time of the first token; None before it
+    logprobs: list[TokenLogprob] | None = None  # per new token, when the request asks
 
 
 class Engine:
@@ -326,6 +334,9 @@ class Engine:
         self._penalize(logits, sampling)
         new_ids = self.sampler.sample(logits, sampling, [self._params[r] for r in sampling])
         sampled = dict(zip(sampling, new_ids, strict=True))
+        logprobs = {rid: token_logprob(logits[row], new_ids[row], top)
+                    for row, rid in enumerate(sampling)
+                    if (top := self._params[rid].logprobs) is not None}
         now_s = self.clock.now_s()
         outputs: list[RequestOutput] = []
         for chunk in plan.chunks:
@@ -337,7 +348,9 @@ class Engine:
             self.block_manager.cache_full_blocks(
                 seq.request_id, seq.block_keys[:seq.num_computed_tokens // self.block_size])
             if chunk.samples:
-                outputs.append(self._output(seq, [sampled[chunk.request_id]]))
+                lp = logprobs.get(chunk.request_id)
+                outputs.append(self._output(seq, [sampled[chunk.request_id]],
+                                            None if lp is None else [lp]))
                 if seq.finish_reason is not None:
                     self._finish(seq)
         return outputs
@@ -396,8 +409,9 @@ class Engine:
         del self._params[seq.request_id]
         self.sampler.forget(seq.request_id)
 
-    def _output(self, seq: Seq, new_ids: list[int]) -> RequestOutput:
-        return RequestOutput(
+    def _output(self, seq: Seq, new_ids: list[int],
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        return RequestOutput(logprobs=logprobs,
             request_id=seq.request_id, new_token_ids=new_ids,
             finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens or 0,

@@ -39,8 +39,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0
+    # Log probabilities of each sampled token and of this many most likely ones (None: none),
+    # from the logits the sampler sees (after penalties, before temperature and filters).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20] or None, got {self.logprobs!r}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 is off), got "
                              f"{self.repetition_penalty!r}")
@@ -93,6 +98,18 @@ def apply_penalties(logits: Tensor, row: int, prompt_ids: list[int], output_ids:
                                              dtype=torch.long), minlength=vocab).to(x.device)
         x -= p.frequency_penalty * counts.to(x.dtype)
         x -= p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # token, its logprob, the top ones
+
+
+def token_logprob(row: Tensor, token_id: int, top: int) -> TokenLogprob:
+    """The sampled token's log probability under `row` and the `top` most likely tokens'."""
+    logp = torch.log_softmax(row.float(), dim=-1)
+    best = torch.topk(logp, top) if top else None
+    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(),
+                                             strict=True))
+    return token_id, float(logp[token_id]), pairs
 
 
 def suppress_tokens(logits: Tensor, rows: list[int], token_ids: list[tuple[int, ...]]) -> None:

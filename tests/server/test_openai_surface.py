@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import torch
 
 from kvcake import LLM, SamplingParams
 from kvcake.server.cluster.launcher import Cluster
@@ -139,3 +140,42 @@ def test_n_choices_each_seeded_and_streamed(client: openai.OpenAI) -> None:
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == {c.index: c.text for c in out.choices}
+
+
+def test_completion_logprobs_are_the_models(client: openai.OpenAI) -> None:
+    from kvcake.engine.engine import Engine
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = client.completions.create(model="alpha", prompt=prompt, max_tokens=5, temperature=0,
+                                    logprobs=2, extra_body={"ignore_eos": True,
+                                                            "return_token_ids": True})
+    choice = out.choices[0]
+    generated = choice.token_ids  # type: ignore[attr-defined]
+    lp = choice.logprobs
+    assert lp is not None and len(lp.token_logprobs) == len(generated) == 5
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)  # tokens may decode alike
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # the same log probabilities as a full forward pass over prompt + output
+    _, logits = Engine("tiny", ENGINE).prompt_logits(prompt + generated)
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for i, token in enumerate(generated):
+        assert lp.token_logprobs[i] == pytest.approx(
+            float(expected[len(prompt) - 1 + i, token]), abs=1e-3)
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i])  # greedy
+
+
+def test_chat_logprobs_and_echo(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model="alpha", messages=[{"role": "user",
+                                                                     "content": "hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="alpha", prompt="hi", max_tokens=3, temperature=0, logprobs=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices[0].logprobs is not None]
+    assert sum(len(lp.token_logprobs) for lp in streamed) == 3
+    echoed = client.completions.create(model="alpha", prompt="hello", max_tokens=2,
+                                       echo=True, temperature=0)
+    assert echoed.choices[0].text.startswith("hello")

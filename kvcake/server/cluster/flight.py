@@ -105,4 +105,5 @@ def sampling_of(request: GenerateRequest) -> Sampling:
                     stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,
                     min_tokens=request.min_tokens, repetition_penalty=request.repetition_penalty,
                     frequency_penalty=request.frequency_penalty,
-                    presence_penalty=request.presence_penalty, min_p=request.min_p)
+                    presence_penalty=request.presence_penalty, min_p=request.min_p,
+                    logprobs=request.logprobs)

@@ -28,7 +28,7 @@ from kvcake.clock import Clock
 from kvcake.server.cluster.flight import Flight, Stage, TransferTotals
 from kvcake.server.cluster.router import Router
 from kvcake.server.cluster.worker_set import WorkerSet
-from kvcake.server.frontend.backend import FinishReason, TokenEvent
+from kvcake.server.frontend.backend import FinishReason, TokenEvent, logprobs_of
 from kvcake.server.worker.messages import (
     Abort,
     DecodeAdmitted,
@@ -105,7 +105,8 @@ class Flights:
                                        self._clock.now_s())
         elif isinstance(message, Tokens):
             reason = FinishReason(message.finish_reason) if message.finish_reason else None
-            flight.emit(TokenEvent(tuple(message.token_ids), flight.num_cached_tokens, reason))
+            flight.emit(TokenEvent(tuple(message.token_ids), flight.num_cached_tokens, reason,
+                                   logprobs_of(message.logprobs)))
             if reason is not None:
                 self._finish(flight)
         elif isinstance(message, RequestFailed):
@@ -203,7 +204,8 @@ class Flights:
             return
         flight.num_cached_tokens = done.num_cached_tokens
         reason = FinishReason(done.finish_reason) if done.finish_reason else None
-        flight.emit(TokenEvent((done.first_token_id,), done.num_cached_tokens, reason))
+        flight.emit(TokenEvent((done.first_token_id,), done.num_cached_tokens, reason,
+                               logprobs_of(done.logprobs)))
         if reason is not None:
             self._finish(flight)
             return

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import uvicorn
@@ -50,7 +50,9 @@ from kvcake.server.frontend.protocol import (
     build_generate_request,
     chat_body,
     chat_chunk,
+    chat_logprobs,
     completion_body,
+    completion_logprobs,
     error_body,
     parse_request,
     prompt_token_ids,
@@ -76,6 +78,10 @@ class _Job:
     text: TextStream
     num_cached_tokens: int = 0
     index: int = 0  # the choice's index (n > 1)
+    wants_logprobs: bool = False
+    echo: str = ""  # completions' echo: the prompt's text, before the output
+    logprobs: list[Any] = field(default_factory=list)  # TokenLogprob of every token so far
+    text_len: int = 0  # characters sent so far (completions' text_offset)
     finish_reason: FinishReason = FinishReason.ABORT
 
 
@@ -247,6 +253,7 @@ class ApiFactory:
         """Admit the request's `n` choices (each its own backend request, seeded seed + i; the
         prompt's KV is shared through the prefix cache) and answer them as one response."""
         request_id = self._ids[kind].next_id()
+        echo = self.backend.decode(token_ids) if getattr(body, "echo", False) else ""
         jobs: list[_Job] = []
         for index in range(body.n):
             seeded = body if body.seed is None or index == 0 else \
@@ -273,7 +280,8 @@ class ApiFactory:
             jobs.append(_Job(request_id, kind, len(token_ids), stream, timer, include_usage,
                              body.return_token_ids, int(self._wall_s()),
                              TextStream(self.backend.decode, stop_strings(body.stop)),
-                             index=index))
+                             index=index, wants_logprobs=gen.logprobs is not None,
+                             echo=echo))
         if body.stream:
             # The background close covers a client gone before the body is ever iterated.
             return StreamingResponse(self._sse(jobs), media_type="text/event-stream",
@@ -287,6 +295,8 @@ class ApiFactory:
             async for event in job.stream:
                 job.timer.on_tokens(self._now_s())
                 job.num_cached_tokens = event.num_cached_tokens
+                if event.logprobs:
+                    job.logprobs.extend(event.logprobs)
                 final = event.finish_reason is not None
                 if final:
                     job.finish_reason = event.finish_reason  # type: ignore[assignment]
@@ -332,10 +342,18 @@ class ApiFactory:
         for job, text in zip(jobs, texts, strict=True):
             ids = job.text.token_ids if job.return_token_ids else None
             make = chat_body if job.kind == "chat" else completion_body
-            out = make(job.request_id, job.created, name, text, job.finish_reason,
+            out = make(job.request_id, job.created, name, job.echo + text, job.finish_reason,
                        self._usage(jobs), ids)
-            choices.append({**out["choices"][0], "index": job.index})
+            choices.append({**out["choices"][0], "index": job.index,
+                            "logprobs": self._logprobs(job, job.logprobs, len(job.echo))})
         return JSONResponse({**out, "id": first.request_id, "choices": choices})
+
+    def _logprobs(self, job: _Job, entries: list[Any], offset: int) -> dict[str, Any] | None:
+        if not job.wants_logprobs:
+            return None
+        if job.kind == "chat":
+            return chat_logprobs(entries, self.backend.decode)
+        return completion_logprobs(entries, self.backend.decode, offset)
 
     async def _sse(self, jobs: list[_Job]) -> AsyncIterator[str]:
         model, first = self.backend.model_name, {job.index: True for job in jobs}
@@ -346,9 +364,15 @@ class ApiFactory:
                     chunk = chat_chunk(job.request_id, job.created, model, text,
                                        event.finish_reason, first[job.index], ids)
                 else:
+                    if first[job.index]:  # echo: the prompt's text leads the first chunk
+                        text = job.echo + text
+                        job.text_len = len(job.echo)
                     chunk = completion_body(job.request_id, job.created, model, text,
                                             event.finish_reason, None, ids)
                 chunk["choices"][0]["index"] = job.index
+                chunk["choices"][0]["logprobs"] = self._logprobs(
+                    job, list(event.logprobs or ()), job.text_len)
+                job.text_len += len(text) - (len(job.echo) if first[job.index] else 0)
                 first[job.index] = False
                 yield _sse_data(chunk)
         except Exception as exc:  # after the headers went out: report it in the stream

@@ -30,7 +30,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvcake.types import RequestId
 
@@ -67,6 +67,19 @@ class GenerateRequest:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0
+    logprobs: int | None = None  # top log probabilities per token (None: none)
+
+
+# one generated token's (token id, log probability, [(id, log probability) of the top ones])
+TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
+
+
+def logprobs_of(raw: Sequence[Any] | None) -> tuple[TokenLogprob, ...] | None:
+    """Log probabilities from an engine output or the wire, as a TokenEvent carries them."""
+    if raw is None:
+        return None
+    return tuple((int(t), float(lp), tuple((int(i), float(v)) for i, v in top))
+                 for t, lp, top in raw)
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked
 
 
 class TokenStream(Protocol):

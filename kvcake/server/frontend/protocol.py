@@ -88,7 +88,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -114,7 +114,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # OpenAI chat fields accepted at their neutral value only
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
@@ -152,9 +152,6 @@ _RequestT = TypeVar("_RequestT", CompletionRequest, ChatCompletionRequest, Token
 
 _UNSUPPORTED_UNLESS = {  # field -> (value that means "off", what to send instead)
     "best_of": ((None, 1), "omit best_of or send 1"),
-    "echo": ((False,), "omit echo or send false"),
-    "logprobs": ((None, False), "omit logprobs (log probabilities are not returned)"),
-    "top_logprobs": ((None, 0), "omit top_logprobs"),
     "suffix": ((None, ""), "omit suffix"),
     "skip_special_tokens": ((True,), "omit it (special tokens are always skipped)"),
     "spaces_between_special_tokens": ((True,), "omit it"),
@@ -228,10 +225,55 @@ def _reject_unsupported(request: _SamplingFields) -> None:
         value = getattr(request, field, off[0])
         if not any(value == v and type(value) is type(v) for v in off):
             raise InvalidRequest(f"{field}={_short(value)} is not supported: {advice}", field)
+    if getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None:
+        raise InvalidRequest("echo with logprobs (prompt log probabilities) is not "
+                             "implemented: omit logprobs or echo", "echo")
+    if getattr(request, "top_logprobs", None) is not None and not request.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
     if request.logit_bias:
         raise InvalidRequest("logit_bias is not supported: omit it", "logit_bias")
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
+
+
+def _logprobs_wanted(body: _SamplingFields) -> int | None:
+    """How many top log probabilities per token the request asks for (None: none)."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
+
+
+def completion_logprobs(entries: Sequence[Any], decode: Any,
+                        offset: int) -> dict[str, Any]:
+    """OpenAI's completions `logprobs` object for generated tokens; text offsets from
+    `offset` (the length of the text before them)."""
+    tokens, offsets = [], []
+    for token, _lp, _top in entries:
+        offsets.append(offset)
+        text = decode([token])
+        tokens.append(text)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for _t, lp, _top in entries],
+            "top_logprobs": [_top_map(top, decode) for _t, _lp, top in entries],
+            "text_offset": offsets}
+
+
+def _top_map(top: Sequence[tuple[int, float]], decode: Any) -> dict[str, float]:
+    """token text -> logprob, most likely first; tokens that decode alike keep the best."""
+    out: dict[str, float] = {}
+    for token_id, value in top:
+        out.setdefault(decode([token_id]), value)
+    return out
+
+
+def chat_logprobs(entries: Sequence[Any], decode: Any) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def item(token_id: int, lp: float) -> dict[str, Any]:
+        text = decode([token_id])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
+                        for t, lp, top in entries]}
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -299,6 +341,7 @@ def build_generate_request(request_id: RequestId, token_ids: Sequence[int],
         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
         repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, min_p=body.min_p,
+        logprobs=_logprobs_wanted(body),
     )
 
 

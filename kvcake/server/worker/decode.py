@@ -36,7 +36,7 @@ from kvcake.server.worker.messages import (
     Tokens,
     sampling_from_wire,
 )
-from kvcake.server.worker.role import RoleHost, sampling_params
+from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
 from kvcake.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,8 @@ class DecodeRole:
             if output.request_id not in self._live:
                 continue
             reason = output.finish_reason.value if output.finish_reason else None
-            self.worker.send(Tokens(output.request_id, list(output.new_token_ids), reason))
+            self.worker.send(Tokens(output.request_id, list(output.new_token_ids), reason,
+                                    wire_logprobs(output.logprobs)))
             if output.finished:
                 self._live.discard(output.request_id)
 

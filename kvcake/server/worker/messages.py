@@ -59,6 +59,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0
+    logprobs: int | None = None  # top log probabilities per token (None: none)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class PrefillDone:
     transfer_exposed_s: float  # waited after the last step: the part not hidden by compute
     transfer_bytes: int
     sampler_state: bytes | None = None  # a seeded sampler's state after the first token
+    logprobs: list[Any] | None = None  # [[token, logprob, [[id, logprob], ...]]] if asked
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class Tokens:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[Any] | None = None  # one [token, logprob, top pairs] per token, if asked
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,7 @@ _CHECKS: dict[str, Any] = {
     "list[int]": lambda v: isinstance(v, list) and all(
         isinstance(x, int) and not isinstance(x, bool) for x in v),
     "dict[str, Any]": lambda v: isinstance(v, dict),
+    "list[Any]": lambda v: isinstance(v, list),
     "bytes": lambda v: isinstance(v, bytes),
 }
 

@@ -40,7 +40,7 @@ from kvcake.server.worker.messages import (
     Tokens,
     sampling_from_wire,
 )
-from kvcake.server.worker.role import RoleHost, sampling_params
+from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
 from kvcake.store import StoreError
 from kvcake.transfer import (
     SegmentDesc,
@@ -267,7 +267,8 @@ class PrefillRole:
             return
         if state.first_token_sent:  # colocated: decode tokens
             reason = output.finish_reason.value if output.finish_reason else None
-            self.worker.send(Tokens(rid, list(output.new_token_ids), reason))
+            self.worker.send(Tokens(rid, list(output.new_token_ids), reason,
+                                    wire_logprobs(output.logprobs)))
             if output.finished:
                 del self._live[rid]
             return
@@ -296,7 +297,8 @@ class PrefillRole:
         self.worker.send(PrefillDone(
             rid, output.new_token_ids[0], final, output.num_cached_tokens,
             state.num_fetched_tokens, state.compute_s, span_s if had_transfers else 0.0,
-            exposed_s if had_transfers else 0.0, state.transfer_bytes, sampler_state))
+            exposed_s if had_transfers else 0.0, state.transfer_bytes, sampler_state,
+            wire_logprobs(output.logprobs)))
         if output.finished:
             self._live.pop(rid, None)
 

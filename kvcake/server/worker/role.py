@@ -54,6 +54,13 @@ class WorkerRole(Protocol):
     def after_step(self) -> None: ...
 
 
+def wire_logprobs(raw: list[Any] | None) -> list[Any] | None:
+    """An engine output's log probabilities as the wire carries them (plain lists)."""
+    if raw is None:
+        return None
+    return [[t, lp, [list(pair) for pair in top]] for t, lp, top in raw]
+
+
 def sampling_params(sampling: Sampling) -> SamplingParams:
     """The engine's sampling parameters of an order's wire `Sampling`."""
     return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
@@ -62,4 +69,5 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
                           ignore_eos=sampling.ignore_eos, min_tokens=sampling.min_tokens,
                           repetition_penalty=sampling.repetition_penalty,
                           frequency_penalty=sampling.frequency_penalty,
-                          presence_penalty=sampling.presence_penalty, min_p=sampling.min_p)
+                          presence_penalty=sampling.presence_penalty, min_p=sampling.min_p,
+                          logprobs=sampling.logprobs)

@@ -50,6 +50,7 @@ EXAMPLES = [
     DecodeAdmitted("r1"),
     Tokens("r1", [5, 6], None),
     Tokens("r1", [], "stop"),
+    Tokens("r1", [5], None, [[5, -0.5, [[5, -0.5], [6, -1.25]]]]),
     RequestFailed("r1", "boom"),
     KvEvents([BIG_KEY, 1], []),
     StoreEvents([3]),
@@ -70,7 +71,8 @@ def test_round_trip_through_msgpack(message: object) -> None:
 
 def test_wire_form_names_the_type_and_fields() -> None:
     assert to_wire(Tokens("r1", [5], "stop")) == {"type": "Tokens", "request_id": "r1",
-                                                   "token_ids": [5], "finish_reason": "stop"}
+                                                   "token_ids": [5], "finish_reason": "stop",
+                                                   "logprobs": None}
 
 
 @pytest.mark.parametrize(("body", "error"), [
