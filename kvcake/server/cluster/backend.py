@@ -32,6 +32,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from prometheus_client.registry import Collector
+
 from kvcake.auth import ClusterSecret
 from kvcake.clock import Clock, SystemClock
 from kvcake.conductor import Conductor, ConductorConfig
@@ -107,6 +109,7 @@ class DisaggBackend(ModelFront):
         self._book: Flights | None = None
         self._store: StoreClient | None = None
         self._monitor: Monitor | None = None
+        self.collectors: list[Collector] = []  # more metrics for the frontend's /metrics
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> DisaggBackend:
@@ -251,7 +254,18 @@ class DisaggBackend(ModelFront):
                 transfer_bytes=totals.transfer_bytes,
                 extra={"kv_stream_hidden_share": totals.hidden_share,
                        "fetched_tokens": float(totals.num_fetched_tokens),
-                       "live_workers": float(len(self._workers.live_ids()))})
+                       "live_workers": float(len(self._workers.live_ids())),
+                       **self._live_by_role()})
+
+    def _live_by_role(self) -> dict[str, float]:
+        """live_<role>_workers for every role that has a live worker (/metrics by role)."""
+        counts: dict[str, float] = {}
+        for worker_id in self._workers.live_ids():
+            view = self._workers.get(worker_id)
+            if view is not None:
+                key = f"live_{view.hello.role}_workers"
+                counts[key] = counts.get(key, 0.0) + 1
+        return counts
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its reserved decode blocks are cancelled once the

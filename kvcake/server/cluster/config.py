@@ -43,6 +43,7 @@ class WorkerSpec:
     layerwise: bool = True  # prefill: stream KV layer by layer during compute (else after)
     shared_memory: bool = True  # same-host KV and store bytes through shared memory (else TCP)
     kv_events_endpoint: str | None = None  # vLLM-format KV events: ZMQ PUB bound here
+    metrics_port: int | None = None  # the worker's own /metrics (0: any port)
 
     def __post_init__(self) -> None:
         try:

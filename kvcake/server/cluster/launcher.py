@@ -28,10 +28,12 @@ from kvcake.server.cluster.config import ClusterConfig, WorkerSpec
 from kvcake.server.cluster.membership import EtcdWorkers, start_membership
 from kvcake.server.cluster.profiler import load_or_profile
 from kvcake.server.cluster.restart_policy import RestartPolicy
+from kvcake.server.cluster.settings import WorkerSettings, worker_argv_settings
 from kvcake.server.cluster.supervisor import Supervisor
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.worker import Worker
 from kvcake.store import MasterServer, MasterService
+from kvcake.store.metrics import StoreMasterCollector
 
 _READY_PREFIX = "kvcake worker ready"
 _START_TIMEOUT_S = 120.0
@@ -75,13 +77,10 @@ class Cluster:
             profile = load_or_profile(cfg.model, cfg.engine,
                                       Path(cfg.profile_dir) if cfg.profile_dir else None,
                                       num_threads=threads)
-            backend_config = DisaggConfig(
-                model=cfg.model, workers_join=cfg.etcd is not None,
-                worker_addresses=() if cfg.etcd else tuple(self.addresses.values()),
-                conductor=cfg.conductor, monitor=cfg.monitor, store_master=self.master_address,
-                secret=self.secret)
-            self.backend = DisaggBackend(backend_config, profile.prefill,
+            self.backend = DisaggBackend(self.backend_config(), profile.prefill,
                                          profile.decode).start()
+            if self.master is not None:  # the store master's metrics join the frontend's
+                self.backend.collectors.append(StoreMasterCollector(self.master.service.stats))
             if cfg.etcd is not None:  # workers join (and leave) through etcd from now on
                 self.membership = start_membership(self.backend, cfg.etcd, cfg.etcd_cluster,
                                                    list(self.processes) + list(self.workers))
@@ -93,26 +92,34 @@ class Cluster:
             raise
         return self
 
+    def backend_config(self) -> DisaggConfig:
+        """The frontend's settings of this cluster (the workers started so far)."""
+        cfg = self.config
+        return DisaggConfig(
+            model=cfg.model, workers_join=cfg.etcd is not None,
+            worker_addresses=() if cfg.etcd else tuple(self.addresses.values()),
+            conductor=cfg.conductor, monitor=cfg.monitor, store_master=self.master_address,
+            secret=self.secret, max_waiting_requests=cfg.max_waiting_requests,
+            served_model_names=cfg.served_model_names)
+
     @property
     def master_address(self) -> str | None:
         if self.config.etcd is not None:
             return f"etcd://{self.config.etcd}/{self.config.etcd_cluster}"
         return self.master.address if self.master is not None else None
 
-    def _worker_config(self, worker_id: str, spec: WorkerSpec) -> WorkerConfig:
+    def worker_config(self, worker_id: str, spec: WorkerSpec) -> WorkerConfig:
         return WorkerConfig(role=spec.role, model=self.config.model, engine=self.config.engine,
                             host=spec.host, port=spec.port, worker_id=worker_id,
                             master=self.master_address if spec.role is not Role.COLOCATED
                             else None,
-                            store_dram_bytes=spec.store_dram_bytes,
-                            num_threads=spec.num_threads,
-                            layerwise=spec.layerwise, shared_memory=spec.shared_memory,
                             secret=self.secret, etcd=self.config.etcd,
-                            cluster=self.config.etcd_cluster)
+                            cluster=self.config.etcd_cluster,
+                            **{name: getattr(spec, name) for name in WorkerSettings.model_fields})
 
     def _launch(self, worker_id: str, spec: WorkerSpec) -> None:
         self._specs[worker_id] = spec
-        config = self._worker_config(worker_id, spec)
+        config = self.worker_config(worker_id, spec)
         if self.in_process:
             worker = Worker(config).start()
             self.workers[worker_id] = worker
@@ -184,25 +191,8 @@ class Cluster:
 
 
 def worker_argv(config: WorkerConfig, parent_pid: int | None) -> list[str]:
-    e = config.engine
-    argv = [sys.executable, "-m", "kvcake", "worker", "--role", config.role.value,
-            "--model", config.model, "--host", config.host, "--port", str(config.port),
-            "--kv-cache-bytes", str(e.kv_cache_bytes), "--block-size", str(e.block_size),
-            "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-            "--max-num-seqs", str(e.max_num_seqs), "--dtype", e.dtype, "--device", e.device,
-            "--seed", str(e.seed), "--store-dram-bytes", str(config.store_dram_bytes)]
-    if e.max_model_len is not None:
-        argv += ["--max-model-len", str(e.max_model_len)]
-    if config.worker_id:
-        argv += ["--worker-id", config.worker_id]
-    if config.master:
-        argv += ["--master", config.master]
-    if config.num_threads:
-        argv += ["--num-threads", str(config.num_threads)]
-    if not config.layerwise:
-        argv.append("--no-layerwise")
-    if not config.shared_memory:
-        argv.append("--no-shared-memory")
+    """`kvcake worker` with every setting of `config` (derived from cluster/settings.py)."""
+    argv = [sys.executable, "-m", "kvcake", "worker", *worker_argv_settings(config)]
     if parent_pid is not None:
         argv += ["--parent-pid", str(parent_pid)]
     return argv

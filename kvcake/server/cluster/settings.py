@@ -103,6 +103,9 @@ class WorkerSettings(_Settings):
         None, "publish each worker's KV cache events as vLLM's KVEventBatch (msgpack) on a ZMQ "
         "PUB socket bound here: tcp://HOST:* (each worker its own port, logged) or "
         "tcp://HOST:PORT (one worker)", modes=("disaggregated", "colocated"))
+    metrics_port: int | None = setting(
+        None, "serve each worker's own Prometheus /metrics on this port of its --host (0: any "
+        "port, logged)", modes=("disaggregated", "colocated"))
 
 
 class WorkerIdentity(_Settings):

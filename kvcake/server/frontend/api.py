@@ -94,6 +94,8 @@ class ApiFactory:
                  limits: HttpLimits | None = None) -> None:
         self.backend = backend
         self.metrics = metrics or ServerMetrics(backend.model_name)
+        for collector in getattr(backend, "collectors", ()):  # e.g. the store master's
+            self.metrics.registry.register(collector)
         self.limits = limits or HttpLimits()
         self._now_s, self._wall_s = now_s, wall_s
         self._ids = {"completion": RandomIds("cmpl"), "chat": RandomIds("chatcmpl")}

@@ -41,6 +41,7 @@ class WorkerConfig:
     # vLLM-format KV events (worker/kv_event_publisher.py) on a ZMQ PUB socket bound here
     # (tcp://HOST:PORT, or tcp://HOST:* for any port); None: not published.
     kv_events_endpoint: str | None = None
+    metrics_port: int | None = None  # this worker's own /metrics (0: any port); None: none
     # The cluster secret (`kvcake.auth`): the control port admits only a frontend that proves
     # it, and the store node and segment servers ask it of every peer. None: open ports.
     secret: ClusterSecret | None = field(default=None, repr=False)

@@ -47,6 +47,7 @@ from kvcake.server.worker.messages import (
     Pong,
     Shutdown,
 )
+from kvcake.server.worker.metrics import WorkerCollector, WorkerCounts, serve_metrics
 from kvcake.server.worker.prefill import PrefillRole
 from kvcake.server.worker.role import WorkerRole
 from kvcake.store import NodeConfig, StoreClient, StoreNode
@@ -73,6 +74,9 @@ class Worker:
         self.store_node: StoreNode | None = None
         self.membership: WorkerMembership | None = None
         self.kv_events: KvEventPublisher | None = None  # vLLM-format events (ZMQ PUB)
+        self.counts = WorkerCounts()  # what its /metrics reports
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
         self._role: WorkerRole | None = None
         self._listener: socket.socket | None = None
         self._link: MessageLink | None = None
@@ -122,6 +126,13 @@ class Worker:
             log.info("%s: KV events (vLLM KVEventBatch) on %s", self.worker_id,
                      self.kv_events.endpoint)
         self.transfer.start()
+        if cfg.metrics_port is not None:
+            self.counts.num_blocks = self.engine.num_blocks
+            labels = {"model_name": self.engine.model_config.name, "worker_id": self.worker_id,
+                      "role": cfg.role.value}
+            self._metrics_server, self.metrics_port = serve_metrics(
+                WorkerCollector(self.counts, labels), cfg.host, cfg.metrics_port)
+            log.info("%s: /metrics on %s:%d", self.worker_id, cfg.host, self.metrics_port)
         master = cfg.store_master
         if master is not None:
             self.store_node = StoreNode(NodeConfig(cfg.store_dram_bytes), master,
@@ -180,6 +191,9 @@ class Worker:
             self._role.close()
         if self.kv_events is not None:  # its thread (the engine loop) has stopped
             self.kv_events.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         if self.store is not None:
             self.store.close()
         if self.store_node is not None:
@@ -328,8 +342,12 @@ class Worker:
             self.send(KvEvents(stored, removed))
             if self.kv_events is not None:
                 self.kv_events.publish((e.kind.value == "stored", int(e.key)) for e in events)
+            self.counts.blocks_stored += len(stored)
+            self.counts.blocks_removed += len(removed)
         load = LoadReport(len(engine.batcher.waiting) + self._active_role().num_pending(),
                           len(engine.batcher.running), engine.block_manager.num_free_blocks)
+        self.counts.waiting, self.counts.running, self.counts.free_blocks = \
+            load.num_waiting, load.num_running, load.num_free_blocks
         if load != self._last_load:
             self._last_load = load
             self.send(load)

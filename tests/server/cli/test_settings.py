@@ -59,6 +59,7 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "layerwise": (False, False),
     "shared_memory": (False, False),
     "kv_events_endpoint": ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
+    "metrics_port": ("0", 0),
     # EngineSettings
     "block_size": ("32", 32),
     "kv_cache_bytes": ("8MiB", 8 * 2**20),
