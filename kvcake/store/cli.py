@@ -43,6 +43,8 @@ def register(subparsers: Any) -> None:
     master.add_argument("--strategy", choices=[s.value for s in Strategy],
                         default=_MASTER.strategy.value)
     master.add_argument("--stats-interval-s", type=float, default=30.0)
+    master.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics on this port of --host (0: any port)")
     _secret_flags(master)
     master.set_defaults(func=run_master)
 
@@ -124,12 +126,30 @@ def run_master(args: argparse.Namespace) -> int:
     server = MasterServer(MasterService(config), args.host, args.port, secret=_secret(args))
     server.start()
     log.info("master listening on %s", server.address)
+    metrics = _serve_metrics(server.service.stats, args.host, args.metrics_port)
     try:
         _serve_until_signal(server.service.stats, args.stats_interval_s)
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         server.close()
         log.info("master stopped")
     return 0
+
+
+def _serve_metrics(stats: Any, host: str, port: int | None) -> Any:
+    """The master's own /metrics (store/metrics.py) on an HTTP thread; None without a port."""
+    if port is None:
+        return None
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from kvcake.store.metrics import StoreMasterCollector
+
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(StoreMasterCollector(stats))
+    http, _thread = start_http_server(port, host, registry)
+    log.info("master /metrics on %s:%d", host, http.server_port)
+    return http
 
 
 def _run_elected_master(args: argparse.Namespace, config: MasterConfig) -> int:
