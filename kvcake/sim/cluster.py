@@ -28,7 +28,6 @@ from typing import Any
 
 from kvcake.conductor import (
     Admission,
-    Rejection,
     Conductor,
     ConductorConfig,
     CostModel,
@@ -36,6 +35,7 @@ from kvcake.conductor import (
     Policy,
     PrefillModel,
     PrefillTimePredictor,
+    Rejection,
     ScheduleRequest,
     profile_grid,
 )
@@ -62,8 +62,8 @@ def cost_model(config: SimConfig) -> CostModel:
     unknown = sorted({name for name, _ in config.hardware_overrides} - fields)
     if unknown:
         raise ValueError(f"unknown hardware profile fields {unknown}; known: {sorted(fields)}")
-    return CostModel(cost.model, dataclasses.replace(cost.hardware,
-                                                     **dict(config.hardware_overrides)))
+    overrides: dict[str, Any] = dict(config.hardware_overrides)
+    return CostModel(cost.model, dataclasses.replace(cost.hardware, **overrides))
 
 
 class Cluster:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from kvcake.sim.capacity import THRESHOLDS_MS, SYSTEMS, gains, search_capacity
+from kvcake.sim.capacity import SYSTEMS, THRESHOLDS_MS, gains, search_capacity
 from kvcake.sim.cluster import cost_model
 from kvcake.sim.plots import plot_bars
 
