@@ -164,8 +164,8 @@ class ClusterConfig:
             entry = dict(entry)
             count = entry.pop("count", 1)
             _no_unknown(entry, {f.name for f in fields(WorkerSpec)}, f"{source} [[workers]]")
-            known = {k: v for k, v in entry.items() if k in WorkerSettings.model_fields}
-            entry.update(build(WorkerSettings, known, "[[workers]]").model_dump(include=set(known)))
+            given = {k: v for k, v in entry.items() if k in WorkerSettings.model_fields}
+            entry.update(build(WorkerSettings, given, "[[workers]]").model_dump(include=set(given)))
             if count > 1 and entry.get("port", 0):
                 raise ValueError(f"{source} [[workers]]: count > 1 needs port = 0")
             workers += [WorkerSpec(**entry) for _ in range(count)]

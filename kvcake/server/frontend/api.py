@@ -326,7 +326,8 @@ class ApiFactory:
         work = asyncio.ensure_future(asyncio.gather(*(collect(job) for job in jobs)))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            waiters: set[asyncio.Future[Any]] = {work, gone}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not work.done():  # the client left: cancelling aborts the request

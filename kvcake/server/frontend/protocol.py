@@ -228,7 +228,8 @@ def _reject_unsupported(request: _SamplingFields) -> None:
     if getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None:
         raise InvalidRequest("echo with logprobs (prompt log probabilities) is not "
                              "implemented: omit logprobs or echo", "echo")
-    if getattr(request, "top_logprobs", None) is not None and not request.logprobs:
+    if getattr(request, "top_logprobs", None) is not None and \
+            not getattr(request, "logprobs", False):
         raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
     if request.logit_bias:
         raise InvalidRequest("logit_bias is not supported: omit it", "logit_bias")
