@@ -16,7 +16,6 @@ each to what uses it in each mode, and a flag that does not apply to the mode is
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import replace
 from enum import StrEnum
@@ -28,6 +27,7 @@ from kvcake.server.cluster.settings import (
     ServeSettings,
     WorkerSettings,
     add_flags,
+    configure_logging,
     flag_name,
     from_namespace,
     modes_of,
@@ -116,15 +116,6 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     return replace(config, conductor=conductor,
                    max_waiting_requests=serve.max_waiting_requests,
                    served_model_names=serve.served_model_name or config.served_model_names)
-
-
-def configure_logging(level: str) -> None:
-    numeric = logging.getLevelName(level.upper())
-    if not isinstance(numeric, int):
-        raise ValueError(f"--log-level: unknown level {level!r}; choose debug, info, warning "
-                         "or error")
-    logging.basicConfig(level=numeric, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from kvcake.server.cluster.settings import (
     WorkerIdentity,
     WorkerSettings,
     add_flags,
+    configure_logging,
     from_namespace,
     worker_config,
 )
@@ -95,6 +96,7 @@ def worker_secret(args: argparse.Namespace) -> ClusterSecret | None:
 
 def run_worker(args: argparse.Namespace) -> int:
     config = replace(worker_config_from_args(args), secret=worker_secret(args))
+    configure_logging(config.log_level)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -28,7 +28,11 @@ from kvcake.server.cluster.config import ClusterConfig, WorkerSpec
 from kvcake.server.cluster.membership import EtcdWorkers, start_membership
 from kvcake.server.cluster.profiler import load_or_profile
 from kvcake.server.cluster.restart_policy import RestartPolicy
-from kvcake.server.cluster.settings import WorkerSettings, worker_argv_settings
+from kvcake.server.cluster.settings import (
+    WorkerSettings,
+    current_log_level,
+    worker_argv_settings,
+)
 from kvcake.server.cluster.supervisor import Supervisor
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.worker import Worker
@@ -114,7 +118,7 @@ class Cluster:
                             master=self.master_address if spec.role is not Role.COLOCATED
                             else None,
                             secret=self.secret, etcd=self.config.etcd,
-                            cluster=self.config.etcd_cluster,
+                            cluster=self.config.etcd_cluster, log_level=current_log_level(),
                             **{name: getattr(spec, name) for name in WorkerSettings.model_fields})
 
     def _launch(self, worker_id: str, spec: WorkerSpec) -> None:

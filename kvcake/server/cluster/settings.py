@@ -124,6 +124,8 @@ class WorkerIdentity(_Settings):
     master: str | None = setting(_W.master, "store master HOST:PORT (default: no store node, "
                                  "no store reuse)")
     model: str = setting(_W.model, "preset name (tiny, small) or a Hugging Face directory")
+    log_level: str = setting(_W.log_level, "debug | info | warning | error (launched workers: "
+                             "the frontend's --log-level)")
 
 
 class ServeSettings(_Settings):
@@ -268,6 +270,26 @@ def to_argv(settings: BaseModel) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def configure_logging(level: str) -> None:
+    """Structured log lines on stderr at `level` (--log-level of serve and worker)."""
+    import logging
+    import sys
+
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"--log-level: unknown level {level!r}; choose debug, info, warning "
+                         "or error")
+    logging.basicConfig(level=numeric, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def current_log_level() -> str:
+    """The root logger's level by name (what launched workers inherit)."""
+    import logging
+
+    return str(logging.getLevelName(logging.getLogger().getEffectiveLevel())).lower()
 
 
 # -- a worker: WorkerConfig <-> settings -------------------------------------------------------

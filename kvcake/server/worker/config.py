@@ -42,6 +42,7 @@ class WorkerConfig:
     # (tcp://HOST:PORT, or tcp://HOST:* for any port); None: not published.
     kv_events_endpoint: str | None = None
     metrics_port: int | None = None  # this worker's own /metrics (0: any port); None: none
+    log_level: str = "info"  # launched workers: the frontend's level
     # The cluster secret (`kvcake.auth`): the control port admits only a frontend that proves
     # it, and the store node and segment servers ask it of every peer. None: open ports.
     secret: ClusterSecret | None = field(default=None, repr=False)

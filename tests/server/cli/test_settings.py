@@ -205,6 +205,8 @@ def test_a_file_keeps_the_frontend_flags() -> None:
 
 def test_worker_argv_round_trips_every_worker_config_field() -> None:
     config = WorkerConfig(role=Role.DECODE, model="small", host="127.0.0.3", port=4321,
+                          log_level="debug", kv_events_endpoint="tcp://127.0.0.1:*",
+                          metrics_port=0,
                           worker_id="d-9", master="127.0.0.1:9", store_dram_bytes=3 * 2**20,
                           num_threads=2, layerwise=False, shared_memory=False,
                           engine=EngineConfig(block_size=8, num_blocks=12, max_model_len=100,
@@ -215,3 +217,17 @@ def test_worker_argv_round_trips_every_worker_config_field() -> None:
     argv = worker_argv(config, parent_pid=None)
     assert worker_cli.worker_config_from_args(parser.parse_args(argv[argv.index("worker"):])) \
         == config
+
+
+def test_launched_workers_log_at_the_frontends_level() -> None:
+    import logging
+
+    root, cluster_config = logging.getLogger(), ClusterConfig.simple(1, 1)
+    old = root.level
+    try:
+        for level in (logging.WARNING, logging.DEBUG):
+            root.setLevel(level)
+            config = Cluster(cluster_config).worker_config("w0", cluster_config.workers[0])
+            assert config.log_level == logging.getLevelName(level).lower()
+    finally:
+        root.setLevel(old)
