@@ -4,6 +4,8 @@ engine's reserved blocks, lets it decode the same greedy continuation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,3 +92,15 @@ def test_stages_give_the_single_engines_tokens(num_stages: int, chunk: int) -> N
         for o in decode.step():
             out.extend(o.new_token_ids)
     assert out == expected
+
+
+def test_stages_of_a_tied_llama3_model(hf_dir: Path) -> None:
+    """Tied embeddings (the last stage holds the embedding for lm_head) and Llama-3 RoPE
+    scaling, loaded from a Hugging Face directory."""
+    prompt = PROMPT[:100]
+    engine = Engine(str(hf_dir), SMALL_POOL)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=1))
+    expected = [t for o in engine.step() for t in o.new_token_ids]
+    stages = [StageEngine(str(hf_dir), r, SMALL_POOL) for r in split_layers(4, 2)]
+    assert hasattr(stages[1].model, "embed_tokens") and not hasattr(stages[0].model, "lm_head")
+    assert [_pipeline(stages, prompt, 32)] == expected
