@@ -24,9 +24,12 @@ import httpx
 import numpy as np
 
 from kvcake import LLM, SamplingParams
+from kvcake.auth import ClusterSecret
 from kvcake.engine.config import EngineConfig
 from kvcake.registry import Etcd
+from kvcake.store import StoreClient
 from kvcake.store.leader import leader_key
+from kvcake.transfer import TransferConfig
 from tests.multihost.netns import NetnsHosts
 
 CLUSTER = "xserve"
@@ -105,6 +108,13 @@ cluster = "{CLUSTER}"
                                                                          ignore_eos=True))]
     first = complete(url, prompts[0], 8)
     assert first["choices"][0]["token_ids"] == expected[0]
+    # The prefill worker writes the prompt's blocks to the store after answering: wait until
+    # they are committed (on host c's node, the one with room) before killing it.
+    store = StoreClient(f"etcd://{endpoint}/{CLUSTER}", transfer_config=TransferConfig(
+        serve=False, use_shared_memory=False, secret=ClusterSecret.from_file(secret)))
+    num_blocks = len(prompts[0]) // 16
+    wait_until(lambda: store.master.stats()["num_objects"] >= num_blocks, "the prefix stored")
+    store.close()
 
     # The prefill worker restarts with an empty cache: the shared prefix now comes from the
     # store node on host c (the other store node died with the old prefill process).
