@@ -339,7 +339,16 @@ class Conductor:
         # min() keeps the first of equal keys: ties go to pool order.
         if policy is Policy.LOAD_BALANCE:
             return min(range(len(ttfts)), key=candidates.queue_s.__getitem__)
-        return min(range(len(ttfts)), key=ttfts.__getitem__)
+        best = min(range(len(ttfts)), key=ttfts.__getitem__)
+        if policy is Policy.COLOCATED:
+            # Every instance also decodes: among equal TTFTs (idle queues, no cached prefix)
+            # the one decoding the fewest requests, or an idle cluster would send every
+            # request to the first instance and stall its decodes with every prefill.
+            decodes, ids = self._decodes, candidates.instance_ids
+            ties = [i for i, ttft in enumerate(ttfts) if ttft == ttfts[best]]
+            if len(ties) > 1:
+                return min(ties, key=lambda i: decodes[ids[i]].num_booked)
+        return best
 
     def _estimate_decodes(self, req: ScheduleRequest, prefill_id: str, now_s: float,
                           ttft_s: float) -> tuple[DecodeEstimate, ...]:

@@ -489,3 +489,14 @@ def test_a_decode_instance_whose_kv_would_overflow_is_predicted_at_infinite_tbt(
     rejection = c.schedule(request("c", prompt_len=300, output_len=100, first_key=90), 0.0)
     assert isinstance(rejection, Rejection) and rejection.reason is RejectReason.TBT_SLO
     assert rejection.predicted_tbt_s == float("inf")
+
+
+def test_colocated_spreads_equal_ttft_requests_over_the_least_busy_decoders() -> None:
+    c = make("colocated", num_prefill=3, num_decode=0)
+    chosen = []
+    for n in range(3):
+        d = placed(c.schedule(request(f"r{n}", first_key=100 * n), 0.0))
+        c.on_prefill_started(d.prefill_id, d.request_id, 0.0)
+        c.on_prefill_finished(d.prefill_id, d.request_id, 0.0)  # queues empty again
+        chosen.append(d.prefill_id)
+    assert chosen == ["p0", "p1", "p2"]
