@@ -321,3 +321,13 @@ def test_add_replicas_takes_no_lease() -> None:
     put(index, "a", replicas=1)
     index.add_replicas("a", 2, 1.0)
     assert index.objects["a"].leases == {}
+
+
+def test_a_get_forgets_the_leases_that_ended_and_keeps_the_running_ones() -> None:
+    index = make(dram=512, lease_s=5.0)
+    put(index, "a", now_s=0.0)
+    ids = [index.get_leased("a", t)[1] for t in (1.0, 2.0, 3.0)]  # end at 6, 7, 8
+    _, latest = index.get_leased("a", 7.0)  # the leases ending at 6 and 7 are over
+    assert index.objects["a"].leases == {ids[2]: 8.0, latest: 12.0}
+    index.release("a", ids[2])
+    assert index.objects["a"].leases == {latest: 12.0}
