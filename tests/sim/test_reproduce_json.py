@@ -30,7 +30,7 @@ def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, obje
 def test_capacity_json_has_exactly_the_capacities_and_gains(
         trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = _json(["reproduce", "capacity", "--trace", str(trace), "--out", str(tmp_path / "r"),
-                  "--max-requests", "25", "--json"], capsys)
+                  "--max-requests", "12", "--json"], capsys)
     assert set(data) == {"tbt_slo_ms", "systems", "gain_vs_best_baseline"}
     assert data["tbt_slo_ms"] == [100, 200, 300]
     systems = data["systems"]
