@@ -4,6 +4,7 @@ Lifecycle of one request, as the caller (simulator or live frontend) drives it:
 
     decision = conductor.schedule(req, now_s)        # Placement | Rejection, books the placement
     if Placement with fetch:  ... on_transfer_done(request_id, now_s)
+                              on_transfer_measured(num_bytes, seconds)   # the bandwidth estimate
                               on_blocks_stored(prefill_id, fetch.keys)   # the new replica
     on_prefill_started(prefill_id, request_id, now_s)
     on_prefill_finished(prefill_id, request_id, now_s)
@@ -38,6 +39,7 @@ from collections.abc import Hashable, Sequence
 from itertools import repeat
 from operator import itemgetter
 
+from kvcake.conductor.bandwidth import BandwidthEstimator
 from kvcake.conductor.config import Admission, ConductorConfig, Policy
 from kvcake.conductor.cpp import cpp_groups, pipelined_prefill_s
 from kvcake.conductor.decision import (
@@ -107,6 +109,9 @@ class Conductor:
         self._decode_model = decode_model
         self._kv_bytes_per_token = kv_bytes_per_token
         self._bandwidth = config.transfer_bandwidth_bytes_per_s
+        self.bandwidth = BandwidthEstimator(config.transfer_bandwidth_bytes_per_s,
+                                            config.measured_bandwidth_weight,
+                                            config.min_measured_bytes)
         self._rng = random.Random(config.seed)
         self._queues: dict[str, PrefillQueue] = {}
         self._decodes: dict[str, DecodeLoad] = {}
@@ -165,10 +170,24 @@ class Conductor:
         return self._cpp_groups
 
     def set_transfer_bandwidth(self, bytes_per_s: float) -> None:
-        """The current KVCache loading speed (e.g. measured by the transfer engine)."""
+        """Set the KVCache loading speed; later measured transfers update it from there."""
         if not bytes_per_s > 0:
             raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
+        self.bandwidth.reset(bytes_per_s)
         self._bandwidth = bytes_per_s
+
+    @property
+    def transfer_bandwidth(self) -> float:
+        """The loading speed fetches are planned at (bytes/s)."""
+        return self._bandwidth
+
+    def on_transfer_measured(self, num_bytes: int, seconds: float) -> bool:
+        """A KVCache fetch moved `num_bytes` in `seconds` (measured by the caller): fold it into
+        the bandwidth estimate later fetches are planned at. False: too small to count."""
+        if not self.bandwidth.observe(num_bytes, seconds):
+            return False
+        self._bandwidth = self.bandwidth.bytes_per_s
+        return True
 
     def queue_s(self, instance_id: str, now_s: float) -> float:
         return self._queue(instance_id).queue_s(now_s)

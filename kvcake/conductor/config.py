@@ -59,7 +59,11 @@ class ConductorConfig:
     kvcache_balancing_threshold: fetch the best remote prefix when
         best_len > threshold * local_len (see `Conductor` for the local_len = 0 case); >= 1.
     ttft_slo_s, tbt_slo_s: the SLOs admission checks against (paper: 30 s; 0.1/0.2/0.3 s).
-    transfer_bandwidth_bytes_per_s: KVCache loading speed of one fetch (the NIC of a node).
+    transfer_bandwidth_bytes_per_s: KVCache loading speed of one fetch (the NIC of a node): the
+        prior of the estimate that measured transfers (`Conductor.on_transfer_measured`) update.
+    measured_bandwidth_weight: share of the newest measured transfer in the bandwidth estimate
+        (an exponentially weighted moving average), in (0, 1]; the first one replaces the prior.
+    min_measured_bytes: transfers smaller than this are not measurements (mostly latency).
     fetch_only_if_faster: also require the fetch to beat recomputation in predicted time
         (Algorithm 1 as written decides by the threshold alone: False).
     index_on_placement: count a placed request's blocks as its prefill instance's local prefix at
@@ -89,6 +93,8 @@ class ConductorConfig:
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
     transfer_bandwidth_bytes_per_s: float = 100e9
+    measured_bandwidth_weight: float = 0.5
+    min_measured_bytes: int = 1 << 16
     fetch_only_if_faster: bool = False
     index_on_placement: bool = True
     min_retry_after_s: float = 1.0
@@ -111,6 +117,12 @@ class ConductorConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0):
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not (math.isfinite(self.measured_bandwidth_weight)
+                and 0.0 < self.measured_bandwidth_weight <= 1.0):
+            raise ValueError(f"measured_bandwidth_weight must be in (0, 1], "
+                             f"got {self.measured_bandwidth_weight!r}")
+        if self.min_measured_bytes < 0:
+            raise ValueError(f"min_measured_bytes must be >= 0, got {self.min_measured_bytes!r}")
         if not self.min_retry_after_s >= 0:
             raise ValueError(f"min_retry_after_s must be >= 0, got {self.min_retry_after_s!r}")
         if self.uniform_decode_s is not None and not (math.isfinite(self.uniform_decode_s)
