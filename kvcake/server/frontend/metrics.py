@@ -90,7 +90,7 @@ class _BackendView(Collector):
             fetched.add_metric(labels, extra["fetched_tokens"])
             yield fetched
         roles = {k[len("live_"):-len("_workers")]: v for k, v in extra.items()
-                 if k.startswith("live_") and k.endswith("_workers")}
+                 if k.startswith("live_") and k.endswith("_workers") and k != "live_workers"}
         if roles:
             live = GaugeMetricFamily(PREFIX + "live_workers", "Workers alive, by role.",
                                      labels=["model_name", "role"])

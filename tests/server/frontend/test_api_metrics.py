@@ -26,7 +26,8 @@ def _observed() -> ServerMetrics:
 def test_vllm_names_and_labels_parse() -> None:
     stats = BackendStats(num_waiting_requests=2, transfer_bytes=5,
                          extra={"kv_stream_hidden_share": 0.75, "fetched_tokens": 32.0,
-                                "live_prefill_workers": 2.0, "live_decode_workers": 1.0})
+                                "live_prefill_workers": 2.0, "live_decode_workers": 1.0,
+                                "live_workers": 3.0})
     text = _observed().render(stats)
     names = {f.name for f in text_string_to_metric_families(text)}
     assert {"kvcake:time_to_first_token_seconds", "kvcake:request_success",
@@ -48,6 +49,7 @@ def test_vllm_names_and_labels_parse() -> None:
     assert value(text, "kvcake:kv_transfer_bytes_total") == 5
     assert value(text, "kvcake:live_workers", role="prefill") == 2
     assert value(text, "kvcake:live_workers", role="decode") == 1
+    assert value(text, "kvcake:live_workers") == 3  # by role only: no role="" total
     assert value(text, "kvcake:store_fetched_tokens_total") == 32
     assert value(text, "kvcake:request_rejected_total", reason="ttft_slo") == 1
     assert value(text, "kvcake:conductor_decisions_total", decision="placed") == 1
