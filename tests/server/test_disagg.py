@@ -114,10 +114,14 @@ def test_second_request_reuses_the_prefix_through_the_store(backend: DisaggBacke
         backend.set_draining("prefill-1", False)
         backend.set_draining("prefill-0", True)
         fetched_before = backend.totals.num_fetched_tokens
+        assert backend.conductor is not None
+        measured_before = backend.conductor.bandwidth.num_samples
         events_b = run(backend, second, 10)
     finally:
         backend.set_draining("prefill-0", False)
     assert backend.totals.num_fetched_tokens - fetched_before == 192
+    # The worker timed that fetch; the Conductor's bandwidth estimate took it in.
+    assert backend.conductor.bandwidth.num_samples - measured_before == 1
     assert events_a[0].num_cached_tokens == 0
     assert events_b[0].num_cached_tokens == 192
     assert [tokens(events_a), tokens(events_b)] == offline(llm, [first, second], 10)

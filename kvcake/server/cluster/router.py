@@ -74,10 +74,13 @@ class Router:
         self.conductor.on_prefill_started(placement.prefill_id, request_id, now_s)
 
     def prefill_done(self, placement: Placement, done: PrefillDone, now_s: float) -> None:
-        """The prefill (and its KV hand-off) ended. A short fetch means some planned blocks
+        """The prefill (and its KV hand-off) ended. Its prefix fetch, as the worker measured
+        it, updates the Conductor's bandwidth estimate. A short fetch means some planned blocks
         may have left the store: the audit checks them first."""
         self.conductor.on_prefill_finished(placement.prefill_id, done.request_id, now_s)
         self.conductor.on_transfer_done(done.request_id, now_s)
+        if done.fetch_bytes > 0:
+            self.conductor.on_transfer_measured(done.fetch_bytes, done.fetch_s)
         fetch = placement.fetch
         if fetch is not None and self.store_audit is not None and \
                 done.num_fetched_tokens < len(fetch.keys) * self.block_size:

@@ -12,7 +12,8 @@ Direction and meaning (F = frontend, P = prefill worker, D = decode worker):
   F -> D    ReserveKv      reserve the request's KV blocks in D's engine
   D -> F    KvReserved     D's pool segment and the reserved block ids (or RequestFailed)
   F -> P    PrefillOrder   fetch the planned prefix, prefill, stream KV into D's blocks
-  P -> F    PrefillDone    first token, cached/fetched tokens, overlap figures (or an error)
+  P -> F    PrefillDone    first token, cached/fetched tokens, overlap and fetch figures
+                           (or an error)
   F -> D    DecodeOrder    commit the reserved blocks, join continuous batching
   D -> F    DecodeAdmitted the request decodes
   D -> F    Tokens         new tokens of a decoding request (finish_reason on the last)
@@ -104,6 +105,8 @@ class PrefillDone:
     transfer_bytes: int
     sampler_state: bytes | None = None  # a seeded sampler's state after the first token
     logprobs: list[Any] | None = None  # [[token, logprob, [[id, logprob], ...]]] if asked
+    fetch_bytes: int = 0  # bytes the prefix fetch read from the store (0: no fetch)
+    fetch_s: float = 0.0  # the fetch's wall time: the Conductor's measured loading speed
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ class _Fetched:
     order: PrefillOrder
     sizes: list[int | None]
     buffers: list[bytearray]
+    seconds: float = 0.0  # the store read's wall time (bytes: the sizes read)
 
 
 @dataclass
@@ -70,6 +71,8 @@ class _Prefill:
     order: PrefillOrder
     kv_pool: SegmentDesc | None  # the decode engine's pool; None: colocated (decode here)
     num_fetched_tokens: int
+    fetch_bytes: int = 0  # read from the store for this prefill, in fetch_s seconds
+    fetch_s: float = 0.0
     blocks_done: int = 0  # leading blocks fully streamed in earlier steps
     step_end_block: int = 0  # blocks this step may write (set at layer 0 of each step)
     batches: list[Any] = field(default_factory=list)
@@ -172,7 +175,10 @@ class PrefillRole:
         except (ValueError, KeyError) as exc:
             self.worker.send(RequestFailed(rid, f"prefill refused: {exc}"))
             return
-        self._live[rid] = _Prefill(order, kv_pool, num_fetched)
+        fetch_bytes = sum(size for size in fetched.sizes if size is not None) \
+            if fetched is not None else 0
+        self._live[rid] = _Prefill(order, kv_pool, num_fetched, fetch_bytes,
+                                   fetched.seconds if fetched is not None else 0.0)
 
     def _fetch_loop(self) -> None:
         store = self.worker.store
@@ -181,6 +187,7 @@ class PrefillRole:
         while (order := self._fetches.get()) is not None:
             keys = order.fetch_keys
             buffers = [bytearray(nbytes) for _ in keys]
+            start = time.perf_counter()
             try:
                 sizes = store.get_batch_into([f"{ns}:{key_hex(BlockKey(k))}" for k in keys],
                                              buffers)
@@ -188,7 +195,7 @@ class PrefillRole:
                 log.warning("%s: fetch of %d blocks failed, recomputing: %s",
                             self.worker.worker_id, len(keys), exc)
                 sizes = [None] * len(keys)
-            self.worker.post(_Fetched(order, sizes, buffers))
+            self.worker.post(_Fetched(order, sizes, buffers, time.perf_counter() - start))
 
     def _import(self, fetched: _Fetched) -> int:
         """Import the longest usable prefix of the fetched blocks; returns its tokens."""
@@ -298,7 +305,7 @@ class PrefillRole:
             rid, output.new_token_ids[0], final, output.num_cached_tokens,
             state.num_fetched_tokens, state.compute_s, span_s if had_transfers else 0.0,
             exposed_s if had_transfers else 0.0, state.transfer_bytes, sampler_state,
-            wire_logprobs(output.logprobs)))
+            wire_logprobs(output.logprobs), state.fetch_bytes, state.fetch_s))
         if output.finished:
             self._live.pop(rid, None)
 

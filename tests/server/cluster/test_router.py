@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvcake.conductor import ConductorConfig, Policy
+from kvcake.conductor import ConductorConfig, Placement, Policy
 from kvcake.hashing import block_keys
 from kvcake.server.cluster.router import STORE_HOLDER, Router, schedule_request
 from kvcake.server.cluster.store_audit import StoreAudit
@@ -116,3 +116,35 @@ def test_draining_takes_a_worker_out_and_resuming_brings_it_back() -> None:
     colocated.set_draining("c-0", "colocated", True)
     colocated.set_draining("c-0", "colocated", False)
     assert (colocated.conductor.prefill_ids, colocated.conductor.decode_ids) == (["c-0"], ["c-0"])
+
+
+def test_a_reported_fetch_sets_the_bandwidth_the_next_placement_is_planned_at() -> None:
+    # 64 of 65 prompt tokens in the store (16,384 KV bytes): recomputing takes 0.065 s, fetching
+    # 16,384 B / bandwidth + 0.001 s; fetch_only_if_faster weighs the two.
+    config = ConductorConfig.from_dict({"policy": Policy.GLOBAL_CACHE, "admission": "none",
+                                        "transfer_bandwidth_bytes_per_s": 1e7,
+                                        "fetch_only_if_faster": True})
+    r = Router.for_workers(config, HELLOS, PREFILL, DECODE)
+    r.on_store_events(StoreEvents(keys_of(PROMPT)))
+
+    def place(rid: str) -> Placement:
+        return r.place(schedule_request(GenerateRequest(RequestId(rid), PROMPT + (1,), 4),
+                                        HELLOS[0]), 0.0)
+
+    first = place("r")
+    assert first.fetch is not None
+    no_fetch = PrefillDone("r", 9, None, num_cached_tokens=0, num_fetched_tokens=0,
+                           compute_s=0.1, transfer_span_s=0.0, transfer_exposed_s=0.0,
+                           transfer_bytes=0)
+    r.prefill_done(first, no_fetch, 1.0)
+    assert r.conductor.transfer_bandwidth == 1e7  # nothing measured
+    r.request_ended("r")
+    slow = PrefillDone("s", 9, None, num_cached_tokens=64, num_fetched_tokens=64, compute_s=0.1,
+                       transfer_span_s=0.0, transfer_exposed_s=0.0, transfer_bytes=0,
+                       fetch_bytes=1_000_000, fetch_s=10.0)
+    second = place("s")
+    assert second.fetch is not None
+    r.prefill_done(second, slow, 2.0)
+    r.request_ended("s")
+    assert r.conductor.transfer_bandwidth == pytest.approx(1e5)
+    assert place("t").fetch is None  # fetching is slower now
