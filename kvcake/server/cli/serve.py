@@ -68,6 +68,8 @@ def settings_from_args(args: argparse.Namespace) -> tuple[ServeSettings, WorkerS
     if serve.prefill < 0 or serve.decode < 0:
         raise ValueError(f"--prefill / --decode: must be >= 0, got {serve.prefill} and "
                          f"{serve.decode}")
+    if serve.secret_file and serve.secret_env:
+        raise ValueError("--secret-file / --secret-env: give one of them, not both")
     if not 0 <= serve.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {serve.port}")
     worker, engine = from_namespace(WorkerSettings, args), from_namespace(EngineSettings, args)
@@ -113,6 +115,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
                          etcd_cluster=serve.cluster)
     elif serve.config and getattr(args, "cluster", None) is not None:
         config = replace(config, etcd_cluster=serve.cluster)
+    if serve.secret_file or serve.secret_env:  # the flags win over a file's [security]
+        config = replace(config, secret_file=serve.secret_file, secret_env=serve.secret_env)
     return replace(config, conductor=conductor,
                    max_waiting_requests=serve.max_waiting_requests,
                    served_model_names=serve.served_model_name or config.served_model_names)

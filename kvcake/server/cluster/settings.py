@@ -159,6 +159,14 @@ class ServeSettings(_Settings):
                                "use the elected store master (none of its own); docs/cluster.md",
                                modes=("disaggregated",))
     cluster: str = setting("kvcake", "the cluster's name in etcd", modes=("disaggregated",))
+    secret_file: str | None = setting(
+        None, "file holding the cluster secret (readable by its owner only) that every internal "
+        "port admits; give workers started elsewhere the same (kvcake worker --secret-file); "
+        "wins over a --config file's [security]; default: a fresh secret",
+        modes=("disaggregated", "colocated"))
+    secret_env: str | None = setting(
+        None, "environment variable holding the cluster secret (instead of --secret-file)",
+        modes=("disaggregated", "colocated"))
 
 
 def flag_name(model: type[BaseModel], name: str) -> str:

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvcake.auth import ClusterSecret
 from kvcake.cli import build_parser
 from kvcake.engine.config import EngineConfig
 from kvcake.server.cli import worker as worker_cli
@@ -35,6 +39,10 @@ from kvcake.server.frontend.api_key import resolve_api_key
 from kvcake.server.worker.config import Role, WorkerConfig
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "docs" / "cluster.example.toml"
+# --secret-file / --secret-env: the file and the variable hold this secret (`_secret_sources`)
+SECRET = ClusterSecret(b"the-settings-walk-secret-of-enough-length")
+SECRET_FILE = str(Path(tempfile.gettempdir()) / f"kvcake-settings-walk-{os.getpid()}.secret")
+SECRET_ENV = "KVCAKE_SETTINGS_WALK_SECRET"
 
 # setting -> (command-line value, the value its user must see)
 VALUES: dict[str, tuple[Any, Any]] = {
@@ -53,6 +61,8 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "api_key": ("sk-walk", "sk-walk"),
     "etcd": ("10.0.0.1:2379,10.0.0.2:2379", "10.0.0.1:2379,10.0.0.2:2379"),
     "cluster": ("blue", "blue"),
+    "secret_file": (SECRET_FILE, SECRET),
+    "secret_env": (SECRET_ENV, SECRET),
     # WorkerSettings
     "store_dram_bytes": ("8MiB", 8 * 2**20),
     "num_threads": ("3", 3),
@@ -77,6 +87,16 @@ VALUES: dict[str, tuple[Any, Any]] = {
 SECTIONS = (ServeSettings, WorkerSettings, EngineSettings)
 WALKED = [(section, name) for section in SECTIONS for name in section.model_fields
           if name != "mode"]
+
+
+@pytest.fixture(autouse=True)
+def _secret_sources(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """SECRET in SECRET_FILE and in $SECRET_ENV, for the walk of --secret-file / --secret-env."""
+    Path(SECRET_FILE).unlink(missing_ok=True)
+    SECRET.write(SECRET_FILE)
+    monkeypatch.setenv(SECRET_ENV, SECRET.text())
+    yield
+    Path(SECRET_FILE).unlink(missing_ok=True)
 
 
 def _argv(section: type, name: str) -> list[str]:
@@ -128,7 +148,7 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
     if name in WorkerSettings.model_fields:
         return [getattr(w, name) for w in workers]
     roles = [w.role for w in workers]
-    return {
+    seen: dict[str, list[Any]] = {
         "model": [frontend.model, *(w.model for w in workers)],
         "served_model_name": [frontend.served_model_names],
         "host": [cluster.host], "port": [cluster.port],
@@ -139,7 +159,11 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
         "max_waiting_requests": [frontend.max_waiting_requests],
         "retry_after_s": [frontend.conductor.min_retry_after_s],
         "etcd": [cluster.etcd], "cluster": [cluster.etcd_cluster],
-    }[name]
+        # what the store master, the frontend and (in their environment) the workers prove
+        "secret_file": [launcher.secret, frontend.secret],
+        "secret_env": [launcher.secret, frontend.secret],
+    }
+    return seen[name]
 
 
 def test_every_setting_is_walked() -> None:
@@ -231,3 +255,11 @@ def test_launched_workers_log_at_the_frontends_level() -> None:
             assert config.log_level == logging.getLevelName(level).lower()
     finally:
         root.setLevel(old)
+
+
+def test_secret_flags_win_over_a_files_security_section_and_exclude_each_other() -> None:
+    config = config_from_args(_parse(["--config", str(EXAMPLE), "--secret-env", SECRET_ENV]))
+    assert (config.secret_file, config.secret_env) == (None, SECRET_ENV)
+    assert Cluster(config).secret == SECRET
+    with pytest.raises(ValueError, match="^--secret-file / --secret-env: give one"):
+        settings_from_args(_parse(["--secret-file", SECRET_FILE, "--secret-env", SECRET_ENV]))
