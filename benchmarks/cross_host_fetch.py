@@ -7,10 +7,14 @@ both directions; no netem delay: this kernel has no sch_netem), with a fresh eng
 
 - fetch:     TTFT = read the prefix's blocks from b's store node + import them + prefill the suffix
 - recompute: TTFT = prefill the whole prompt
-- the Conductor (global_cache, fetch_only_if_faster) is told the bandwidth measured by that
-  fetch (`set_transfer_bandwidth`) and the prefill times measured here (its prefill model), and
-  asked to place the request with the prefix held by "store": does it fetch or recompute, and is
-  that the faster one?
+- the Conductor (global_cache, fetch_only_if_faster; one for the whole run, its default
+  bandwidth prior and estimator settings) is asked, before each fetch, to place the request with
+  the prefix held by "store"; every fetch's bytes and seconds are then reported to it
+  (`on_transfer_measured`, as the router does with a prefill worker's `PrefillDone`), so each
+  decision rests on the estimate from the fetches before it, not on this rep's timing. Its
+  prefill model: the full and suffix prefill times measured once before the first link. Does
+  it fetch or recompute, and is that the faster one? (Rates run in the order given; the first
+  rep at a new rate still sees the previous rate's estimate.)
 
     sudo .venv/bin/python benchmarks/cross_host_fetch.py --model tiny --prefix-tokens 1920 \
         --rates-mbit 25,50,100,200,400,800,0 --reps 3        # 0: no limit
@@ -27,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +128,30 @@ def main() -> int:
         names = [f"bench:{int(k):x}" for k in keys]
         for name, data in zip(names, blocks, strict=True):
             client.put(name, data)
+        request = ScheduleRequest("q", total, tuple(source.prompt_block_keys(prompt)),
+                                  source.block_size, 1)
+        # The Conductor's prefill model: full and suffix-only prefill, measured once up front.
+        full0 = statistics.median(first_token_s(Engine(args.model, config), prompt)
+                                  for _ in range(args.reps))
+        suffix0 = statistics.median(_suffix_s(args.model, config, keys, blocks, prompt)
+                                    for _ in range(args.reps))
+        conductor = Conductor(
+            ConductorConfig.from_dict({"policy": "global_cache", "admission": "none",
+                                       "fetch_only_if_faster": True}),
+            ["p"], ["d"], MeasuredPrefill(full0, suffix0, prefix_len),
+            DecodeStepPredictor([0.01, 0.0, 0.0]), source.pool.block_nbytes // source.block_size)
+        conductor.on_blocks_stored("store", keys)
         for rate in [float(r) for r in args.rates_mbit.split(",")]:
             hosts.limit("b", rate or None)
             fetch_s, fetch_ttft, full_ttft = [], [], []
-            for _ in range(args.reps):
+            choices: list[str] = []
+            for rep in range(args.reps):
+                rid = f"q{rate:g}-{rep}"
+                decision = conductor.schedule(replace(request, request_id=rid), 0.0)
+                conductor.on_request_aborted(rid)  # placed only to read the choice
+                choices.append("fetch" if isinstance(decision, Placement)
+                               and decision.fetch is not None else "recompute")
+                estimate = conductor.transfer_bandwidth
                 engine = Engine(args.model, config)
                 start = time.perf_counter()
                 got = client.get_batch(names)
@@ -135,41 +160,47 @@ def main() -> int:
                     assert got_bytes is not None, "a prefix block left the store"
                     engine.import_block_kv(key, got_bytes)
                 first_token_s(engine, prompt)
+                conductor.on_transfer_measured(kv_bytes, fetched)
                 fetch_s.append(fetched)
                 fetch_ttft.append(time.perf_counter() - start)  # fetch + import + suffix
                 full_ttft.append(first_token_s(Engine(args.model, config), prompt))
             f_s, f_ttft, r_ttft = (statistics.median(v) for v in (fetch_s, fetch_ttft, full_ttft))
             bandwidth = kv_bytes / f_s
-            conductor = Conductor(
-                ConductorConfig.from_dict({"policy": "global_cache", "admission": "none",
-                                           "fetch_only_if_faster": True}),
-                ["p"], ["d"], MeasuredPrefill(r_ttft, f_ttft - f_s, prefix_len),
-                DecodeStepPredictor([0.01, 0.0, 0.0]), source.pool.block_nbytes
-                // source.block_size)
-            conductor.set_transfer_bandwidth(bandwidth)
-            conductor.on_blocks_stored("store", keys)
-            decision = conductor.schedule(ScheduleRequest("q", total, tuple(
-                source.prompt_block_keys(prompt)), source.block_size, 1), 0.0)
-            fetches = isinstance(decision, Placement) and decision.fetch is not None
             faster = "fetch" if f_ttft < r_ttft else "recompute"
+            # The row's choice: the last rep's, made on the estimate after reps - 1 fetches here.
             rows.append({"rate_mbit": rate or None, "measured_mb_per_s": bandwidth / 1e6,
+                         "estimate_mb_per_s": estimate / 1e6,
                          "fetch_s": f_s, "ttft_fetch_s": f_ttft, "ttft_recompute_s": r_ttft,
-                         "conductor": "fetch" if fetches else "recompute", "faster": faster})
+                         "conductor": choices[-1], "conductor_per_rep": choices,
+                         "faster": faster})
             link = f"{rate:g} Mbit/s" if rate else "unlimited"
             print(f"link {link:>14}: measured "
                   f"{bandwidth / 1e6:8.1f} MB/s, fetch {f_s * 1e3:7.1f} ms, TTFT fetch "
                   f"{f_ttft * 1e3:7.1f} ms vs recompute {r_ttft * 1e3:7.1f} ms -> faster: "
-                  f"{faster:9s} Conductor: {rows[-1]['conductor']}", flush=True)
+                  f"{faster:9s} Conductor (estimate {estimate / 1e6:.1f} MB/s before the last "
+                  f"rep): {choices[-1]} (per rep: {', '.join(choices)})", flush=True)
         client.close()
     finally:
         hosts.close()
     summary = {"model": args.model, "prefix_tokens": prefix_len, "kv_bytes": kv_bytes,
+               "prefill_model_s": {"full": full0, "suffix": suffix0},
                "rows": rows, "conductor_agrees": sum(r["conductor"] == r["faster"] for r in rows)}
     if args.json:
         print(json.dumps(summary))
     print(f"KV of the {prefix_len}-token prefix: {kv_bytes / 1e6:.2f} MB; the Conductor chose "
           f"the faster way in {summary['conductor_agrees']} of {len(rows)} bandwidths")
     return 0
+
+
+def _suffix_s(model: str, config: EngineConfig, keys: list[Any], blocks: list[bytes],
+              prompt: list[int]) -> float:
+    """Import the prefix's KV (already in memory: no fetch) and prefill the suffix."""
+    engine = Engine(model, config)
+    start = time.perf_counter()
+    for key, data in zip(keys, blocks, strict=True):
+        engine.import_block_kv(key, data)
+    imported = time.perf_counter() - start
+    return imported + first_token_s(engine, prompt)
 
 
 def _answers(address: str) -> bool:
