@@ -34,6 +34,7 @@ from kvcake.server.cluster.settings import (
     set_by_user,
 )
 from kvcake.server.frontend.api_key import resolve_api_key
+from kvcake.server.frontend.limits import HttpLimits
 from kvcake.server.frontend.local_backend import LocalBackendConfig
 
 _SECTIONS: tuple[type[Any], ...] = (ServeSettings, WorkerSettings, EngineSettings)
@@ -122,19 +123,27 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
                    served_model_names=serve.served_model_name or config.served_model_names)
 
 
+def http_limits(settings: ServeSettings) -> HttpLimits:
+    """What the HTTP API reads from a client before real work (the same in every mode)."""
+    return HttpLimits(max_request_bytes=settings.max_request_bytes,
+                      max_json_depth=settings.max_json_depth,
+                      max_prompt_chars=settings.max_prompt_chars)
+
+
 def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)[0]
     configure_logging(settings.log_level)
     api_key = resolve_api_key(settings.api_key)  # --api-key, else $KVCAKE_API_KEY
+    limits = http_limits(settings)
     if settings.config or settings.mode != ServeMode.SINGLE:
         from kvcake.server.cluster.launcher import serve_disaggregated
 
-        return serve_disaggregated(config_from_args(args), api_key=api_key)
-    return _serve_single(settings, local_config(args), api_key)
+        return serve_disaggregated(config_from_args(args), api_key=api_key, limits=limits)
+    return _serve_single(settings, local_config(args), api_key, limits)
 
 
 def _serve_single(settings: ServeSettings, config: LocalBackendConfig,
-                  api_key: str | None = None) -> int:
+                  api_key: str | None = None, limits: HttpLimits | None = None) -> int:
     import uvicorn
 
     from kvcake.server.frontend.api import create_app, listen_socket
@@ -144,7 +153,7 @@ def _serve_single(settings: ServeSettings, config: LocalBackendConfig,
     # Bind first, so that --port 0 can report the port it got before serving.
     sock = listen_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, api_key=api_key),
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, api_key=api_key, limits=limits),
                                            log_level="warning",
                                            lifespan="off"))
     backend.start()

@@ -34,6 +34,7 @@ from kvcake.server.cluster.settings import (
     worker_argv_settings,
 )
 from kvcake.server.cluster.supervisor import Supervisor
+from kvcake.server.frontend.limits import HttpLimits
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.worker import Worker
 from kvcake.store import MasterServer, MasterService
@@ -228,7 +229,8 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def serve_disaggregated(config: ClusterConfig, api_key: str | None = None) -> int:
+def serve_disaggregated(config: ClusterConfig, api_key: str | None = None,
+                        limits: HttpLimits | None = None) -> int:
     """Run the cluster and the OpenAI API in the foreground until SIGINT/SIGTERM."""
     import uvicorn
 
@@ -245,7 +247,8 @@ def serve_disaggregated(config: ClusterConfig, api_key: str | None = None) -> in
         # The long-lived state (Conductor index, app, models) is built: keep the collector off it
         # so that decisions do not pay for full collections over it (conductor/heap.py).
         freeze_heap()
-        server = uvicorn.Server(uvicorn.Config(create_app(cluster.backend, api_key=api_key),
+        server = uvicorn.Server(uvicorn.Config(create_app(cluster.backend, api_key=api_key,
+                                                          limits=limits),
                                                log_level="warning",
                                                lifespan="off"))
         print(f"kvcake serve: http://{config.host}:{sock.getsockname()[1]} (model "

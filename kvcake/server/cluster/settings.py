@@ -154,6 +154,12 @@ class ServeSettings(_Settings):
     api_key: str | None = setting(
         None, "clients must send 'Authorization: Bearer KEY' on /v1 (as vllm serve --api-key; "
         "401 otherwise); default: $KVCAKE_API_KEY; /health and /metrics stay open")
+    max_request_bytes: Size = setting(8 * 2**20, "largest request body the HTTP API reads, e.g. "
+                                      "8MiB (413 naming the cap above it)")
+    max_json_depth: int = setting(64, "deepest JSON nesting the HTTP API parses (400 above it)")
+    max_prompt_chars: int | None = setting(
+        None, "longest text prompt, in characters, the HTTP API tokenizes (400 above it); "
+        "default: 16 per token of the model's max length")
     etcd: str | None = setting(None, "etcd endpoints HOST:PORT[,HOST:PORT]: serve the workers "
                                "that register there (--prefill 0 --decode 0: only those) and "
                                "use the elected store master (none of its own); docs/cluster.md",

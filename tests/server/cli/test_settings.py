@@ -24,7 +24,13 @@ from kvcake.auth import ClusterSecret
 from kvcake.cli import build_parser
 from kvcake.engine.config import EngineConfig
 from kvcake.server.cli import worker as worker_cli
-from kvcake.server.cli.serve import config_from_args, local_config, settings_from_args
+from kvcake.server.cli import serve as serve_cli
+from kvcake.server.cli.serve import (
+    config_from_args,
+    http_limits,
+    local_config,
+    settings_from_args,
+)
 from kvcake.server.cluster.config import ClusterConfig
 from kvcake.server.cluster.launcher import Cluster, worker_argv
 from kvcake.server.cluster.settings import (
@@ -59,6 +65,9 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "retry_after_s": ("2.5", 2.5),
     "log_level": ("debug", "debug"),
     "api_key": ("sk-walk", "sk-walk"),
+    "max_request_bytes": ("1MiB", 2**20),
+    "max_json_depth": ("9", 9),
+    "max_prompt_chars": ("4000", 4000),
     "etcd": ("10.0.0.1:2379,10.0.0.2:2379", "10.0.0.1:2379,10.0.0.2:2379"),
     "cluster": ("blue", "blue"),
     "secret_file": (SECRET_FILE, SECRET),
@@ -84,6 +93,7 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "linear_backend": ("aten", "aten"),
     "attention": ("gather", "gather"),
 }
+HTTP_LIMITS = ("max_request_bytes", "max_json_depth", "max_prompt_chars")
 SECTIONS = (ServeSettings, WorkerSettings, EngineSettings)
 WALKED = [(section, name) for section in SECTIONS for name in section.model_fields
           if name != "mode"]
@@ -129,6 +139,8 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
         return [settings_from_args(args)[0].log_level]
     if name == "api_key":  # resolved by serve() and handed to create_app in every mode
         return [resolve_api_key(settings_from_args(args)[0].api_key)]
+    if name in HTTP_LIMITS:  # built by serve() and handed to create_app in every mode
+        return [getattr(http_limits(settings_from_args(args)[0]), name)]
     if mode == "single" and args.config is None:
         local = local_config(args)
         if name in EngineSettings.model_fields:
@@ -263,3 +275,26 @@ def test_secret_flags_win_over_a_files_security_section_and_exclude_each_other()
     assert Cluster(config).secret == SECRET
     with pytest.raises(ValueError, match="^--secret-file / --secret-env: give one"):
         settings_from_args(_parse(["--secret-file", SECRET_FILE, "--secret-env", SECRET_ENV]))
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_serve_hands_the_http_limits_to_the_app_in_every_mode(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvcake.server.cluster.launcher as launcher
+
+    handed: list[object] = []
+    monkeypatch.setattr(launcher, "serve_disaggregated",
+                        lambda config, api_key=None, limits=None: handed.append(limits) or 0)
+    monkeypatch.setattr(serve_cli, "_serve_single",
+                        lambda settings, config, api_key=None, limits=None:
+                        handed.append(limits) or 0)
+    args = _parse(["--mode", mode, "--max-request-bytes", "2KiB", "--max-json-depth", "5",
+                   "--max-prompt-chars", "300"])
+    assert serve_cli.serve(args) == 0
+    assert [(lim.max_request_bytes, lim.max_json_depth, lim.max_prompt_chars)  # type: ignore
+             for lim in handed] == [(2048, 5, 300)]
+
+
+def test_a_bad_http_limit_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="max_json_depth: must be >= 2"):
+        http_limits(settings_from_args(_parse(["--max-json-depth", "1"]))[0])
