@@ -23,8 +23,8 @@ import pytest
 from kvcake.auth import ClusterSecret
 from kvcake.cli import build_parser
 from kvcake.engine.config import EngineConfig
-from kvcake.server.cli import worker as worker_cli
 from kvcake.server.cli import serve as serve_cli
+from kvcake.server.cli import worker as worker_cli
 from kvcake.server.cli.serve import (
     config_from_args,
     http_limits,
