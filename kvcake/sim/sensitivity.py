@@ -28,7 +28,8 @@ FIGURE15_TTFT_SLO_S = 10.0
 
 def _variant(ctx: Context, overrides: tuple[tuple[str, float], ...]) -> dict[str, Any]:
     sub = dataclasses.replace(ctx, base=dataclasses.replace(ctx.base,
-                                                            hardware_overrides=overrides))
+                                                            hardware_overrides=overrides),
+                              runs=0)
     found = search_capacity(sub, rel_tol=0.1, max_probes=7)
     caps = {s: [r.best_speed or 0.0 for r in found[s]] for s in SYSTEMS}
     tbt = sub.sim(policy="global_cache", ttft_slo_s=FIGURE15_TTFT_SLO_S, num_prefill=8,
