@@ -102,6 +102,10 @@ class ClusterConfig:
                              "that worker with the same --secret-file / --secret-env")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode: must be disaggregated or colocated, got {self.mode!r}")
+        if self.conductor.cpp_min_tokens is not None:
+            raise ValueError("[conductor] cpp_min_tokens: chunked pipeline parallelism is not "
+                             "served live yet (the simulator has it: kvcake simulate "
+                             "--cpp-min-tokens); remove the key")
         roles = [w.role for w in self.workers]
         if self.mode == "disaggregated" and not self.etcd_endpoints:
             if Role.PREFILL not in roles or Role.DECODE not in roles:

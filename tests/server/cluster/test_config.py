@@ -43,6 +43,7 @@ def test_simple_builds_the_pools() -> None:
     ('[[workers]]\nrole = "decode"\nlaunch = false\n', "launch = false needs its port"),
     ('[engine]\nkv_cache_bytes = "lots"\n', "kv_cache_bytes: cannot read 'lots'"),
     ('[conductor]\npolicy = "best"\n', "policy must be one of"),
+    ('[conductor]\ncpp_min_tokens = 4096\n', "not served live yet"),
     ('mode = "hybrid"\n', "mode: must be disaggregated or colocated"),
     ("model = \n", "not valid TOML"),
 ])
