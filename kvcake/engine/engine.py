@@ -104,8 +104,7 @@ class Engine:
         mc = self.model_config
         self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        weights = f"seed{self.config.seed}" if source.directory is None else "hf"
-        self.namespace = f"kvcake/{mc.name}/{weights}/{self.config.dtype}/b{self.block_size}"
+        self.namespace = kv_namespace(mc, self.config, from_directory=source.directory is not None)
         self.model = LlamaModel(mc)
         try:
             self.model.load_hf_state_dict(load_weights(source, self.config.seed))
@@ -497,6 +496,15 @@ class Engine:
 
     def drain_kv_events(self) -> list[KvEvent]:
         return self.block_manager.drain_events()
+
+
+def kv_namespace(model_config: ModelConfig, config: EngineConfig, *,
+                 from_directory: bool) -> str:
+    """The namespace of this engine's block keys (`hashing.block_keys`): the model, its
+    weights, the KV dtype and the block size. Engines (and the layer stages of one CPP group)
+    share cached KV exactly when their namespaces are equal."""
+    weights = "hf" if from_directory else f"seed{config.seed}"
+    return f"kvcake/{model_config.name}/{weights}/{config.dtype}/b{config.block_size}"
 
 
 def _linears(model: torch.nn.Module) -> list[Linear]:

@@ -25,7 +25,7 @@ from kvcake.engine import cpu_ops
 from kvcake.engine.batcher import BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager
 from kvcake.engine.config import EngineConfig, ModelConfig
-from kvcake.engine.engine import _DTYPES, _linears, _pick_device
+from kvcake.engine.engine import _DTYPES, _linears, _pick_device, kv_namespace
 from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.linear import table_path, tune
 from kvcake.engine.loader import load_weights, resolve
@@ -65,8 +65,7 @@ class StageEngine:
         mc = self.model_config
         self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        weights = f"seed{self.config.seed}" if source.directory is None else "hf"
-        self.namespace = f"kvcake/{mc.name}/{weights}/{self.config.dtype}/b{self.block_size}"
+        self.namespace = kv_namespace(mc, self.config, from_directory=source.directory is not None)
         self.model = LlamaModel(mc, layers)
         self.layers = self.model.layer_range
         try:
