@@ -89,7 +89,7 @@ class Batcher:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
                 and not plan.preempted_ids:
             seq = self.waiting[0]
-            cached = self.block_manager.allocate(seq.request_id, seq.num_tokens, seq.block_keys)
+            cached = self.block_manager.allocate(seq.request_id, seq.num_tokens, seq.admission_keys)
             if cached is None:
                 break
             self.waiting.popleft()

@@ -55,6 +55,7 @@ from kvcake.engine.sampling import (
     apply_penalties,
     suppress_tokens,
     token_logprob,
+    token_logprobs,
 )
 from kvcake.engine.sequence import FinishReason
 from kvcake.engine.sequence import Sequence as Seq
@@ -80,6 +81,9 @@ class RequestOutput:
     arrival_s: float
     first_token_s: float | None  # clock time of the first token; None before it
     logprobs: list[TokenLogprob] | None = None  # per new token, when the request asks
+    # With the first token of a request whose params ask for prompt_logprobs: one per prompt
+    # token, None for the first (nothing predicts it); None otherwise.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Engine:
@@ -141,6 +145,8 @@ class Engine:
         self._held: dict[str, Seq] = {}  # finished prefill-only requests still holding blocks
         self._held_sampler_state: dict[str, bytes] = {}  # their seeded generators, for export
         self._reserved: dict[str, tuple[Seq, SamplingParams]] = {}  # blocks awaiting remote KV
+        # Prompt log probabilities so far (token 1 on) of requests that ask, until reported.
+        self._prompt_lp: dict[str, list[TokenLogprob]] = {}
 
     def _attention_mode(self) -> str:
         """"kernel" (paged-attention op) or "gather", from the config and what loads."""
@@ -173,6 +179,9 @@ class Engine:
         seq = Seq(RequestId(request_id), ids, len(ids), params.max_tokens, self.block_size,
                   self.namespace, prefill_only=prefill_only,
                   arrival_s=self.clock.now_s() if arrival_s is None else arrival_s)
+        if params.prompt_logprobs is not None:
+            seq.reuse_prefix = False  # a cached prefix has no logits: compute the whole prompt
+            self._prompt_lp[request_id] = []
         self._seqs[request_id] = seq
         self._params[request_id] = params
         self.batcher.add(seq)
@@ -305,6 +314,7 @@ class Engine:
             seq.finish_reason = FinishReason.ABORT
             self.batcher.finish(seq)
             self._params.pop(request_id, None)
+            self._prompt_lp.pop(request_id, None)
             self.sampler.forget(request_id)
 
     def release(self, request_id: str) -> None:
@@ -327,8 +337,14 @@ class Engine:
         if not plan.chunks:
             return []
         tables = {c.request_id: self.block_manager.block_ids(c.request_id) for c in plan.chunks}
-        logits = self.runner.run(plan, self._seqs, tables, layer_hook)
+        prompt_rows = {c.request_id: self._seqs[c.request_id].num_prompt_tokens - 1
+                       for c in plan.chunks if c.request_id in self._prompt_lp}
+        logits = self.runner.run(plan, self._seqs, tables, layer_hook,
+                                 prompt_rows=prompt_rows or None)
         sampling = [c.request_id for c in plan.chunks if c.samples]
+        if prompt_rows:
+            self._collect_prompt_logprobs(plan, prompt_rows, logits[len(sampling):])
+            logits = logits[:len(sampling)]
         self._suppress_early_stops(logits, sampling)
         self._penalize(logits, sampling)
         new_ids = self.sampler.sample(logits, sampling, [self._params[r] for r in sampling])
@@ -348,11 +364,32 @@ class Engine:
                 seq.request_id, seq.block_keys[:seq.num_computed_tokens // self.block_size])
             if chunk.samples:
                 lp = logprobs.get(chunk.request_id)
-                outputs.append(self._output(seq, [sampled[chunk.request_id]],
-                                            None if lp is None else [lp]))
+                prompt_lp = self._prompt_lp.pop(chunk.request_id, None)
+                outputs.append(self._output(
+                    seq, [sampled[chunk.request_id]], None if lp is None else [lp],
+                    None if prompt_lp is None else [None, *prompt_lp]))
                 if seq.finish_reason is not None:
                     self._finish(seq)
         return outputs
+
+    def _collect_prompt_logprobs(self, plan: BatchPlan, prompt_rows: dict[str, int],
+                                 rows: torch.Tensor) -> None:
+        """Prompt log probabilities from the runner's extra rows (`prompt_rows` order): the
+        logits at position p score prompt token p + 1. A recomputed chunk (after preemption)
+        replaces what its positions had."""
+        offset = 0
+        for chunk in plan.chunks:
+            end = prompt_rows.get(chunk.request_id)
+            if end is None:
+                continue
+            count = max(0, min(chunk.start + chunk.num_tokens, end) - chunk.start)
+            seq = self._seqs[chunk.request_id]
+            found = self._prompt_lp[chunk.request_id]
+            del found[chunk.start:]
+            targets = seq.token_ids[chunk.start + 1:chunk.start + 1 + count]
+            found.extend(token_logprobs(rows[offset:offset + count], targets,
+                                        self._params[chunk.request_id].prompt_logprobs or 0))
+            offset += count
 
     def _suppress_early_stops(self, logits: torch.Tensor, sampling: list[str]) -> None:
         """min_tokens: mask the stop ids (and EOS unless ignore_eos) of rows still short."""
@@ -406,11 +443,13 @@ class Engine:
                 self._held_sampler_state[seq.request_id] = state
         del self._seqs[seq.request_id]
         del self._params[seq.request_id]
+        self._prompt_lp.pop(seq.request_id, None)
         self.sampler.forget(seq.request_id)
 
     def _output(self, seq: Seq, new_ids: list[int],
-                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        return RequestOutput(logprobs=logprobs,
+                logprobs: list[TokenLogprob] | None = None,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
+        return RequestOutput(logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             request_id=seq.request_id, new_token_ids=new_ids,
             finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens or 0,

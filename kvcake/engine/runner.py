@@ -40,9 +40,11 @@ class ModelRunner:
     def run(self, plan: BatchPlan, seqs: Mapping[str, Sequence],
             tables: Mapping[str, list[BlockId]],
             layer_hook: Callable[[int], None] | None = None, all_rows: bool = False, *,
-            hidden: Tensor | None = None) -> Tensor:
+            hidden: Tensor | None = None, prompt_rows: Mapping[str, int] | None = None) -> Tensor:
         """Logits [num sampling chunks, vocab] in the order of the sampling chunks of `plan`
-        (with `all_rows`, logits of every scheduled token instead). For a layer-slice model
+        (with `all_rows`, logits of every scheduled token instead). `prompt_rows` (request id
+        -> end position E): after the sampling rows, the logits of each such chunk's tokens at
+        positions < E, in chunk order (prompt log probabilities; nothing extra without it). For a layer-slice model
         (a pipeline stage, see `LlamaModel`): `hidden` is the previous stage's output for the
         plan's tokens, and a stage without the last layer returns every token's hidden states."""
         bs = self.block_size
@@ -54,6 +56,7 @@ class ModelRunner:
         decode_rows: list[int] = []
         decode_tables: list[list[BlockId]] = []
         decode_lens: list[int] = []
+        extra_rows: list[int] = []
         for chunk in plan.chunks:
             seq, table = seqs[chunk.request_id], tables[chunk.request_id]
             row = len(input_ids)
@@ -76,6 +79,10 @@ class ModelRunner:
                 logit_rows.extend(range(row, row + chunk.num_tokens))
             elif chunk.samples:
                 logit_rows.append(row + chunk.num_tokens - 1)
+            if prompt_rows and chunk.request_id in prompt_rows:
+                stop = min(end, prompt_rows[chunk.request_id])
+                extra_rows.extend(range(row, row + max(0, stop - chunk.start)))
+        logit_rows.extend(extra_rows)
         # Every int list of the step goes to the device as one tensor, then views of it: a
         # torch.tensor call per list was a measurable share of a decode step.
         parts: list[list[int]] = [input_ids, positions, k_slots, logit_rows]

@@ -42,10 +42,17 @@ class SamplingParams:
     # Log probabilities of each sampled token and of this many most likely ones (None: none),
     # from the logits the sampler sees (after penalties, before temperature and filters).
     logprobs: int | None = None
+    # Log probabilities of every prompt token after the first (the first has none) and of this
+    # many most likely ones, from the raw logits (None: none). A request that asks computes its
+    # whole prompt: a cached prefix's logits are not kept, so its blocks are not reused.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= 20):
+                raise ValueError(f"{name} must be an integer in [0, 20] or None, got {value!r}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 is off), got "
                              f"{self.repetition_penalty!r}")
@@ -101,6 +108,22 @@ def apply_penalties(logits: Tensor, row: int, prompt_ids: list[int], output_ids:
 
 
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # token, its logprob, the top ones
+
+
+def token_logprobs(rows: Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """`token_logprob` of each row of `rows` [n, vocab] and its token (one softmax for all)."""
+    if not token_ids:
+        return []
+    logp = torch.log_softmax(rows.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+    if top:
+        best = torch.topk(logp, top, dim=-1)
+        tops = [list(zip(i, v, strict=True))
+                for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)]
+    else:
+        tops = [[] for _ in token_ids]
+    return list(zip(token_ids, chosen, tops, strict=True))
 
 
 def token_logprob(row: Tensor, token_id: int, top: int) -> TokenLogprob:

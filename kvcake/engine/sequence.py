@@ -41,6 +41,7 @@ class Sequence:
     block_size: int
     namespace: str
     prefill_only: bool = False
+    reuse_prefix: bool = True  # False: admission computes the whole prompt (prompt logprobs)
     arrival_s: float = 0.0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -63,6 +64,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def admission_keys(self) -> list[BlockKey]:
+        """The block keys admission may reuse from the prefix cache (none without reuse)."""
+        return self.block_keys if self.reuse_prefix else []
 
     def update_block_keys(self) -> None:
         """Extend `block_keys` to every full block of `token_ids` (incremental, chained)."""
