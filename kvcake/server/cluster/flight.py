@@ -106,4 +106,4 @@ def sampling_of(request: GenerateRequest) -> Sampling:
                     min_tokens=request.min_tokens, repetition_penalty=request.repetition_penalty,
                     frequency_penalty=request.frequency_penalty,
                     presence_penalty=request.presence_penalty, min_p=request.min_p,
-                    logprobs=request.logprobs)
+                    logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)

@@ -28,7 +28,12 @@ from kvcake.clock import Clock
 from kvcake.server.cluster.flight import Flight, Stage, TransferTotals
 from kvcake.server.cluster.router import Router
 from kvcake.server.cluster.worker_set import WorkerSet
-from kvcake.server.frontend.backend import FinishReason, TokenEvent, logprobs_of
+from kvcake.server.frontend.backend import (
+    FinishReason,
+    TokenEvent,
+    logprobs_of,
+    prompt_logprobs_of,
+)
 from kvcake.server.worker.messages import (
     Abort,
     DecodeAdmitted,
@@ -205,7 +210,8 @@ class Flights:
         flight.num_cached_tokens = done.num_cached_tokens
         reason = FinishReason(done.finish_reason) if done.finish_reason else None
         flight.emit(TokenEvent((done.first_token_id,), done.num_cached_tokens, reason,
-                               logprobs_of(done.logprobs)))
+                               logprobs_of(done.logprobs),
+                               prompt_logprobs_of(done.prompt_logprobs)))
         if reason is not None:
             self._finish(flight)
             return

@@ -55,6 +55,7 @@ from kvcake.server.frontend.protocol import (
     completion_logprobs,
     error_body,
     parse_request,
+    prompt_entries,
     prompt_token_ids,
     stop_strings,
     usage,
@@ -81,6 +82,9 @@ class _Job:
     wants_logprobs: bool = False
     echo: str = ""  # completions' echo: the prompt's text, before the output
     logprobs: list[Any] = field(default_factory=list)  # TokenLogprob of every token so far
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: list[Any] = field(default_factory=list)  # echo + logprobs: the prompt's
+    drop_output: bool = False  # max_tokens 0 (echo): the one token the engine samples is dropped
     text_len: int = 0  # characters sent so far (completions' text_offset)
     finish_reason: FinishReason = FinishReason.ABORT
 
@@ -283,7 +287,8 @@ class ApiFactory:
                              body.return_token_ids, int(self._wall_s()),
                              TextStream(self.backend.decode, stop_strings(body.stop)),
                              index=index, wants_logprobs=gen.logprobs is not None,
-                             echo=echo))
+                             echo=echo, prompt_token_ids=gen.prompt_token_ids,
+                             drop_output=kind == "completion" and max_tokens == 0))
         if body.stream:
             # The background close covers a client gone before the body is ever iterated.
             return StreamingResponse(self._sse(jobs), media_type="text/event-stream",
@@ -295,8 +300,14 @@ class ApiFactory:
         """The backend's events with their new text; records timing and finishes the job."""
         try:
             async for event in job.stream:
+                if job.drop_output:  # max_tokens 0: the prompt alone answers
+                    event = replace(event, token_ids=(), logprobs=None,
+                                    finish_reason=FinishReason.LENGTH)
                 job.timer.on_tokens(self._now_s())
                 job.num_cached_tokens = event.num_cached_tokens
+                if event.prompt_logprobs is not None:
+                    job.prompt_logprobs = prompt_entries(job.prompt_token_ids,
+                                                         event.prompt_logprobs)
                 if event.logprobs:
                     job.logprobs.extend(event.logprobs)
                 final = event.finish_reason is not None
@@ -348,7 +359,9 @@ class ApiFactory:
             out = make(job.request_id, job.created, name, job.echo + text, job.finish_reason,
                        self._usage(jobs), ids)
             choices.append({**out["choices"][0], "index": job.index,
-                            "logprobs": self._logprobs(job, job.logprobs, len(job.echo))})
+                            "logprobs": self._logprobs(job, job.prompt_logprobs + job.logprobs,
+                                                       0 if job.prompt_logprobs else
+                                                       len(job.echo))})
         return JSONResponse({**out, "id": first.request_id, "choices": choices})
 
     def _logprobs(self, job: _Job, entries: list[Any], offset: int) -> dict[str, Any] | None:
@@ -373,8 +386,10 @@ class ApiFactory:
                     chunk = completion_body(job.request_id, job.created, model, text,
                                             event.finish_reason, None, ids)
                 chunk["choices"][0]["index"] = job.index
-                chunk["choices"][0]["logprobs"] = self._logprobs(
-                    job, list(event.logprobs or ()), job.text_len)
+                entries, offset = list(event.logprobs or ()), job.text_len
+                if first[job.index] and job.prompt_logprobs:  # echo: the prompt's lead
+                    entries, offset = job.prompt_logprobs + entries, 0
+                chunk["choices"][0]["logprobs"] = self._logprobs(job, entries, offset)
                 job.text_len += len(text) - (len(job.echo) if first[job.index] else 0)
                 first[job.index] = False
                 yield _sse_data(chunk)

@@ -68,6 +68,9 @@ class GenerateRequest:
     presence_penalty: float = 0.0
     min_p: float = 0.0
     logprobs: int | None = None  # top log probabilities per token (None: none)
+    # top log probabilities per prompt token (None: no prompt log probabilities); a request
+    # that asks computes its whole prompt (no prefix reuse)
+    prompt_logprobs: int | None = None
 
 
 # one generated token's (token id, log probability, [(id, log probability) of the top ones])
@@ -82,6 +85,14 @@ def logprobs_of(raw: Sequence[Any] | None) -> tuple[TokenLogprob, ...] | None:
                  for t, lp, top in raw)
 
 
+def prompt_logprobs_of(raw: Sequence[Any] | None) -> tuple[TokenLogprob | None, ...] | None:
+    """Prompt log probabilities (None for the first token) from an engine output or the wire."""
+    if raw is None:
+        return None
+    return tuple(None if entry is None else logprobs_of([entry])[0]  # type: ignore[index]
+                 for entry in raw)
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """Tokens generated since the previous event of the same request.
@@ -94,6 +105,8 @@ class TokenEvent:
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked
+    # with the first token, when asked: one per prompt token, None for the first
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class TokenStream(Protocol):

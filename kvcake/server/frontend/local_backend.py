@@ -41,6 +41,7 @@ from kvcake.server.frontend.backend import (
     Rejected,
     TokenEvent,
     logprobs_of,
+    prompt_logprobs_of,
 )
 from kvcake.server.frontend.protocol import render_chat_text
 
@@ -257,7 +258,8 @@ class LocalBackend:
             del live[output.request_id]
             self._num_live = len(live)
         _post(add, TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason,
-                              logprobs_of(output.logprobs)))
+                              logprobs_of(output.logprobs),
+                              prompt_logprobs_of(output.prompt_logprobs)))
 
     def _fail_all(self, live: dict[str, _Add], error: Exception) -> None:
         for request_id, add in list(live.items()):
@@ -293,4 +295,5 @@ def _sampling_params(request: GenerateRequest) -> SamplingParams:
         stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens, repetition_penalty=request.repetition_penalty,
         frequency_penalty=request.frequency_penalty, presence_penalty=request.presence_penalty,
-        min_p=request.min_p, logprobs=request.logprobs)
+        min_p=request.min_p, logprobs=request.logprobs,
+        prompt_logprobs=request.prompt_logprobs)

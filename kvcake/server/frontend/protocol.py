@@ -8,6 +8,9 @@ ignored except opaque tags and service hints that change no output (`user`, `met
 `service_tier`, `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls` without tools).
 `stop` strings are applied by the API on the streamed text (detokenizer.py); vLLM's sampling
 extras (`repetition_penalty`, `min_p`) and the OpenAI penalties reach the engine's sampler.
+Completions' `echo` with `logprobs` asks the engine for the prompt's log probabilities too (the
+legacy `logprobs` object then covers prompt and output); `max_tokens: 0` needs `echo` (the prompt
+alone: the engine still samples one token, which the API drops).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class ResponseFormat(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt, scored)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
@@ -225,9 +228,9 @@ def _reject_unsupported(request: _SamplingFields) -> None:
         value = getattr(request, field, off[0])
         if not any(value == v and type(value) is type(v) for v in off):
             raise InvalidRequest(f"{field}={_short(value)} is not supported: {advice}", field)
-    if getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None:
-        raise InvalidRequest("echo with logprobs (prompt log probabilities) is not "
-                             "implemented: omit logprobs or echo", "echo")
+    if isinstance(request, CompletionRequest) and request.max_tokens == 0 and not request.echo:
+        raise InvalidRequest("max_tokens: 0 is only allowed with echo=true (the prompt alone); "
+                             "ask for at least 1 token or set echo", "max_tokens")
     if getattr(request, "top_logprobs", None) is not None and \
             not getattr(request, "logprobs", False):
         raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
@@ -244,10 +247,18 @@ def _logprobs_wanted(body: _SamplingFields) -> int | None:
     return getattr(body, "logprobs", None)
 
 
+def _prompt_logprobs_wanted(body: _SamplingFields) -> int | None:
+    """Completions' echo with logprobs: the prompt's log probabilities too (None: not asked)."""
+    if isinstance(body, CompletionRequest) and body.echo:
+        return body.logprobs
+    return None
+
+
 def completion_logprobs(entries: Sequence[Any], decode: Any,
                         offset: int) -> dict[str, Any]:
-    """OpenAI's completions `logprobs` object for generated tokens; text offsets from
-    `offset` (the length of the text before them)."""
+    """OpenAI's completions `logprobs` object for generated tokens (and, with echo, the
+    prompt's first); text offsets from `offset` (the length of the text before them). An
+    entry's logprob and top may be None (the first prompt token: nothing predicts it)."""
     tokens, offsets = [], []
     for token, _lp, _top in entries:
         offsets.append(offset)
@@ -259,8 +270,17 @@ def completion_logprobs(entries: Sequence[Any], decode: Any,
             "text_offset": offsets}
 
 
-def _top_map(top: Sequence[tuple[int, float]], decode: Any) -> dict[str, float]:
+def prompt_entries(token_ids: Sequence[int], logprobs: Sequence[Any]) -> list[Any]:
+    """The prompt's (token, logprob, top) entries for `completion_logprobs` from the engine's
+    prompt log probabilities (None for the first token: logprob and top None)."""
+    return [(t, None, None) if entry is None else entry
+            for t, entry in zip(token_ids, logprobs, strict=True)]
+
+
+def _top_map(top: Sequence[tuple[int, float]] | None, decode: Any) -> dict[str, float] | None:
     """token text -> logprob, most likely first; tokens that decode alike keep the best."""
+    if top is None:
+        return None
     out: dict[str, float] = {}
     for token_id, value in top:
         out.setdefault(decode([token_id]), value)
@@ -336,13 +356,14 @@ def build_generate_request(request_id: RequestId, token_ids: Sequence[int],
         raise InvalidRequest(f"min_tokens ({body.min_tokens}) exceeds max_tokens ({limit})",
                              "min_tokens")
     return GenerateRequest(
-        request_id=request_id, prompt_token_ids=tuple(token_ids), max_tokens=limit,
+        # max_tokens 0 (echo): the engine samples one token, which the API drops
+        request_id=request_id, prompt_token_ids=tuple(token_ids), max_tokens=max(limit, 1),
         temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
         seed=body.seed, stop_token_ids=tuple(body.stop_token_ids),
         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
         repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, min_p=body.min_p,
-        logprobs=_logprobs_wanted(body),
+        logprobs=_logprobs_wanted(body), prompt_logprobs=_prompt_logprobs_wanted(body),
     )
 
 

@@ -61,6 +61,7 @@ class Sampling:
     presence_penalty: float = 0.0
     min_p: float = 0.0
     logprobs: int | None = None  # top log probabilities per token (None: none)
+    prompt_logprobs: int | None = None  # the same per prompt token (the whole prompt computed)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class PrefillDone:
     logprobs: list[Any] | None = None  # [[token, logprob, [[id, logprob], ...]]] if asked
     fetch_bytes: int = 0  # bytes the prefix fetch read from the store (0: no fetch)
     fetch_s: float = 0.0  # the fetch's wall time: the Conductor's measured loading speed
+    # per prompt token if asked: null for the first, then [token, logprob, top pairs]
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -305,7 +305,9 @@ class PrefillRole:
             rid, output.new_token_ids[0], final, output.num_cached_tokens,
             state.num_fetched_tokens, state.compute_s, span_s if had_transfers else 0.0,
             exposed_s if had_transfers else 0.0, state.transfer_bytes, sampler_state,
-            wire_logprobs(output.logprobs), state.fetch_bytes, state.fetch_s))
+            wire_logprobs(output.logprobs), state.fetch_bytes, state.fetch_s,
+            None if output.prompt_logprobs is None else
+            [None, *(wire_logprobs(output.prompt_logprobs[1:]) or [])]))
         if output.finished:
             self._live.pop(rid, None)
 

@@ -70,4 +70,5 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
                           repetition_penalty=sampling.repetition_penalty,
                           frequency_penalty=sampling.frequency_penalty,
                           presence_penalty=sampling.presence_penalty, min_p=sampling.min_p,
-                          logprobs=sampling.logprobs)
+                          logprobs=sampling.logprobs,
+                          prompt_logprobs=sampling.prompt_logprobs)

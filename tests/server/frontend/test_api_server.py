@@ -155,7 +155,7 @@ BAD_COMPLETIONS: list[tuple[str, bytes | dict[str, object], int, str]] = [
     ("over-long", {"prompt": [1] * 2000, "max_tokens": 100}, 400, "maximum model length"),
     ("prompt fills context", {"prompt": [1] * 2048}, 400, "no room"),
     ("n above 16", {"prompt": "a", "n": 17}, 400, "n: must be an integer in [1, 16]"),
-    ("echo with logprobs", {"prompt": "a", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("prompt_logprobs (vLLM's)", {"prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("logprobs above 20", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
     ("best_of above 1", {"prompt": "a", "best_of": 2}, 400, "best_of"),
     ("include_stop_str_in_output", {"prompt": "a", "include_stop_str_in_output": True}, 400,
