@@ -130,9 +130,11 @@ cluster = "{CLUSTER}"
     # Store master failover while serving.
     killed_at = time.monotonic()
     masters[leader_host].kill()
-    wait_until(lambda: etcd.get(leader_key(CLUSTER)) is not None and not etcd.get(
-        leader_key(CLUSTER)).decode().startswith(hosts.ip(leader_host) + ":"),  # type: ignore
-        "the standby store master to lead", 30.0)
+    def standby_leads() -> bool:  # one read: the key is briefly absent between two leaders
+        leader = etcd.get(leader_key(CLUSTER))
+        return leader is not None and not leader.decode().startswith(hosts.ip(leader_host) + ":")
+
+    wait_until(standby_leads, "the standby store master to lead", 30.0)
     without_master_s = time.monotonic() - killed_at
     third = complete(url, prompts[2], 8)
     assert third["choices"][0]["token_ids"] == expected[2]
