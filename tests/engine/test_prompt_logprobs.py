@@ -70,3 +70,34 @@ def test_prompt_logprobs_zero_top_and_bad_values() -> None:
     for bad in (-1, 21, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_a_request_preempted_mid_prompt_reports_each_token_once() -> None:
+    # 5 blocks of 4, chunks of 3: "a" grows until the newest request ("b", mid-prompt) is
+    # preempted; "b" is re-admitted, recomputes its prompt, and reports each token once.
+    engine = Engine("tiny", dataclasses.replace(CHUNKED, num_blocks=5, max_num_batched_tokens=3))
+    engine.add_request("a", [10, 11], SamplingParams(max_tokens=18, ignore_eos=True))
+    engine.step()
+    engine.add_request("b", PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=1,
+                                                   ignore_eos=True))
+    preempted_before_output, outs = False, []
+    schedule = engine.batcher.schedule
+
+    def watched():  # type: ignore[no-untyped-def]
+        plan = schedule()
+        nonlocal preempted_before_output
+        preempted_before_output |= "b" in plan.preempted_ids and not outs
+        return plan
+
+    engine.batcher.schedule = watched  # type: ignore[method-assign]
+    while engine.has_unfinished():
+        outs.extend(o for o in engine.step() if o.request_id == "b")
+    assert preempted_before_output  # the case under test happened
+    assert [o.prompt_logprobs is not None for o in outs] == [True, False]
+    lp = outs[0].prompt_logprobs
+    assert lp is not None and len(lp) == len(PROMPT)
+    expected = _expected()
+    for i in range(1, len(PROMPT)):
+        entry = lp[i]
+        assert entry is not None and entry[0] == PROMPT[i]
+        assert entry[1] == pytest.approx(float(expected[i - 1, PROMPT[i]]), abs=1e-3)
