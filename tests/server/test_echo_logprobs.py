@@ -126,3 +126,14 @@ def test_colocated_mode_echo_logprobs(tmp_path_factory: pytest.TempPathFactory) 
         assert cluster.backend is not None
         with ApiServer(create_app(cluster.backend)) as api:
             _echo_scored(api.url)
+
+
+def test_streamed_max_tokens_zero_is_the_prompt_alone(client: openai.OpenAI) -> None:
+    prompt = PROMPT[:6]
+    whole = client.completions.create(model="alpha", prompt=prompt, max_tokens=0, echo=True)
+    chunks = list(client.completions.create(model="alpha", prompt=prompt, max_tokens=0,
+                                            echo=True, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    scored = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert sum(len(lp.token_logprobs or ()) for lp in scored) == len(prompt)
