@@ -167,7 +167,7 @@ def block_prefix(pid: int) -> str:
 def unlink_blocks_of(pid: int) -> list[str]:
     """Unlink the shared-memory blocks a dead process `pid` left (whoever reaped it calls this;
     mappings still open elsewhere keep their memory). Returns the names removed."""
-    prefix, removed = block_prefix(pid), []
+    prefix, removed = block_prefix(pid), list[str]()
     try:
         names = os.listdir(SHM_DIR)
     except OSError:

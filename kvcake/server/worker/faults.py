@@ -48,7 +48,8 @@ class FaultSwitch:
         except (OSError, ValueError):  # absent (off) or half-written: no faults this round
             return NO_FAULTS
         try:
-            return FaultSpec(**{k: float(raw[k]) for k in _KEYS if k in raw})
+            values: dict[str, Any] = {k: float(raw[k]) for k in _KEYS if k in raw}
+            return FaultSpec(**values)
         except (TypeError, ValueError):
             return NO_FAULTS
 
