@@ -45,7 +45,7 @@ from kvcake.engine.block_manager import BlockManager, KvEvent
 from kvcake.engine.config import EngineConfig, ModelConfig
 from kvcake.engine.kv_pool import KvAllocator, KVPool
 from kvcake.engine.linear import BUCKET_NAMES, Linear, table_path, tune
-from kvcake.engine.loader import load_weights, resolve
+from kvcake.engine.loader import ModelSource, load_weights, resolve
 from kvcake.engine.model import LlamaModel
 from kvcake.engine.runner import ModelRunner
 from kvcake.engine.sampling import (
@@ -106,16 +106,9 @@ class Engine:
         self.dtype = _DTYPES[self.config.dtype]
         self.block_size = self.config.block_size
         mc = self.model_config
-        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = max_model_len_of(mc, self.config)
         self.namespace = kv_namespace(mc, self.config, from_directory=source.directory is not None)
-        self.model = LlamaModel(mc)
-        try:
-            self.model.load_hf_state_dict(load_weights(source, self.config.seed))
-        except KeyError as exc:
-            raise ValueError(f"model: weight {exc.args[0]!r} is missing from {model!r}") from None
-        except (RuntimeError, ValueError) as exc:  # weights and config.json disagree
-            raise ValueError("model: " + " ".join(str(exc).split())) from None
+        self.model = load_model(model, source, self.config)
         if kv_allocator is not None and self.device.type != "cpu":
             raise ValueError(f"kv_allocator: the KV pool of an engine on {self.device} lives in "
                              f"device memory; use device cpu, or no allocator")
@@ -535,6 +528,26 @@ class Engine:
 
     def drain_kv_events(self) -> list[KvEvent]:
         return self.block_manager.drain_events()
+
+
+def max_model_len_of(model_config: ModelConfig, config: EngineConfig) -> int:
+    """The longest sequence an engine serves: its setting, capped at the model's positions."""
+    return min(config.max_model_len or model_config.max_position_embeddings,
+               model_config.max_position_embeddings)
+
+
+def load_model(model: str, source: ModelSource, config: EngineConfig,
+               layers: range | None = None) -> LlamaModel:
+    """The model (or its `layers` slice) with its weights; ValueError naming what is wrong when
+    a weight is missing or the weights and config.json disagree."""
+    llama = LlamaModel(source.config, layers)
+    try:
+        llama.load_hf_state_dict(load_weights(source, config.seed))
+    except KeyError as exc:
+        raise ValueError(f"model: weight {exc.args[0]!r} is missing from {model!r}") from None
+    except (RuntimeError, ValueError) as exc:  # weights and config.json disagree
+        raise ValueError("model: " + " ".join(str(exc).split())) from None
+    return llama
 
 
 def kv_namespace(model_config: ModelConfig, config: EngineConfig, *,

@@ -25,11 +25,17 @@ from kvcake.engine import cpu_ops
 from kvcake.engine.batcher import BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager
 from kvcake.engine.config import EngineConfig, ModelConfig
-from kvcake.engine.engine import _DTYPES, _linears, _pick_device, kv_namespace
+from kvcake.engine.engine import (
+    _DTYPES,
+    _linears,
+    _pick_device,
+    kv_namespace,
+    load_model,
+    max_model_len_of,
+)
 from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.linear import table_path, tune
-from kvcake.engine.loader import load_weights, resolve
-from kvcake.engine.model import LlamaModel
+from kvcake.engine.loader import resolve
 from kvcake.engine.runner import ModelRunner
 from kvcake.engine.sampling import Sampler, SamplingParams
 from kvcake.engine.sequence import Sequence as Seq
@@ -63,15 +69,10 @@ class StageEngine:
         self.dtype = _DTYPES[self.config.dtype]
         self.block_size = self.config.block_size
         mc = self.model_config
-        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = max_model_len_of(mc, self.config)
         self.namespace = kv_namespace(mc, self.config, from_directory=source.directory is not None)
-        self.model = LlamaModel(mc, layers)
+        self.model = load_model(model, source, self.config, layers)
         self.layers = self.model.layer_range
-        try:
-            self.model.load_hf_state_dict(load_weights(source, self.config.seed))
-        except KeyError as exc:
-            raise ValueError(f"model: weight {exc.args[0]!r} is missing from {model!r}") from None
         self.model.to(device=self.device, dtype=self.dtype).eval()
         slice_config = dataclasses.replace(mc, num_layers=len(self.layers))
         num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // (
