@@ -510,7 +510,8 @@ class Conductor:
 
     def admit_decode(self, request_id: str,
                      now_s: float) -> DecodeEstimate | Rejection | None:
-        """Admission DECODE_AFTER_PREFILL: the prefill of `request_id` is done; where may it decode?
+        """Admission DECODE_AFTER_PREFILL (or SLO / EARLY with `decode_check_after_prefill`): the
+        prefill of `request_id` is done; where may it decode?
 
         The decode instance is chosen again now, by the least predicted TBT with the request
         added (its booking moves there): that instance's estimate. A Rejection (the request
@@ -518,7 +519,7 @@ class Conductor:
         spent for nothing. Under every other admission mode the decision was made at arrival:
         None."""
         placed = self._placed.get(request_id)
-        if self.config.admission is not Admission.DECODE_AFTER_PREFILL or placed is None:
+        if placed is None or not self._checks_decode_after_prefill():
             return None
         prefill_id, booked_on = placed
         expected = self._decode(booked_on).expected(request_id)
@@ -545,6 +546,13 @@ class Conductor:
         return Rejection(request_id, RejectReason.TBT_SLO,
                          max(self.config.min_retry_after_s, retry_s), 0.0, best.tbt_s, (),
                          tuple(estimates))
+
+    def _checks_decode_after_prefill(self) -> bool:
+        admission = self.config.admission
+        if admission is Admission.DECODE_AFTER_PREFILL:
+            return True
+        return self.config.decode_check_after_prefill and admission in (Admission.SLO,
+                                                                        Admission.EARLY)
 
     def on_decode_joined(self, instance_id: str, request_id: str, now_s: float) -> None:
         self._decode(instance_id).join(request_id, now_s, self._decode_model.decode_step_time_s,

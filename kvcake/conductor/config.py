@@ -85,6 +85,11 @@ class ConductorConfig:
         forecast batch would not fit when each request reserves its prompt plus its whole
         max_output_len is predicted at TBT +inf (its requests would wait for memory). None: not
         checked.
+    decode_check_after_prefill: under SLO and EARLY admission, ask the decode side again when
+        the prefill ends (`Conductor.admit_decode`), as DECODE_AFTER_PREFILL does: the decode
+        pool's own guard of the TBT SLO stays behind the early check, and a request the early
+        check let through that finds decode full is rejected there, its prefill spent.
+        False: the arrival decision is final (the request waits for decode memory).
     """
 
     policy: Policy = Policy.GLOBAL_CACHE
@@ -104,6 +109,7 @@ class ConductorConfig:
     cpp_nodes: int = 2
     cpp_chunk_tokens: int = 1024
     decode_kv_capacity_tokens: int | None = None
+    decode_check_after_prefill: bool = False
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.

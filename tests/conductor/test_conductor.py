@@ -442,6 +442,31 @@ def test_admit_decode_is_a_no_op_under_arrival_admission() -> None:
     assert ConductorConfig(admission="prediction").admission is Admission.EARLY  # type: ignore[arg-type]
 
 
+def test_early_rejection_with_the_decode_check_after_prefill_rejects_the_wave_it_let_in() -> None:
+    # Early rejection ("slo") looks at the decode batch *now*: b arrives at 0.1 while a is still
+    # in prefill (until 0.2), sees an empty decode and is let in; when b's prefill ends, a decodes on the only
+    # instance and b would make the step 0.012 s > 0.0115: rejected there, its prefill spent.
+    for check, expected in ((True, Rejection), (False, type(None))):
+        c = make(admission="slo", num_decode=1, tbt_slo_s=0.0115,
+                 decode_check_after_prefill=check)
+        placed(c.schedule(request("a", output_len=1000), 0.0))
+        placed(c.schedule(request("b", first_key=100, output_len=1000), 0.1))
+        assert isinstance(c.admit_decode("a", 0.2), DecodeEstimate if check else type(None))
+        c.on_decode_joined("d0", "a", 0.2)
+        late = c.admit_decode("b", 0.4)
+        assert isinstance(late, expected)
+        if check:
+            assert isinstance(late, Rejection) and late.reason is RejectReason.TBT_SLO
+            assert late.predicted_tbt_s == pytest.approx(0.012)
+            assert c.decode_load("d0").num_booked == 1  # b forgotten
+    # Prediction-based early rejection (with t_d) sees the first one coming and stops the second
+    # at arrival: nothing reaches the check after prefill to be rejected there.
+    c = make(admission="early", num_decode=1, tbt_slo_s=0.0115, decode_check_after_prefill=True,
+             uniform_decode_s=10.0)
+    placed(c.schedule(request("a", output_len=1000), 0.0))
+    assert isinstance(c.schedule(request("b", first_key=100, output_len=1000), 0.1), Rejection)
+
+
 def test_uniform_decode_time_forecasts_every_request_to_finish_after_t_d() -> None:
     c = make(num_decode=1, uniform_decode_s=2.0)
     placed(c.schedule(request("a", output_len=10_000), 0.0))  # its length is not used
