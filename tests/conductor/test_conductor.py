@@ -444,8 +444,9 @@ def test_admit_decode_is_a_no_op_under_arrival_admission() -> None:
 
 def test_early_rejection_with_the_decode_check_after_prefill_rejects_the_wave_it_let_in() -> None:
     # Early rejection ("slo") looks at the decode batch *now*: b arrives at 0.1 while a is still
-    # in prefill (until 0.2), sees an empty decode and is let in; when b's prefill ends, a decodes on the only
-    # instance and b would make the step 0.012 s > 0.0115: rejected there, its prefill spent.
+    # in prefill (until 0.2), sees an empty decode and is let in; when b's prefill ends, a
+    # decodes on the only instance and b would make the step 0.012 s > 0.0115: rejected there,
+    # its prefill spent.
     for check, expected in ((True, Rejection), (False, type(None))):
         c = make(admission="slo", num_decode=1, tbt_slo_s=0.0115,
                  decode_check_after_prefill=check)
