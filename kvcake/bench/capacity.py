@@ -10,7 +10,7 @@ assumes the share does not grow with speed (more load never helps latency).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -60,3 +60,47 @@ def find_capacity(probe: Callable[[float], float], start_speed: float, target: f
         else:
             failing = middle
     return CapacityResult(passing, tuple(probes))
+
+
+@dataclass(frozen=True)
+class MultiProbe:
+    speed: float
+    shares: tuple[float, ...]  # effective share under each SLO, in the caller's order
+
+
+@dataclass(frozen=True)
+class MultiCapacityResult:
+    best_speeds: tuple[float | None, ...]  # per SLO, as `CapacityResult.best_speed`
+    probes: tuple[MultiProbe, ...]  # every distinct replay, in the order run
+
+
+def find_capacities(probe: Callable[[float], Sequence[float]], start_speed: float,
+                    num_slos: int, target: float = 0.9, max_probes: int = 4,
+                    rel_tol: float = 0.1) -> MultiCapacityResult:
+    """`find_capacity` for several SLOs from the same replays: one probe gives the share under
+    every SLO (e.g. three TBT SLOs). SLO k's search starts at SLO k-1's capacity when there is
+    one (a looser SLO never has less capacity, the caller orders them tightest first); a speed
+    already replayed is not replayed again. At most `max_probes` lookups per SLO, so at most
+    `num_slos * max_probes` replays in all."""
+    if num_slos < 1:
+        raise ValueError(f"num_slos must be >= 1, got {num_slos}")
+    seen: dict[float, tuple[float, ...]] = {}
+    order: list[MultiProbe] = []
+
+    def shares(speed: float) -> tuple[float, ...]:
+        if speed not in seen:
+            got = tuple(float(s) for s in probe(speed))
+            if len(got) != num_slos:
+                raise ValueError(f"probe gave {len(got)} shares, expected {num_slos}")
+            seen[speed] = got
+            order.append(MultiProbe(speed, got))
+        return seen[speed]
+
+    best: list[float | None] = []
+    start = start_speed
+    for k in range(num_slos):
+        found = find_capacity(lambda s, k=k: shares(s)[k], start, target, max_probes, rel_tol)
+        best.append(found.best_speed)
+        if found.best_speed is not None:
+            start = found.best_speed
+    return MultiCapacityResult(tuple(best), tuple(order))
