@@ -122,6 +122,8 @@ class Conductor:
         self._prefill_pool: tuple[str, ...] = ()  # the keys of _queues, shared by decisions
         self._cpp_groups: tuple[tuple[str, ...], ...] = ()  # CPP: the pool cut into groups
         self._group_of: dict[str, tuple[str, ...]] = {}  # CPP request -> its group
+        # CPP members (layer slices, never placed alone) -> position in their group's pipeline
+        self._cpp_members: dict[str, int] = {}
         self._predicted_prefill_s: dict[tuple[int, int], float] = {}  # (prompt, prefix) -> s
         for instance_id in prefill_ids:
             self.add_prefill_instance(instance_id)
@@ -138,9 +140,17 @@ class Conductor:
     def decode_ids(self) -> list[str]:
         return list(self._decodes)
 
-    def add_prefill_instance(self, instance_id: str) -> None:
+    def add_prefill_instance(self, instance_id: str, cpp_member: int | None = None) -> None:
+        """`cpp_member`: the instance is that stage (0-based) of a dedicated CPP group: it holds
+        only a slice of the layers, so it prefills only as part of its group (the group forms
+        once stages 0..cpp_nodes-1 are all registered), never alone."""
         if instance_id in self._queues:
             raise ValueError(f"prefill instance {instance_id!r} is already registered")
+        if cpp_member is not None:
+            if not 0 <= cpp_member < self.config.cpp_nodes:
+                raise ValueError(f"cpp_member: must be in [0, {self.config.cpp_nodes}), got "
+                                 f"{cpp_member}")
+            self._cpp_members[instance_id] = cpp_member
         self._queues[instance_id] = PrefillQueue()
         self._pool_changed()
         self.index.add_holder(instance_id)
@@ -153,6 +163,7 @@ class Conductor:
     def remove_instance(self, instance_id: str) -> None:
         """Forget an instance (it died or was drained), its queue and its cached blocks."""
         self._queues.pop(instance_id, None)
+        self._cpp_members.pop(instance_id, None)
         self._pool_changed()
         self._decodes.pop(instance_id, None)
         self._last_decode_estimates.pop(instance_id, None)
@@ -160,9 +171,17 @@ class Conductor:
         self.pending.remove_holder(instance_id)
 
     def _pool_changed(self) -> None:
-        self._prefill_pool = tuple(self._queues)
-        if self.config.cpp_min_tokens is not None:
+        members = self._cpp_members
+        self._prefill_pool = tuple(i for i in self._queues if i not in members) if members \
+            else tuple(self._queues)
+        if self.config.cpp_min_tokens is None:
+            return
+        if not members:
             self._cpp_groups = cpp_groups(self._prefill_pool, self.config.cpp_nodes)
+            return
+        stages = sorted(members, key=members.__getitem__)
+        complete = [members[m] for m in stages] == list(range(self.config.cpp_nodes))
+        self._cpp_groups = (tuple(stages),) if complete else ()
 
     @property
     def cpp_groups(self) -> tuple[tuple[str, ...], ...]:
@@ -210,7 +229,7 @@ class Conductor:
         """Place `req` or reject it; a placement is booked at once (queue, decode, fetch, index)."""
         if req.request_id in self._placed:
             raise ValueError(f"request {req.request_id!r} is already placed")
-        if not self._queues or not self._decodes:
+        if not self._decodes or not (self._prefill_pool or self._uses_cpp(req)):
             return Rejection(req.request_id, RejectReason.NO_INSTANCE, self.config.min_retry_after_s,
                              float("inf"), float("inf"), (), ())
         match = self.index.match(req.block_keys)
@@ -281,7 +300,8 @@ class Conductor:
         plan_of = {n: self._plan_prefill(req, match, n, source, predicted)
                    for n in dict.fromkeys(blocks)}
         plans = list(map(plan_of.__getitem__, blocks))
-        queues = list(map(PrefillQueue.queue_s, self._queues.values(), repeat(now_s)))
+        books = map(self._queues.__getitem__, pool) if self._cpp_members else self._queues.values()
+        queues = list(map(PrefillQueue.queue_s, books, repeat(now_s)))
         ttfts = [plan[2] + queue_s + plan[3] for plan, queue_s in zip(plans, queues, strict=True)]
         if self.config.fetch_only_if_faster:
             _turn_down_slow_fetches(plans, queues, ttfts)
@@ -304,7 +324,8 @@ class Conductor:
         queues = self._queues
         group_blocks, group_queues = [], []
         for group in self._cpp_groups:
-            group_blocks.append(min(blocks[position[m]] for m in group))
+            # a dedicated member (not in the pool) holds no whole block: no local prefix
+            group_blocks.append(min(blocks[position[m]] if m in position else 0 for m in group))
             group_queues.append(max(queues[m].queue_s(now_s) for m in group))
         predicted: dict[int, float] = {}  # prefix_len -> pipelined prefill seconds
         plans = [self._plan_prefill(req, match, n, source, predicted, pipelined=True)

@@ -81,6 +81,9 @@ class ConductorConfig:
         into consecutive groups, in pool order), its chunks pipelined across them. None: off.
     cpp_nodes: X, the prefill instances of one CPP group (>= 2 when CPP is on).
     cpp_chunk_tokens: tokens per pipelined chunk (the paper: at least 1,000).
+    cpp_min_chunk_tokens: the smallest `cpp_chunk_tokens` accepted: the paper's 1,000 (smaller
+        chunks leave each stage's forward too small to pay for the hand-off); lower it only for
+        tests on tiny models.
     decode_kv_capacity_tokens: KV tokens one decode instance holds; a decode candidate whose
         forecast batch would not fit when each request reserves its prompt plus its whole
         max_output_len is predicted at TBT +inf (its requests would wait for memory). None: not
@@ -108,6 +111,7 @@ class ConductorConfig:
     cpp_min_tokens: int | None = None
     cpp_nodes: int = 2
     cpp_chunk_tokens: int = 1024
+    cpp_min_chunk_tokens: int = 1000
     decode_kv_capacity_tokens: int | None = None
     decode_check_after_prefill: bool = False
 
@@ -144,9 +148,12 @@ class ConductorConfig:
         if self.decode_kv_capacity_tokens is not None and self.decode_kv_capacity_tokens < 1:
             raise ValueError(f"decode_kv_capacity_tokens must be >= 1 (or unset), "
                              f"got {self.decode_kv_capacity_tokens!r}")
-        if self.cpp_chunk_tokens < 1000:
-            raise ValueError(f"cpp_chunk_tokens must be >= 1000 (CPP chunks of at least 1,000 "
-                             f"tokens, as the paper), got {self.cpp_chunk_tokens!r}")
+        if self.cpp_min_chunk_tokens < 1:
+            raise ValueError(f"cpp_min_chunk_tokens must be >= 1, got {self.cpp_min_chunk_tokens!r}")
+        if self.cpp_chunk_tokens < self.cpp_min_chunk_tokens:
+            raise ValueError(f"cpp_chunk_tokens must be >= {self.cpp_min_chunk_tokens} (CPP chunks "
+                             f"of at least 1,000 tokens, as the paper; cpp_min_chunk_tokens lowers "
+                             f"the floor), got {self.cpp_chunk_tokens!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ConductorConfig:
