@@ -135,6 +135,9 @@ def register(subparsers: Any) -> None:
                      type=_hardware_override,
                      help="replace one hardware profile field, e.g. decode_step_overhead_s=0.02 "
                           "(repeatable; the calibration and sensitivity runs)")
+    sim.add_argument("--live-profile", type=Path, default=None, metavar="FILE",
+                     help="costs fitted on the live engine instead of --profile: `kvcake "
+                          "profile`'s JSON plus a \"live\" object (kvcake/sim/live_profile.py)")
     sim.add_argument("--records", type=Path, default=None, help="write per-request JSONL here")
     sim.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT and TBT here")
     sim.add_argument("--json", action="store_true", help="print one JSON object")
@@ -194,7 +197,12 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvcake.sim.run import simulate
 
     config = config_from_args(args)  # validate flags before reading a large trace
-    result = simulate(config, load_trace(args.trace))
+    cost = None
+    if args.live_profile is not None:
+        from kvcake.sim.live_profile import load_live_profile
+
+        cost = load_live_profile(args.live_profile).as_cost_model()
+    result = simulate(config, load_trace(args.trace), cost)
     if args.records is not None:
         write_records(args.records, result.states)
     if args.plot is not None:

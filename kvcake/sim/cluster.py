@@ -69,9 +69,10 @@ def cost_model(config: SimConfig) -> CostModel:
 class Cluster:
     """One simulated run of `arrivals` (sorted by time) on the cluster `config` describes."""
 
-    def __init__(self, config: SimConfig, arrivals: Sequence[Arrival]) -> None:
+    def __init__(self, config: SimConfig, arrivals: Sequence[Arrival],
+                 cost: CostModel | None = None) -> None:
         self.config = config
-        self.cost = cost_model(config)
+        self.cost = cost_model(config) if cost is None else cost  # cost: a live profile's
         model, hw = self.cost.model, self.cost.hardware
         self.kv_per_token = model.kv_bytes_per_token
         nic = hw.nic_bandwidth_bytes_per_s if config.nic_gbps is None else config.nic_gbps * 1e9 / 8

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvcake.conductor import CostModel
 from kvcake.sim.cluster import Cluster
 from kvcake.sim.config import SimConfig
 from kvcake.sim.records import Arrival, RequestState
@@ -30,12 +31,13 @@ def arrivals_of(trace: Trace, speed: float = 1.0, max_requests: int | None = Non
     ]
 
 
-def simulate(config: SimConfig, trace: Trace) -> SimResult:
-    """Run `trace` on the cluster `config` describes. Deterministic for a given seed."""
+def simulate(config: SimConfig, trace: Trace, cost: CostModel | None = None) -> SimResult:
+    """Run `trace` on the cluster `config` describes. Deterministic for a given seed. `cost`
+    replaces the profile's cost model (`kvcake simulate --live-profile`)."""
     if trace.block_size != config.block_size:
         raise ValueError(f"the trace has {trace.block_size}-token blocks but block_size is "
                          f"{config.block_size}; load the trace with the same block size")
-    cluster = Cluster(config, arrivals_of(trace, config.speed, config.max_requests))
+    cluster = Cluster(config, arrivals_of(trace, config.speed, config.max_requests), cost)
     summary = cluster.run()
     summary["speed"] = config.speed
     return SimResult(summary, cluster.states)

@@ -1,0 +1,137 @@
+"""A cost model fitted on the live engine, for `kvcake simulate --live-profile FILE`.
+
+FILE is `kvcake profile`'s JSON (the fitted prefill regression `prefill`, the decode step model
+`decode`, and their measured points) with one more object, `live`, that says what the profile
+alone does not:
+
+    "live": {"transfer_bandwidth_bytes_per_s": 2.1e9,   # measured KV hand-off bytes / s
+             "kv_pool_tokens": 262144,                  # one worker's KV pool, in tokens
+             "shape": {"num_layers": 4, "hidden_size": 512, "num_heads": 8,
+                       "num_kv_heads": 2, "intermediate_size": 1408, "vocab_size": 32000},
+             "dtype_bytes": 4,
+             "topology": {"num_prefill": 1, "num_decode": 1}}   # optional, informational
+
+`LiveCost` answers what the simulator asks of a `CostModel` from those fits instead of FLOPs:
+a prefill is `prefill.predict(input, prefix)` (a chunk of it inside a larger forward: its
+share by tokens), a decode step `decode.decode_step_time_s(batch, context)`, a transfer the
+measured bandwidth; a decode node holds `kv_pool_tokens` of KV and a prefill node caches as
+many (the live worker's prefix cache is its KV pool).
+
+Pure: no torch, no clock; `load_live_profile` reads one file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from kvcake.conductor import CostModel, DecodeStepPredictor, PrefillTimePredictor
+from kvcake.conductor.profiles import HardwareProfile, ModelProfile
+
+_HBM_RESERVE = 0.9  # kvcake/sim/cluster.py keeps this share of HBM for weights + KV
+_SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
+               "vocab_size")
+
+
+@dataclass(frozen=True)
+class LiveCost:
+    """`CostModel`'s interface (as the simulator and the Conductor use it) from live fits."""
+
+    model: ModelProfile
+    hardware: HardwareProfile
+    prefill: PrefillTimePredictor
+    decode: DecodeStepPredictor
+    kv_pool_tokens: int
+    topology: tuple[tuple[str, int], ...] = ()
+
+    def prefill_time_s(self, input_len: int, prefix_len: int = 0) -> float:
+        if not 0 <= prefix_len <= input_len:
+            raise ValueError(f"prefix_len must be in [0, input_len={input_len}], got {prefix_len}")
+        if input_len - prefix_len <= 0:
+            return 0.0
+        return max(0.0, self.prefill.predict(input_len, prefix_len))
+
+    def chunk_compute_s(self, input_len: int, prefix_len: int, num_tokens: int,
+                        forward_tokens: int) -> float:
+        """Its share by tokens of the prompt's measured prefill (the forward's size is not in the
+        fit: a chunk costs the same inside a decode batch as alone)."""
+        new = input_len - prefix_len
+        if new <= 0 or num_tokens <= 0:
+            return 0.0
+        return self.prefill_time_s(input_len, prefix_len) * num_tokens / new
+
+    def cpp_prefill_time_s(self, input_len: int, prefix_len: int, num_nodes: int,
+                           chunk_tokens: int) -> float:
+        """(J + X - 1) / (J X) of the single-node prefill (J chunks, X nodes)."""
+        new = input_len - prefix_len
+        if new <= 0:
+            return 0.0
+        chunks = -(-new // chunk_tokens)
+        return (self.prefill_time_s(input_len, prefix_len) * (chunks + num_nodes - 1)
+                / (chunks * num_nodes))
+
+    def predict(self, input_len: int, prefix_len: int) -> float:
+        return self.prefill_time_s(input_len, prefix_len)
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return num_tokens * self.model.kv_bytes_per_token
+
+    def decode_step_time_s(self, batch_size: int, context_tokens: int) -> float:
+        return self.decode.decode_step_time_s(batch_size, context_tokens)
+
+    def as_cost_model(self) -> CostModel:
+        """Itself, typed as what `simulate(cost=...)` takes (it answers the same calls)."""
+        return cast(CostModel, self)
+
+    def transfer_time_s(self, num_bytes: int, bandwidth_bytes_per_s: float | None = None) -> float:
+        bandwidth = bandwidth_bytes_per_s or self.hardware.nic_bandwidth_bytes_per_s
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
+        return num_bytes / bandwidth
+
+
+def live_cost_from_dict(data: dict[str, Any], source: str = "live profile") -> LiveCost:
+    """The cost model of one `kvcake profile` JSON object with its `live` section."""
+    try:
+        prefill = PrefillTimePredictor.from_json(json.dumps(data["prefill"]))
+        decode = DecodeStepPredictor.from_json(json.dumps(data["decode"]))
+        live = data["live"]
+        bandwidth = float(live["transfer_bandwidth_bytes_per_s"])
+        pool_tokens = int(live["kv_pool_tokens"])
+        shape = {k: int(live["shape"][k]) for k in _SHAPE_KEYS}
+        dtype_bytes = int(live.get("dtype_bytes", 4))
+        topology = tuple(sorted((str(k), int(v)) for k, v in live.get("topology", {}).items()))
+    except KeyError as exc:
+        raise ValueError(f"{source}: missing {exc}; a live profile is `kvcake profile`'s JSON "
+                         "plus a \"live\" object (kvcake/sim/live_profile.py)") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    if not bandwidth > 0 or pool_tokens < 1:
+        raise ValueError(f"{source}: live.transfer_bandwidth_bytes_per_s must be > 0 and "
+                         f"live.kv_pool_tokens >= 1, got {bandwidth}, {pool_tokens}")
+    model = ModelProfile(str(data.get("model", "live")), dtype_bytes=dtype_bytes, **shape)
+    pool_bytes = pool_tokens * model.kv_bytes_per_token
+    hardware = HardwareProfile(
+        "live", peak_flops=1.0, mfu=1.0, hbm_bandwidth_bytes_per_s=1.0, hbm_efficiency=1.0,
+        nic_bandwidth_bytes_per_s=bandwidth,
+        # the simulator's decode KV capacity is (hbm * 0.9 - weights) / kv per token: the pool
+        hbm_bytes=math.ceil((pool_bytes + model.weight_bytes + model.kv_bytes_per_token / 2)
+                            / _HBM_RESERVE),
+        dram_bytes=pool_bytes)
+    return LiveCost(model, hardware, prefill, decode, pool_tokens, topology)
+
+
+def load_live_profile(path: str | Path) -> LiveCost:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--live-profile {path}: cannot read it ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--live-profile {path}: expected a JSON object")
+    return live_cost_from_dict(data, f"--live-profile {path}")
