@@ -1,153 +1,375 @@
-"""Disaggregated (+ store) vs colocated serving on the same number of workers, in one run.
+r"""Disaggregated 1P+1D (+ store) vs 2 colocated kvcake workers vs vLLM's CPU build: capacity in
+the paper's regime, fixed in advance (issue 11 part 2); and the KV hand-off's transport runs.
 
-    .venv/bin/python benchmarks/serving_disagg_vs_colocated.py \
-        --trace ../shared/traces/conversation_trace.jsonl --max-requests 100 --speed 1 \
-        --scale-tokens 0.03125 --capacity-requests 100 --capacity-probes 5 \
-        --capacity-start-speed 4      # ~6 minutes on 2 contended cores
+    B=benchmarks/serving_disagg_vs_colocated.py; D=/tmp/kvcake-capacity
+    flock /tmp/kvcake_bench.lock .venv/bin/python $B --out-dir $D --measure-regime
+    flock /tmp/kvcake_bench.lock .venv/bin/python $B --out-dir $D --systems colocated-budget
+    flock /tmp/kvcake_bench.lock .venv/bin/python $B --out-dir $D --systems disagg
+    flock /tmp/kvcake_bench.lock .venv/bin/python $B --out-dir $D --systems colocated
+    flock /tmp/kvcake_bench.lock .venv/bin/python $B --out-dir $D --systems vllm
+    .venv/bin/python $B --out-dir $D --merge --json     # the three capacities, the gains
+    flock /tmp/kvcake_bench.lock .venv/bin/python $B --transport --transport-runs 3
 
-Each system is a cluster started by `kvcake.server.cluster.launcher` (worker processes, the same
-frontend, the same Conductor code): (a) 1 prefill + 1 decode worker with the store (policy
-global_cache), (b) 2 colocated workers (policy colocated: local prefix cache only, no store).
-`kvcake bench` replays the same scaled slice of the trace against each, twice: a cold pass
-(empty caches and store) and a warm pass (the same prompts again: prefixes in the store and the
-local caches). Then, on the same warm cluster, `kvcake bench --find-capacity` searches the
-highest replay speed (and request rate) at which >= 90% of requests are effective, over the first
-`--capacity-requests` records with at most `--capacity-probes` probes (each a full replay: the
-cap keeps the whole run bounded). Printed: effective request capacity, TTFT and the paper's TBT
-per pass, the capacity found, the ratios disaggregated / colocated, and the KV streaming overlap
-measured by the prefill workers.
-Admission control is off in both (every request is served), so the capacity compares the
-systems and not the Conductor's rejections.
+Each step fits one 15-minute hold of the shared bench lock on 2 cores; every step writes its JSON
+into --out-dir and --merge reads them back. Without --systems/--merge/--transport the script runs
+all steps in order.
 
-Then the direct path's two same-host transports side by side (`--transport-requests`, 0 skips
-it): one decode worker process (its KV pool in shared memory) and, in this process, prefill
-workers that write into its reserved blocks by memcpy through the shared memory ("shm") or over
-loopback TCP with per-slice digests ("tcp": `shared_memory=False`, the path every same-host
-write took while the pool was private memory), layer by layer and after the prefill, requests
-alternating between them: exposed transfer time per request and the decode process's CPU time.
+## The regime (kvcake/bench/regime.py), derived before any system runs
+The paper's setting in ratios that carry over to any hardware: the mean prompt's cold prefill is
+~1.44 s, a decode step ~45 ms (ratio ~32); TBT SLOs 100/200/300 ms = 2.2/4.4/6.6 decode steps;
+TTFT SLO 30 s = ~21 mean prefills; the conversation trace's outputs (mean ~343 tokens).
+`--measure-regime` measures on this machine, once, with the model all three systems serve (the
+44M-parameter Llama directory of `benchmarks/serving_vs_vllm.py`: 4 layers, hidden 512, vocab
+32,000, context 32,768; seeded weights, float32) on one engine with 1 torch thread (what each
+kvcake worker gets on 2 cores):
+- prefill: a grid of cold prompts (256..8,192 tokens) -> the fitted `PrefillTimePredictor`
+  prefill_s(L) of one prefill worker (`kvcake profile`'s fit; saved as `profile.json`, the live
+  profile `benchmarks/sim_vs_live.py` hands to the simulator);
+- decode: steps at batch 1/8/16 x context 256/2,048 tokens -> the fitted step model s(B, ctx).
+Then, with pure functions:
+- typical decode batch B = rho * mean_output / 32 (Little's law for 1P+1D with the prefill worker
+  busy rho = 0.75 of the time; independent of the hardware) = 8 for these records;
+- s_d = s(B, B * (L + mean_output / 2)) and L = the prompt length with prefill_s(L) = 32 s_d
+  (iterated to a fixed point), capped at context - 1,024;
+- scale = L / (mean trace prompt of the replayed records): every prompt length and the 512-token
+  hash block are multiplied by it (prefix sharing kept); prompts cut at context - 1,024;
+- outputs: the trace's, capped at 1,024 tokens (not scaled);
+- TBT SLOs = 2.2/4.4/6.6 s_d; TTFT SLO = 21 prefill_s(L).
+Every system then runs with the regime file as written; nothing is changed after a result.
+
+## The requests and the capacity search
+The first --num-requests (40) records of the conversation trace, in order. Arrivals: seeded
+Poisson (exponential gaps) at rate r; the trace's own timestamps have 3-s granularity with bursts
+of up to 16 simultaneous requests in the first 40, which would make 40-request capacities a
+property of two bursts. Each probe uses fresh prompt tokens (seed = the probe's index), so a
+probe never hits the cache of an earlier one; the sharing inside a probe is the trace's. The
+same (rate, probe index) gives identical requests to every system. A request is effective when
+TTFT <= the TTFT SLO and its TBT (mean of its slowest 10% of token gaps) <= the TBT SLO; one
+replay gives the share at all three TBT SLOs. Capacity per SLO = the highest rate with >= 90%
+effective (`kvcake.bench.capacity.find_capacities`: doubling from r0 = 0.5 / mean prefill, then
+geometric bisection to 10%, at most --max-probes per SLO, a rate never replayed twice; SLO k
+starts from SLO k-1's capacity). Admission control is off in kvcake (every request is served).
+
+Systems, one at a time on 127.0.0.1, each warmed up the same way (benchmarks/serving_vs_vllm.py):
+- `disagg`: `kvcake serve --config` 1 prefill + 1 decode worker (1 thread each), policy
+  global_cache with the store, layer-wise KV streaming over shared memory;
+- `colocated`: 2 colocated kvcake workers (1 thread each; prefix caching and chunked prefill),
+  policy colocated, at the prefill-chunk budget `colocated-budget` picked: one replay per budget
+  in {64, 256, 1024, 2048} at the fixed rate 1 / mean prefill (the pair's prefill half busy);
+  the budget with the highest sum of effective shares over the three SLOs wins (ties: larger);
+- `vllm`: vLLM's CPU build, one server with both cores (OpenMP bind 0-1), prefix caching and
+  chunked prefill (its default 2,048-token budget), float32, via ../shared/tools/peers (set up
+  by this script when the venv is missing).
+
+`--json` prints {"s_d_ms", "tbt_slo_ms", "capacity_rps": {"disagg", "colocated", "vllm"}} (a
+capacity is null when even the lowest probed rate fails, or the system was not run).
+
+## `--transport`: the KV hand-off, layer-wise vs after the prefill
+Sequential long prompts (tiny preset, 1,500 tokens) on 1 prefill + 1 decode worker, the KV
+streamed layer by layer during the prefill or after it: mean TTFT, prefill compute and exposed
+transfer per request (--transport-runs repeats, alternating the modes); then the two same-host
+transports (shared memory vs loopback TCP) per mode, requests alternating between them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from kvcake.conductor import Admission, ConductorConfig
-from kvcake.engine.config import EngineConfig
-from kvcake.server.cluster.config import ClusterConfig
-from kvcake.server.cluster.launcher import Cluster
-from kvcake.server.frontend.api import ApiServer, create_app
+import numpy as np
 
-FIELDS = ("completed", "failed", "effective_request_capacity", "mean_ttft_ms", "p90_ttft_ms",
-          "mean_tbt_ms", "p90_tbt_ms", "mean_tpot_ms", "request_throughput")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_vs_vllm: model, servers
+
+import serving_vs_vllm as svv  # noqa: E402
+
+from kvcake.bench.capacity import find_capacities  # noqa: E402
+from kvcake.bench.prompts import PromptBuilder  # noqa: E402
+from kvcake.bench.regime import Regime, derive_regime  # noqa: E402
+from kvcake.bench.replay import PlannedRequest, ReplayConfig, replay  # noqa: E402
+from kvcake.bench.stats import RequestResult, is_effective, summarize  # noqa: E402
+from kvcake.conductor import Admission, ConductorConfig  # noqa: E402
+from kvcake.engine.config import EngineConfig  # noqa: E402
+from kvcake.server.cluster.config import ClusterConfig  # noqa: E402
+from kvcake.server.cluster.launcher import Cluster  # noqa: E402
+from kvcake.sim.trace import TraceRequest, load_trace  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = ("disagg", "colocated", "vllm")
+STEPS = ("colocated-budget", *SYSTEMS)
+BUDGETS = (64, 256, 1024, 2048)
+MAX_MODEL_LEN = 32768
+KV_CACHE = "1GiB"  # per kvcake worker: 262,144 fp32 tokens of this model (vLLM: 2 GiB, 1 server)
+TARGET_SHARE = 0.9
 
 
-def bench(url: str, args: argparse.Namespace, find_capacity: bool = False) -> dict[str, Any]:
-    max_requests, speed = args.max_requests, args.speed
-    extra: list[str] = []
-    if find_capacity:
-        max_requests, speed = args.capacity_requests, args.capacity_start_speed
-        extra = ["--find-capacity", "--max-capacity-probes", str(args.capacity_probes)]
-    cmd = [sys.executable, "-m", "kvcake", "bench", "--trace", str(args.trace), "--url", url,
-           "--max-requests", str(max_requests), "--speed", str(speed),
-           "--scale-tokens", str(args.scale_tokens), "--tbt-slo-ms", str(args.tbt_slo_ms),
-           "--ttft-slo-s", str(args.ttft_slo_s), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    report: dict[str, Any] = json.loads(out)
-    return report
+# ---- the requests -------------------------------------------------------------------------------
+
+def records_of(trace: Path, num_requests: int) -> list[TraceRequest]:
+    return list(load_trace(trace).sampled(first=num_requests).requests)
 
 
-def run_system(name: str, config: ClusterConfig, args: argparse.Namespace) -> dict[str, Any]:
-    print(f"[{name}] starting {len(config.workers)} workers", file=sys.stderr, flush=True)
-    with Cluster(config) as cluster:
-        assert cluster.backend is not None
-        api = ApiServer(create_app(cluster.backend), port=args.port)
-        api.start()
-        try:
-            passes = {}
-            for label in ("cold", "warm"):
-                started = time.perf_counter()
-                passes[label] = bench(api.url, args)
-                print(f"[{name}] {label} pass: {time.perf_counter() - started:.0f} s",
+def arrival_offsets(n: int, seed: int = 0) -> list[float]:
+    """Poisson arrivals at rate 1 (seeded): offsets of n requests, the first at 0; divide by r."""
+    gaps = np.random.default_rng(seed).exponential(1.0, max(0, n - 1))
+    return [0.0, *np.cumsum(gaps).tolist()][:n]
+
+
+def workload(records: list[TraceRequest], regime: Regime, vocab_size: int, rate: float,
+             seed: int) -> list[PlannedRequest]:
+    """The regime's requests at `rate` per second; prompt tokens seeded by `seed`."""
+    builder = PromptBuilder(vocab_size=vocab_size, scale_tokens=regime.scale_tokens, seed=seed)
+    offsets = arrival_offsets(len(records))
+    return [PlannedRequest(t / rate,
+                           builder.build(r.hash_ids, r.input_len, r.index)[:regime.max_prompt_len],
+                           min(max(1, r.output_len), regime.max_output_len))
+            for t, r in zip(offsets, records, strict=True)]
+
+
+def shares(results: list[RequestResult], regime: Regime) -> list[float]:
+    """Effective share of all sent requests under each TBT SLO (and the TTFT SLO)."""
+    return [sum(is_effective(r, regime.ttft_slo_s, slo / 1000.0) for r in results)
+            / max(1, len(results)) for slo in regime.tbt_slos_ms]
+
+
+# ---- the regime -----------------------------------------------------------------------------------
+
+def measure_regime(args: argparse.Namespace) -> Regime:
+    """See the module docstring: measured on one 1-thread engine, then derived (pure)."""
+    import torch
+
+    from kvcake.server.cluster.profiler import ProfileGrid, run_profile
+
+    model_config = prepare_model(args)
+    torch.set_num_threads(1)
+    grid = ProfileGrid(input_lens=(256, 1024, 2048, 4096, 8192), prefix_fracs=(0.0, 0.5, 0.9),
+                       decode_batch_sizes=(1, 8, 16), decode_context_lens=(256, 2048),
+                       repeats=2)
+    engine = EngineConfig(kv_cache_bytes=2 * 2**30, max_model_len=MAX_MODEL_LEN)
+    started = time.perf_counter()
+    profile = run_profile(str(args.model_dir), engine, grid)
+    print(f"[regime] profiled in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    (args.out_dir / "profile.json").write_text(profile.to_json())
+    records = records_of(args.trace, args.num_requests)
+    regime = derive_regime(
+        profile.decode.decode_step_time_s, lambda n: profile.prefill.predict(n, 0),
+        mean_input_len=float(np.mean([r.input_len for r in records])),
+        output_lens=[r.output_len for r in records], max_model_len=MAX_MODEL_LEN,
+        num_requests=args.num_requests, max_probes=args.max_probes)
+    del model_config
+    return regime
+
+
+def prepare_model(args: argparse.Namespace) -> Any:
+    ensure_peer(args)
+    return svv.prepare_model(args.tokenizer_dir, args.model_dir, args.seed)
+
+
+def ensure_peer(args: argparse.Namespace) -> None:
+    """The vLLM CPU venv and the model's config/tokenizer: set up by the peer script if absent."""
+    venv = Path(os.environ.get("VENV", "/tmp/vllmcpu-venv"))
+    have_vllm = (venv / "bin" / "python").is_file() and subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import vllm"], capture_output=True).returncode == 0
+    if have_vllm and (args.tokenizer_dir / "tokenizer.json").is_file():
+        return
+    print(f"[peer] setting up the vLLM CPU peer ({svv.PEERS / 'vllm_cpu_setup.sh'})",
+          file=sys.stderr, flush=True)
+    subprocess.run(["bash", str(svv.PEERS / "vllm_cpu_setup.sh")], check=True,
+                   env={**os.environ, "VENV": str(venv), "MODEL_DIR": str(args.tokenizer_dir)},
+                   stdout=sys.stderr)
+
+
+def load_regime(args: argparse.Namespace) -> Regime:
+    path = args.out_dir / "regime.json"
+    if not path.is_file():
+        raise SystemExit(f"{path} not found: run --measure-regime first (the regime is fixed "
+                         "before any system runs)")
+    return Regime.from_json(path.read_text())
+
+
+# ---- the systems ------------------------------------------------------------------------------------
+
+def kvcake_toml(kind: str, args: argparse.Namespace, port: int, budget: int | None) -> str:
+    engine = (f'[engine]\ndtype = "float32"\nmax_model_len = {MAX_MODEL_LEN}\n'
+              f'kv_cache_bytes = "{KV_CACHE}"\n')
+    if budget is not None:
+        engine += f"max_num_batched_tokens = {budget}\n"
+    head = (f'model = "{args.model_dir}"\nmode = "{"colocated" if kind == "colocated" else "disaggregated"}"\n'
+            f'[frontend]\nhost = "127.0.0.1"\nport = {port}\n'
+            f'[store]\nmaster_host = "127.0.0.1"\nmaster_port = {port + 1}\n{engine}'
+            f'[conductor]\nadmission = "none"\n'
+            f'policy = "{"colocated" if kind == "colocated" else "global_cache"}"\n')
+    if kind == "colocated":
+        return head + (f'[[workers]]\nrole = "colocated"\nport = {port + 2}\nnum_threads = 1\n'
+                       f'[[workers]]\nrole = "colocated"\nport = {port + 3}\nnum_threads = 1\n')
+    return head + (f'[[workers]]\nrole = "prefill"\nport = {port + 2}\nnum_threads = 1\n'
+                   f'store_dram_bytes = "1GiB"\n'
+                   f'[[workers]]\nrole = "decode"\nport = {port + 3}\nnum_threads = 1\n')
+
+
+class Served:
+    """One system started on 127.0.0.1 (context manager: stopped on exit)."""
+
+    def __init__(self, kind: str, args: argparse.Namespace, budget: int | None = None) -> None:
+        self.kind, self.args, self.budget = kind, args, budget
+        self.port = args.port_base + 10 * STEPS.index(kind if kind in STEPS else "colocated")
+        self.run_dir = args.out_dir / "run"
+        self.server: svv.Server | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = ""
+
+    def _svv_args(self) -> argparse.Namespace:
+        return argparse.Namespace(model_dir=self.args.model_dir, max_model_len=MAX_MODEL_LEN,
+                                  vllm_bind="0-1", start_timeout_s=600.0)
+
+    def __enter__(self) -> Served:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        if self.kind == "vllm":
+            self.server = svv.start(svv.System("vllm", "float32"), self._svv_args(), self.port,
+                                    self.run_dir)
+        else:
+            toml = self.run_dir / f"{self.kind}.toml"
+            toml.write_text(kvcake_toml(self.kind, self.args, self.port, self.budget))
+            log = self.run_dir / f"{self.kind}.log"
+            with log.open("wb") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "kvcake", "serve", "--config",
+                                         str(toml)], stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        cwd=ROOT)
+            self.server = svv.Server(svv.System(self.kind, "float32"), self.url, proc, 0.0)
+            try:
+                svv.wait_healthy(self.url, proc, 600.0, log)
+            except BaseException:
+                self.__exit__()
+                raise
+        import httpx
+
+        self.model = str(httpx.get(f"{self.url}/v1/models", timeout=10.0).json()["data"][0]["id"])
+        print(f"[{self.kind}] healthy after {time.monotonic() - started:.0f} s", file=sys.stderr,
+              flush=True)
+        svv.warm_up(self.url, self.model, self.args.vocab_size, self.args.seed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.server is not None:
+            svv.stop(self.server, self._svv_args(), self.port, self.run_dir)
+            self.server = None
+
+    def replay(self, planned: list[PlannedRequest]) -> tuple[list[RequestResult], float]:
+        return asyncio.run(replay(planned, ReplayConfig(self.url, self.model)))
+
+
+def probe_summary(results: list[RequestResult], duration_s: float, regime: Regime,
+                  rate: float) -> dict[str, Any]:
+    report = summarize(results, duration_s, regime.ttft_slo_s, regime.tbt_slos_ms[1] / 1000.0)
+    keep = ("completed", "failed", "median_ttft_ms", "p90_ttft_ms", "median_tbt_ms",
+            "p90_tbt_ms", "mean_tpot_ms", "duration")
+    return {"rate": rate, "shares": shares(results, regime), **{k: report[k] for k in keep},
+            "errors": report["error_messages"][:3]}
+
+
+def search(served: Served, records: list[TraceRequest], regime: Regime) -> dict[str, Any]:
+    probes: list[dict[str, Any]] = []
+
+    def probe(rate: float) -> list[float]:
+        planned = workload(records, regime, served.args.vocab_size, rate,
+                           seed=1000 + len(probes))
+        results, duration = served.replay(planned)
+        probes.append(probe_summary(results, duration, regime, rate))
+        got = probes[-1]
+        print(f"[{served.kind}] rate {rate:.3g}/s: shares {[round(s, 3) for s in got['shares']]}"
+              f" TTFT p50/p90 {got['median_ttft_ms']:.0f}/{got['p90_ttft_ms']:.0f} ms, TBT "
+              f"p50/p90 {got['median_tbt_ms']:.1f}/{got['p90_tbt_ms']:.1f} ms "
+              f"({duration:.0f} s)", file=sys.stderr, flush=True)
+        return got["shares"]
+
+    start_rate = 0.5 / regime.mean_prefill_s
+    found = find_capacities(probe, start_rate, len(regime.tbt_slos_ms), TARGET_SHARE,
+                            regime.max_probes)
+    return {"capacity_rps": list(found.best_speeds), "probes": probes,
+            "start_rate": start_rate}
+
+
+def run_step(step: str, args: argparse.Namespace, regime: Regime) -> dict[str, Any]:
+    records = records_of(args.trace, regime.num_requests)
+    begun = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    result: dict[str, Any]
+    if step == "colocated-budget":
+        rate = 1.0 / regime.mean_prefill_s
+        per_budget = {}
+        for budget in BUDGETS:
+            with Served("colocated", args, budget) as served:
+                planned = workload(records, regime, args.vocab_size, rate, seed=500)
+                results, duration = served.replay(planned)
+                per_budget[budget] = probe_summary(results, duration, regime, rate)
+                print(f"[colocated-budget] {budget}: shares {per_budget[budget]['shares']}",
                       file=sys.stderr, flush=True)
-            capacity = None
-            if args.capacity_probes > 0:
-                started = time.perf_counter()
-                capacity = bench(api.url, args, find_capacity=True)["capacity"]
-                print(f"[{name}] capacity search: {time.perf_counter() - started:.0f} s",
-                      file=sys.stderr, flush=True)
-            totals = cluster.backend.totals
-            streaming = {"num_prefills": totals.num_prefills,
-                         "kv_stream_hidden_share": totals.hidden_share,
-                         "prefill_compute_s": totals.compute_s,
-                         "transfer_span_s": totals.transfer_span_s,
-                         "transfer_exposed_s": totals.transfer_exposed_s,
-                         "transfer_bytes": totals.transfer_bytes,
-                         "cached_tokens": totals.num_cached_tokens,
-                         "fetched_tokens": totals.num_fetched_tokens}
-        finally:
-            api.close()
-    return {"passes": passes, "capacity": capacity, "streaming": streaming}
+        best = max(BUDGETS, key=lambda b: (sum(per_budget[b]["shares"]), b))
+        result = {"rate": rate, "per_budget": per_budget, "chunk_budget": best}
+    else:
+        budget = None
+        if step == "colocated":
+            path = args.out_dir / "colocated-budget.json"
+            if not path.is_file():
+                raise SystemExit(f"{path} not found: run --systems colocated-budget first")
+            budget = int(json.loads(path.read_text())["chunk_budget"])
+        with Served(step, args, budget) as served:
+            result = search(served, records, regime)
+        result["chunk_budget"] = budget
+    result |= {"started": begun, "load_before": load_before, "load_after": os.getloadavg(),
+               "wall_s": time.perf_counter() - started}
+    (args.out_dir / f"{step}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path,
-                        default=Path(__file__).resolve().parents[2] / "shared" / "traces"
-                        / "conversation_trace.jsonl")
-    parser.add_argument("--max-requests", type=int, default=300)
-    parser.add_argument("--speed", type=float, default=2.0)
-    parser.add_argument("--scale-tokens", type=float, default=1 / 32)
-    parser.add_argument("--ttft-slo-s", type=float, default=30.0)
-    parser.add_argument("--tbt-slo-ms", type=float, default=100.0)
-    parser.add_argument("--capacity-requests", type=int, default=100,
-                        help="records replayed by each --find-capacity probe")
-    parser.add_argument("--capacity-probes", type=int, default=5,
-                        help="probe budget of the capacity search per system (0: skip it)")
-    parser.add_argument("--capacity-start-speed", type=float, default=4.0)
-    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any)")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--streaming-requests", type=int, default=20)
-    parser.add_argument("--streaming-prompt-len", type=int, default=1500)
-    parser.add_argument("--transport-requests", type=int, default=20,
-                        help="requests per transport and mode in the shm / tcp comparison")
-    parser.add_argument("--skip-systems", action="store_true",
-                        help="run only the streaming and transport comparisons")
-    args = parser.parse_args()
-    if not args.trace.is_file():
-        raise SystemExit(f"--trace: {args.trace} not found")
-    engine = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_batched_tokens=512)
-    conductor = {"admission": "none"}
-    worker = {"store_dram_bytes": 256 * 2**20}
-    systems = {
-        "disaggregated": ClusterConfig.simple(
-            1, 1, engine=engine, worker=dict(worker),
-            conductor=ConductorConfig.from_dict({**conductor, "policy": "global_cache"})),
-        "colocated": ClusterConfig.simple(
-            2, 0, mode="colocated", engine=engine, worker=dict(worker),
-            conductor=ConductorConfig.from_dict({**conductor, "policy": "colocated"})),
-    }
-    results: dict[str, Any] = {}
-    if not args.skip_systems:
-        results = {name: run_system(name, config, args) for name, config in systems.items()}
-        print_table(results)
-    results["streaming"] = {mode: streaming_run(layerwise, engine, args)
-                            for mode, layerwise in (("layerwise", True), ("after_prefill", False))}
-    print_streaming(results["streaming"])
-    if args.transport_requests > 0:
-        results["transport"] = transport_run(engine, args)
-        print_transport(results["transport"])
-    if args.out is not None:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                        "results": results}, indent=2) + "\n")
-    return 0
+def merged(out_dir: Path) -> dict[str, Any]:
+    regime = Regime.from_json((out_dir / "regime.json").read_text())
+    capacity: dict[str, list[float | None]] = {}
+    for name in SYSTEMS:
+        path = out_dir / f"{name}.json"
+        capacity[name] = (json.loads(path.read_text())["capacity_rps"] if path.is_file()
+                          else [None] * len(regime.tbt_slos_ms))
+    return {"s_d_ms": regime.s_d_s * 1000.0, "tbt_slo_ms": list(regime.tbt_slos_ms),
+            "capacity_rps": capacity}
 
+
+def gains(result: dict[str, Any]) -> dict[str, list[float | None]]:
+    cap = result["capacity_rps"]
+    out = {}
+    for base in ("colocated", "vllm"):
+        out[f"disagg/{base}"] = [None if a is None or not b else a / b
+                                 for a, b in zip(cap["disagg"], cap[base], strict=True)]
+    return out
+
+
+def print_capacity(result: dict[str, Any]) -> None:
+    print(f"s_d = {result['s_d_ms']:.2f} ms; TBT SLOs "
+          f"{', '.join(f'{x:.1f}' for x in result['tbt_slo_ms'])} ms")
+    print(f"| TBT SLO (ms) | {' | '.join(SYSTEMS)} (req/s) | disagg/colocated | disagg/vllm |")
+    print("|---|---|---|---|")
+    g = gains(result)
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3g}"
+
+    for i, slo in enumerate(result["tbt_slo_ms"]):
+        caps = " | ".join(fmt(result["capacity_rps"][n][i]) for n in SYSTEMS)
+        print(f"| {slo:.1f} | {caps} | {fmt(g['disagg/colocated'][i])} | "
+              f"{fmt(g['disagg/vllm'][i])} |")
+
+
+# ---- the transport comparison (layer-wise vs after the prefill; shm vs tcp) --------------------------
+
+TRANSPORT_ENGINE = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_batched_tokens=512)
 
 def streaming_run(layerwise: bool, engine: EngineConfig,
                   args: argparse.Namespace) -> dict[str, float]:
@@ -318,41 +540,90 @@ def print_transport(runs: dict[str, dict[str, float]]) -> None:
         print(f"{mode}: exposed transfer tcp / shm = {ratio:.2f}")
 
 
-def print_table(results: dict[str, Any]) -> None:
-    disagg, coloc = results["disaggregated"]["passes"], results["colocated"]["passes"]
-    print(f"{'metric':28s} {'pass':5s} {'disagg':>10s} {'colocated':>10s} {'ratio':>7s}")
-    for label in ("cold", "warm"):
-        for key in FIELDS:
-            a, b = disagg[label][key], coloc[label][key]
-            ratio = f"{a / b:7.2f}" if b else "      -"
-            print(f"{key:28s} {label:5s} {a:10.3f} {b:10.3f} {ratio}")
-    for name in ("disaggregated", "colocated"):
-        cold, warm = results[name]["passes"]["cold"], results[name]["passes"]["warm"]
-        print(f"{name}: mean TTFT warm / cold = {warm['mean_ttft_ms']:.1f} / "
-              f"{cold['mean_ttft_ms']:.1f} ms = {warm['mean_ttft_ms'] / cold['mean_ttft_ms']:.2f}")
-    print_capacity(results)
-    s = results["disaggregated"]["streaming"]
-    print(f"KV streaming: {s['transfer_bytes'] / 2**20:.1f} MiB over {s['num_prefills']} prefills;"
-          f" hidden behind compute {s['kv_stream_hidden_share']:.1%} (exposed "
-          f"{s['transfer_exposed_s'] * 1000:.1f} ms of a {s['transfer_span_s'] * 1000:.1f} ms "
-          f"window; prefill compute {s['prefill_compute_s'] * 1000:.0f} ms); fetched from the "
-          f"store {s['fetched_tokens']} of {s['cached_tokens']} reused tokens")
+def transport_main(args: argparse.Namespace) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, float]]] = {"layerwise": [], "after_prefill": []}
+    for i in range(args.transport_runs):
+        order = ("layerwise", "after_prefill") if i % 2 == 0 else ("after_prefill", "layerwise")
+        for mode in order:
+            runs[mode].append(streaming_run(mode == "layerwise", TRANSPORT_ENGINE, args))
+            print_streaming({f"{mode} #{i + 1}": runs[mode][-1]})
+    net = [lw["mean_ttft_ms"] / ap["mean_ttft_ms"]
+           for lw, ap in zip(runs["layerwise"], runs["after_prefill"], strict=True)]
+    print(f"net TTFT layer-wise / after-prefill per run: {', '.join(f'{x:.2f}' for x in net)}")
+    out: dict[str, Any] = {"streaming": runs, "net_ttft_ratio": net}
+    if args.transport_requests > 0:
+        out["transport"] = transport_run(TRANSPORT_ENGINE, args)
+        print_transport(out["transport"])
+    return out
 
 
-def print_capacity(results: dict[str, Any]) -> None:
-    found = {name: results[name]["capacity"] for name in ("disaggregated", "colocated")}
-    if any(c is None for c in found.values()):
-        return
-    for name, cap in found.items():
-        probes = ", ".join(f"{p['speed']:.3g}x -> {p['effective_request_capacity']:.2f}"
-                           for p in cap["probes"])
-        rate = cap["best_request_rate"]
-        print(f"{name}: capacity (>= {cap['target_effective_share']:.0%} effective) at speed "
-              f"{cap['best_speed']} = {'-' if rate is None else f'{rate:.2f}'} req/s "
-              f"(probes: {probes})")
-    a, b = (found[n]["best_request_rate"] for n in ("disaggregated", "colocated"))
-    if a is not None and b:
-        print(f"effective request capacity (req/s) disagg / colocated = {a / b:.2f}")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", type=Path,
+                   default=ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl")
+    p.add_argument("--out-dir", type=Path, default=Path("/tmp/kvcake-capacity"),
+                   help="regime.json, profile.json and one JSON per step go here")
+    p.add_argument("--measure-regime", action="store_true",
+                   help="measure s_d and the prefill model, write regime.json (then stop unless "
+                        "--systems is given)")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated steps to run, of {', '.join(STEPS)}")
+    p.add_argument("--merge", action="store_true", help="only read the step files and report")
+    p.add_argument("--json", action="store_true",
+                   help='print {"s_d_ms", "tbt_slo_ms", "capacity_rps": {...}} last')
+    p.add_argument("--num-requests", type=int, default=40,
+                   help="trace records per replay (fixed in regime.json by --measure-regime)")
+    p.add_argument("--max-probes", type=int, default=4,
+                   help="capacity probes per TBT SLO (fixed in regime.json)")
+    p.add_argument("--tokenizer-dir", type=Path, default=Path("/tmp/vllm-tiny-llama"))
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/kvcake-vs-vllm-model"))
+    p.add_argument("--seed", type=int, default=0, help="the model's weights")
+    p.add_argument("--port-base", type=int, default=25000)
+    p.add_argument("--transport", action="store_true",
+                   help="run only the KV hand-off comparison (tiny preset)")
+    p.add_argument("--transport-runs", type=int, default=3)
+    p.add_argument("--streaming-requests", type=int, default=20)
+    p.add_argument("--streaming-prompt-len", type=int, default=1500)
+    p.add_argument("--transport-requests", type=int, default=20,
+                   help="requests per transport and mode in the shm / tcp comparison (0: skip)")
+    args = p.parse_args(argv)
+    args.model_dir = args.model_dir.resolve()
+    args.steps = [] if args.systems is None else [s.strip() for s in args.systems.split(",")
+                                                  if s.strip()]
+    unknown = [s for s in args.steps if s not in STEPS]
+    if unknown:
+        p.error(f"--systems: unknown {unknown}; choose from {', '.join(STEPS)}")
+    if args.num_requests < 10 or args.max_probes < 1:
+        p.error("--num-requests must be >= 10 and --max-probes >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.transport:
+        out = transport_main(args)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "transport.json").write_text(json.dumps(out, indent=1) + "\n")
+        return 0
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    everything = not (args.measure_regime or args.steps or args.merge)
+    if args.measure_regime or (everything and not (args.out_dir / "regime.json").is_file()):
+        regime = measure_regime(args)
+        (args.out_dir / "regime.json").write_text(regime.to_json() + "\n")
+        print(f"[regime] {regime.to_json()}", file=sys.stderr)
+    steps = list(STEPS) if everything else args.steps
+    if steps:
+        regime = load_regime(args)
+        args.vocab_size = prepare_model(args).vocab_size
+        for step in steps:
+            run_step(step, args, regime)
+    if args.merge or everything or steps:
+        result = merged(args.out_dir)
+        print_capacity(result)
+        if args.json:
+            print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":

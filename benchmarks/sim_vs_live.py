@@ -1,0 +1,219 @@
+r"""The simulator against the live cluster: the same scaled trace, the same topology (issue 11 part 3).
+
+    B=benchmarks/serving_disagg_vs_colocated.py; D=/tmp/kvcake-capacity
+    flock /tmp/kvcake_bench.lock .venv/bin/python $B --out-dir $D --measure-regime   # once
+    flock /tmp/kvcake_bench.lock .venv/bin/python $B --out-dir $D --systems colocated-budget
+    flock /tmp/kvcake_bench.lock .venv/bin/python benchmarks/sim_vs_live.py --out-dir $D --json
+
+Inputs, all written by `serving_disagg_vs_colocated.py` into --out-dir before this runs:
+`regime.json` (the scaled requests, SLOs), `profile.json` (`kvcake profile`'s fits measured on one
+1-thread engine of the 44M Llama: prefill regression, decode step model) and
+`colocated-budget.json` (the colocated workers' prefill-chunk budget). The live profile handed to
+the simulator (`kvcake simulate --live-profile`, kvcake/sim/live_profile.py) is that profile plus
+the measured transfer bandwidth (`transport.json`'s after-prefill shared-memory hand-off: bytes
+/ exposed seconds, when present; else a measured 64 MiB memcpy, which is what a same-host hand-off
+is), the workers' KV pool (1 GiB) and the model's shape.
+
+Live: the regime's requests (first 40 conversation-trace records, scaled; seeded Poisson arrivals
+at --rate, default the capacity search's start rate 0.5 / mean prefill) replayed once against
+1P+1D (global_cache, store) and once against 2 colocated workers. Simulated: the same requests
+(scaled prompt and block lengths, the same hash ids, the same arrival times and output lengths) on
+`kvcake simulate`'s cluster of the same shape (1 prefill + 1 decode node with a store tier; 2
+colocated nodes with chunked prefill at the same budget and a prefix cache), admission off.
+Compared: TTFT p50/p90, TBT p50/p90 (the paper's TBT: mean of a request's slowest 10% of gaps;
+requests with at least one gap) and the effective share at each TBT SLO. `--json` prints
+{"metrics": {name: {"live": x, "sim": y, "rel_err": (y - x) / x}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serving_disagg_vs_colocated as cap  # noqa: E402
+
+from kvcake.bench.prompts import PromptBuilder  # noqa: E402
+from kvcake.bench.regime import Regime  # noqa: E402
+from kvcake.bench.replay import PlannedRequest  # noqa: E402
+from kvcake.bench.stats import RequestResult, paper_tbt_s  # noqa: E402
+from kvcake.sim.config import SimConfig  # noqa: E402
+from kvcake.sim.live_profile import live_cost_from_dict  # noqa: E402
+from kvcake.sim.run import simulate  # noqa: E402
+from kvcake.sim.trace import Trace, TraceRequest  # noqa: E402
+
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
+              "vocab_size")
+KV_POOL_BYTES = 2**30  # each live worker's pool (serving_disagg_vs_colocated.KV_CACHE)
+
+
+def memcpy_bandwidth(num_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    src = np.ones(num_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def transfer_bandwidth(out_dir: Path) -> tuple[float, str]:
+    path = out_dir / "transport.json"
+    if path.is_file():
+        shm = json.loads(path.read_text()).get("transport", {}).get("after_prefill/shm")
+        if shm and shm.get("exposed_ms"):
+            return shm["mib"] * 2**20 / (shm["exposed_ms"] / 1000.0), "transport.json"
+    return memcpy_bandwidth(), "memcpy"
+
+
+def live_profile(out_dir: Path, model_config: dict[str, Any], bandwidth: float,
+                 dtype_bytes: int = 4) -> dict[str, Any]:
+    """`profile.json` + the `live` object kvcake/sim/live_profile.py reads."""
+    data: dict[str, Any] = json.loads((out_dir / "profile.json").read_text())
+    shape = {k: int(model_config[k]) for k in SHAPE_KEYS}
+    kv_per_token = (2 * shape["num_layers"] * shape["num_kv_heads"]
+                    * (shape["hidden_size"] // shape["num_heads"]) * dtype_bytes)
+    data["live"] = {"transfer_bandwidth_bytes_per_s": bandwidth,
+                    "kv_pool_tokens": KV_POOL_BYTES // kv_per_token, "shape": shape,
+                    "dtype_bytes": dtype_bytes,
+                    "topology": {"num_prefill": 1, "num_decode": 1}}
+    return data
+
+
+def sim_trace(records: list[TraceRequest], planned: list[PlannedRequest],
+              block_len: int) -> Trace:
+    """The planned requests as the simulator's trace: scaled lengths, the same hash ids (cut or
+    padded with private ids to the scaled prompt's blocks), the same arrival times."""
+    next_private = 1 + max(h for r in records for h in r.hash_ids)
+    out = []
+    for r, p in zip(records, planned, strict=True):
+        n = len(p.prompt_token_ids)
+        blocks = -(-n // block_len)
+        ids = list(r.hash_ids[:blocks])
+        while len(ids) < blocks:
+            ids.append(next_private)
+            next_private += 1
+        out.append(TraceRequest(r.index, 1000.0 * p.send_at_s, n, p.max_tokens, tuple(ids)))
+    return Trace(tuple(out), "sim_vs_live", block_size=block_len)
+
+
+def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, float]:
+    done = [r for r in results if r.ttft_s is not None]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    tbts = [paper_tbt_s(r.gaps_s) for r in done if r.gaps_s]
+    out = {"ttft_p50_ms": 1000 * float(np.percentile(ttfts, 50)),
+           "ttft_p90_ms": 1000 * float(np.percentile(ttfts, 90)),
+           "tbt_p50_ms": 1000 * float(np.percentile(tbts, 50)),
+           "tbt_p90_ms": 1000 * float(np.percentile(tbts, 90))}
+    for k, share in enumerate(cap.shares(results, regime)):
+        out[f"effective_share_slo{k + 1}"] = share
+    return out
+
+
+def sim_metrics(trace: Trace, regime: Regime, config: SimConfig, cost: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, slo in enumerate(regime.tbt_slos_ms):
+        summary = simulate(dataclasses.replace(config, tbt_slo_ms=slo), trace, cost).summary
+        if k == 0:
+            out = {"ttft_p50_ms": 1000 * summary["ttft_s"]["p50"],
+                   "ttft_p90_ms": 1000 * summary["ttft_s"]["p90"],
+                   "tbt_p50_ms": 1000 * summary["tbt_s"]["p50"],
+                   "tbt_p90_ms": 1000 * summary["tbt_s"]["p90"]}
+        out[f"effective_share_slo{k + 1}"] = summary["effective_request_capacity"]
+    return out
+
+
+def sim_configs(regime: Regime, block_len: int, budget: int) -> dict[str, SimConfig]:
+    common = {"ttft_slo_s": regime.ttft_slo_s, "tbt_slo_ms": regime.tbt_slos_ms[1],
+              "block_size": block_len, "admission": "none", "seed": 0}
+    pool_tokens = KV_POOL_BYTES // 4096
+    return {
+        "disagg": SimConfig(num_prefill=1, num_decode=1, policy="global_cache",
+                            store_tokens=pool_tokens, **common),  # type: ignore[arg-type]
+        "colocated": SimConfig(num_prefill=1, num_decode=1, policy="colocated",
+                               chunked_prefill=True, chunk_budget_tokens=budget,
+                               max_batch_size=min(64, budget - 1),
+                               **common),  # type: ignore[arg-type]
+    }
+
+
+def compare(live: dict[str, dict[str, float]],
+            sim: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
+    out: dict[str, dict[str, float | None]] = {}
+    for system, metrics in live.items():
+        for name, x in metrics.items():
+            y = sim[system][name]
+            out[f"{system}.{name}"] = {"live": x, "sim": y,
+                                       "rel_err": None if not x else (y - x) / x}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=Path("/tmp/kvcake-capacity"))
+    p.add_argument("--rate", type=float, default=None,
+                   help="requests per second (default: 0.5 / the regime's mean prefill)")
+    p.add_argument("--seed", type=int, default=7, help="prompt tokens of the replay")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--sim-only", action="store_true",
+                   help="reuse live.json from an earlier run (only the simulator runs)")
+    args = p.parse_args(argv)
+    cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
+    regime = cap.load_regime(cap_args)
+    budget_path = args.out_dir / "colocated-budget.json"
+    if not budget_path.is_file():
+        raise SystemExit(f"{budget_path} not found: run serving_disagg_vs_colocated.py "
+                         "--systems colocated-budget first")
+    budget = int(json.loads(budget_path.read_text())["chunk_budget"])
+    model_config = cap.prepare_model(cap_args)
+    cap_args.vocab_size = model_config.vocab_size
+    rate = args.rate or 0.5 / regime.mean_prefill_s
+    records = cap.records_of(cap_args.trace, regime.num_requests)
+    planned = cap.workload(records, regime, cap_args.vocab_size, rate, args.seed)
+    block_len = PromptBuilder(scale_tokens=regime.scale_tokens).block_len
+    live_path = args.out_dir / "live.json"
+    if args.sim_only:
+        live = json.loads(live_path.read_text())["metrics"]
+    else:
+        live = {}
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        for system in ("disagg", "colocated"):
+            with cap.Served(system, cap_args, budget if system == "colocated" else None) as s:
+                results, _ = s.replay(planned)
+            live[system] = live_metrics(results, regime)
+            print(f"[live {system}] {json.dumps(live[system])}", file=sys.stderr, flush=True)
+        live_path.write_text(json.dumps({"started": started, "rate": rate, "metrics": live},
+                                        indent=1) + "\n")
+    config_json = json.loads((cap_args.model_dir / "config.json").read_text())
+    bandwidth, source = transfer_bandwidth(args.out_dir)
+    profile = live_profile(args.out_dir, config_json, bandwidth)
+    (args.out_dir / "live_profile.json").write_text(json.dumps(profile, indent=1) + "\n")
+    cost = live_cost_from_dict(profile).as_cost_model()
+    trace = sim_trace(records, planned, block_len)
+    sim = {name: sim_metrics(trace, regime, config, cost)
+           for name, config in sim_configs(regime, block_len, budget).items()}
+    metrics = compare(live, sim)
+    print(f"rate {rate:.3g}/s, {len(planned)} requests, block {block_len} tokens, transfer "
+          f"bandwidth {bandwidth / 1e9:.2f} GB/s ({source}), colocated budget {budget}")
+    print("| metric | live | sim | sim/live - 1 |\n|---|---|---|---|")
+    for name, m in metrics.items():
+        err = "-" if m["rel_err"] is None else f"{m['rel_err']:+.1%}"
+        print(f"| {name} | {m['live']:.4g} | {m['sim']:.4g} | {err} |")
+    if args.json:
+        print(json.dumps({"metrics": metrics}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""JSON shapes of benchmarks/serving_disagg_vs_colocated.py and benchmarks/sim_vs_live.py, and
+their request plans, without servers or vLLM (step files and live results made up here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import serving_disagg_vs_colocated as cap  # noqa: E402
+import sim_vs_live  # noqa: E402
+
+from kvcake.bench.regime import Regime, derive_regime  # noqa: E402
+from kvcake.bench.stats import Outcome, RequestResult  # noqa: E402
+from kvcake.sim.live_profile import live_cost_from_dict  # noqa: E402
+from kvcake.sim.trace import TraceRequest  # noqa: E402
+from tests.bench.test_live_profile import profile_dict  # noqa: E402
+
+
+def regime() -> Regime:
+    return derive_regime(lambda b, c: 0.004 + 0.0005 * b + 1e-8 * c, lambda n: n / 4000.0,
+                         mean_input_len=2000.0, output_lens=[40, 60, 2000], max_model_len=2048,
+                         num_requests=12, max_probes=2)
+
+
+RECORDS = [TraceRequest(i, 1000.0 * i, 1500 + 100 * i, 30 + 2000 * (i == 3), (0, 1, 2, 10 + i))
+           for i in range(12)]
+
+
+def test_workload_is_the_regimes_requests() -> None:
+    r = regime()
+    slow, fast = (cap.workload(RECORDS, r, 258, rate, seed=3) for rate in (1.0, 4.0))
+    assert [p.prompt_token_ids for p in slow] == [p.prompt_token_ids for p in fast]
+    assert [4 * p.send_at_s for p in fast] == pytest.approx([p.send_at_s for p in slow])
+    assert all(len(p.prompt_token_ids) <= r.max_prompt_len for p in slow)
+    assert [p.max_tokens for p in slow][3] == r.max_output_len  # 2030 capped at 1,024
+    other = cap.workload(RECORDS, r, 258, 1.0, seed=4)  # the next probe: fresh tokens
+    assert other[0].prompt_token_ids != slow[0].prompt_token_ids
+    # the trace's sharing: records share hash ids 0, 1, 2 -> equal heads
+    blk = round(512 * r.scale_tokens)
+    n = min(3 * blk, len(slow[0].prompt_token_ids))
+    assert n >= blk and slow[0].prompt_token_ids[:n] == slow[5].prompt_token_ids[:n]
+
+
+def test_merged_json_shape(tmp_path: Path) -> None:
+    r = regime()
+    (tmp_path / "regime.json").write_text(r.to_json())
+    (tmp_path / "disagg.json").write_text(json.dumps({"capacity_rps": [0.5, 1.0, None]}))
+    (tmp_path / "colocated.json").write_text(json.dumps({"capacity_rps": [0.25, 0.5, 1.0]}))
+    out = cap.merged(tmp_path)
+    assert set(out) == {"s_d_ms", "tbt_slo_ms", "capacity_rps"}
+    assert out["s_d_ms"] == pytest.approx(1000 * r.s_d_s)
+    assert len(out["tbt_slo_ms"]) == 3
+    assert out["capacity_rps"] == {"disagg": [0.5, 1.0, None], "colocated": [0.25, 0.5, 1.0],
+                                   "vllm": [None, None, None]}  # not run: nulls
+    assert cap.gains(out)["disagg/colocated"] == [2.0, 2.0, None]
+    json.dumps(out)
+
+
+def test_sim_vs_live_json_shape() -> None:
+    r = regime()
+    planned = cap.workload(RECORDS, r, 258, 2.0, seed=1)
+    block = round(512 * r.scale_tokens)
+    trace = sim_vs_live.sim_trace(RECORDS, planned, block)
+    assert [t.input_len for t in trace.requests] == [len(p.prompt_token_ids) for p in planned]
+    assert all(len(t.hash_ids) == -(-t.input_len // block) for t in trace.requests)
+    cost = live_cost_from_dict(profile_dict()).as_cost_model()
+    configs = sim_vs_live.sim_configs(r, block, budget=256)
+    sim = {name: sim_vs_live.sim_metrics(trace, r, config, cost)
+           for name, config in configs.items()}
+    results = [RequestResult(Outcome.OK, 10, 3, 0.1 * (i + 1), (0.01, 0.02), 0.2)
+               for i in range(10)]
+    live = {name: sim_vs_live.live_metrics(results, r) for name in sim}
+    metrics = sim_vs_live.compare(live, sim)
+    assert set(metrics) == {f"{s}.{m}" for s in ("disagg", "colocated")
+                            for m in ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90_ms",
+                                      "effective_share_slo1", "effective_share_slo2",
+                                      "effective_share_slo3")}
+    for m in metrics.values():
+        assert set(m) == {"live", "sim", "rel_err"}
+        if m["rel_err"] is not None:
+            assert m["rel_err"] == pytest.approx((m["sim"] - m["live"]) / m["live"])
+    assert live["disagg"]["ttft_p50_ms"] == pytest.approx(550.0)
+    json.dumps({"metrics": metrics})
