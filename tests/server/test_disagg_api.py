@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -14,10 +15,12 @@ import openai
 import pytest
 
 from kvcake import LLM, SamplingParams
+from kvcake.conductor import ConductorConfig
+from kvcake.server.cluster.config import ClusterConfig
 from kvcake.server.cluster.launcher import Cluster
 from kvcake.server.frontend.api import ApiServer, create_app
 from tests.server.checks import check_curl_stream, check_min_tokens_masks_stop_ids
-from tests.server.test_disagg import ENGINE, cluster_config
+from tests.server.test_disagg import ENGINE, WORKER, cluster_config, profile_dir
 
 
 class Serving:
@@ -132,6 +135,31 @@ def test_conductor_rejection_is_429_with_retry_after(
         assert int(reply.headers["Retry-After"]) >= 1
         assert "ttft_slo" in reply.json()["error"]["message"]
         assert cluster.backend.totals.num_prefills == 0
+
+
+def test_prediction_based_early_rejection_is_429_when_decode_kv_would_not_fit(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Decode workers of 8 blocks x 16 tokens: the Conductor forecasts against that pool (from the
+    # worker's hello) and refuses, at arrival, a request that would reserve more.
+    config = ClusterConfig.simple(1, 1, engine=replace(ENGINE, num_blocks=8), worker=dict(WORKER),
+                                  conductor=ConductorConfig.from_dict({"admission": "early"}),
+                                  profile_dir=profile_dir(tmp_path_factory))
+    with Cluster(config, in_process=True) as cluster:
+        assert cluster.backend is not None
+        api = ApiServer(create_app(cluster.backend))
+        api.start()
+        try:
+            reply = httpx.post(api.url + "/v1/completions",
+                               json={"prompt": [1, 2, 3], "max_tokens": 200})
+            small = httpx.post(api.url + "/v1/completions",
+                               json={"prompt": [1, 2, 3], "max_tokens": 4})
+        finally:
+            api.close()
+        assert reply.status_code == 429, reply.text
+        assert int(reply.headers["Retry-After"]) >= 1
+        assert "tbt_slo" in reply.json()["error"]["message"]
+        assert small.status_code == 200, small.text
+        assert cluster.backend.totals.num_prefills == 1
 
 
 def test_min_tokens_masks_stop_ids_until_reached(server) -> None:  # type: ignore[no-untyped-def]

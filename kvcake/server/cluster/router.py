@@ -14,9 +14,17 @@ the backend calls every method under its lock.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
-from kvcake.conductor import Conductor, ConductorConfig, Placement, Policy, ScheduleRequest
+from kvcake.conductor import (
+    Admission,
+    Conductor,
+    ConductorConfig,
+    Placement,
+    Policy,
+    ScheduleRequest,
+)
 from kvcake.conductor.predictor import DecodeModel, PrefillModel
 from kvcake.hashing import block_keys
 from kvcake.server.cluster.store_audit import StoreAudit
@@ -48,11 +56,21 @@ class Router:
                     prefill_model: PrefillModel, decode_model: DecodeModel,
                     store_audit: StoreAudit | None = None) -> Router:
         """A Conductor over `workers` by role (colocated policy: every worker prefills and
-        decodes); the first worker's `Hello` gives the KV layout."""
+        decodes); the first worker's `Hello` gives the KV layout, the smallest decode worker's
+        KV pool the decode capacity early rejection forecasts against (unless configured)."""
         layout = workers[0]
         prefill_ids = [h.worker_id for h in workers if h.role in ("prefill", "colocated")]
         decode_ids = [] if config.policy is Policy.COLOCATED else \
             [h.worker_id for h in workers if h.role == "decode"]
+        if config.admission is Admission.DECODE_AFTER_PREFILL:
+            raise ValueError("conductor admission decode_after_prefill is a simulator baseline: "
+                             "a live decode worker's blocks are reserved at placement; use "
+                             "early (prediction-based), slo or none")
+        if config.decode_kv_capacity_tokens is None:  # the decode side of early rejection
+            decoders = [h for h in workers if h.role in ("decode", "colocated")]
+            if decoders:
+                config = replace(config, decode_kv_capacity_tokens=min(
+                    h.num_blocks * h.block_size for h in decoders))
         conductor = Conductor(config, prefill_ids, decode_ids, prefill_model, decode_model,
                               layout.kv_bytes_per_token)
         return cls(conductor, layout.block_size, store_audit)

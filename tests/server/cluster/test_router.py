@@ -4,17 +4,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
-from kvcake.conductor import ConductorConfig, Placement, Policy
+from kvcake.conductor import Admission, ConductorConfig, Placement, Policy
 from kvcake.hashing import block_keys
 from kvcake.server.cluster.router import STORE_HOLDER, Router, schedule_request
 from kvcake.server.cluster.store_audit import StoreAudit
 from kvcake.server.frontend.backend import GenerateRequest, Rejected
 from kvcake.server.worker.messages import Hello, KvEvents, PrefillDone, StoreEvents
 from kvcake.types import RequestId
-from tests.server.cluster.fakes import BLOCK_SIZE, DECODE, PREFILL, hello
+from tests.server.cluster.fakes import BLOCK_SIZE, DECODE, NUM_BLOCKS, PREFILL, hello
 
 HELLOS = [hello("prefill-0", "prefill"), hello("prefill-1", "prefill"), hello("decode-2", "decode")]
 PROMPT = tuple(range(1, 65))  # 4 full blocks
@@ -148,3 +149,25 @@ def test_a_reported_fetch_sets_the_bandwidth_the_next_placement_is_planned_at() 
     r.request_ended("s")
     assert r.conductor.transfer_bandwidth == pytest.approx(1e5)
     assert place("t").fetch is None  # fetching is slower now
+
+
+def test_early_rejection_forecasts_against_the_decode_workers_kv_pool() -> None:
+    # The decode worker's pool (64 blocks of 16 = 1,024 tokens) is the capacity the prediction
+    # checks: a request reserving more than it holds is refused at arrival (HTTP 429), as the
+    # paper's early rejection does, rather than admitted to wait for decode memory.
+    config = ConductorConfig.from_dict({"admission": "early", "transfer_bandwidth_bytes_per_s": 1e7})
+    r = Router.for_workers(config, HELLOS, PREFILL, DECODE)
+    assert r.conductor.config.decode_kv_capacity_tokens == NUM_BLOCKS * BLOCK_SIZE
+    fits = r.place(schedule_request(GenerateRequest(RequestId("a"), PROMPT, 400), HELLOS[0]), 0.0)
+    assert fits.decode_id == "decode-2"
+    with pytest.raises(Rejected) as caught:  # 64 + 2,000 tokens > 1,024 tokens of KV
+        r.place(schedule_request(GenerateRequest(RequestId("b"), PROMPT, 2000), HELLOS[0]), 0.0)
+    assert "tbt_slo" in caught.value.reason and "TBT inf s" in caught.value.reason
+    configured = Router.for_workers(replace(config, decode_kv_capacity_tokens=10**6), HELLOS,
+                                    PREFILL, DECODE)
+    assert configured.conductor.config.decode_kv_capacity_tokens == 10**6
+    configured.place(schedule_request(GenerateRequest(RequestId("b"), PROMPT, 2000), HELLOS[0]),
+                     0.0)
+    with pytest.raises(ValueError, match="simulator baseline"):
+        Router.for_workers(replace(config, admission=Admission.DECODE_AFTER_PREFILL), HELLOS, PREFILL,
+                           DECODE)
