@@ -99,7 +99,10 @@ def find_capacities(probe: Callable[[float], Sequence[float]], start_speed: floa
     best: list[float | None] = []
     start = start_speed
     for k in range(num_slos):
-        found = find_capacity(lambda s, k=k: shares(s)[k], start, target, max_probes, rel_tol)
+        def share_k(speed: float, k: int = k) -> float:
+            return shares(speed)[k]
+
+        found = find_capacity(share_k, start, target, max_probes, rel_tol)
         best.append(found.best_speed)
         if found.best_speed is not None:
             start = found.best_speed
