@@ -66,6 +66,12 @@ def cost_model(config: SimConfig) -> CostModel:
     return CostModel(cost.model, dataclasses.replace(cost.hardware, **overrides))
 
 
+def kv_capacity_tokens(cost: CostModel) -> int:
+    """KV tokens one decode node holds: its HBM less the weights and the activation reserve."""
+    return max(1, int((cost.hardware.hbm_bytes * _HBM_RESERVE - cost.model.weight_bytes)
+                      // cost.model.kv_bytes_per_token))
+
+
 class Cluster:
     """One simulated run of `arrivals` (sorted by time) on the cluster `config` describes."""
 
@@ -76,8 +82,7 @@ class Cluster:
         model, hw = self.cost.model, self.cost.hardware
         self.kv_per_token = model.kv_bytes_per_token
         nic = hw.nic_bandwidth_bytes_per_s if config.nic_gbps is None else config.nic_gbps * 1e9 / 8
-        self.kv_capacity_tokens = max(1, int((hw.hbm_bytes * _HBM_RESERVE - model.weight_bytes)
-                                             // self.kv_per_token))
+        self.kv_capacity_tokens = kv_capacity_tokens(self.cost)
         local_tokens = (hw.dram_bytes // self.kv_per_token if config.local_cache_tokens is None
                         else config.local_cache_tokens)
         block = config.block_size
@@ -134,6 +139,7 @@ class Cluster:
                 cpp_nodes=config.cpp_nodes,
                 cpp_chunk_tokens=config.cpp_chunk_tokens,
                 decode_kv_capacity_tokens=self.kv_capacity_tokens,
+                decode_check_after_prefill=config.decode_check_after_prefill,
             ),
             prefill_ids, decode_ids, predictor, self.cost, self.kv_per_token,
         )
@@ -335,7 +341,7 @@ class Cluster:
                 self.conductor.on_blocks_removed(STORE, evicted)
         events = self._prefill_started(p, now_s, nxt)
         admitted = self.conductor.admit_decode(state.request_id, now_s)
-        if isinstance(admitted, Rejection):  # decode_after_prefill: the prefill was spent for nothing
+        if isinstance(admitted, Rejection):  # checked after prefill: the prefill was spent for nothing
             state.rejected = "tbt_slo_after_prefill"
             return events
         if admitted is not None and admitted.instance_id != state.decode_instance:

@@ -46,6 +46,9 @@ class SimConfig:
         nodes (see `ConductorConfig`); cpp_min_tokens None: off.
     admission: the Conductor's admission mode; colocated runs never reject (vLLM has no
         admission control), so this only applies to the disaggregated policies.
+    decode_check_after_prefill: admission "slo" / "early" also check the decode side when the
+        prefill ends, rejecting there (prefill spent) as "decode_after_prefill" does; False: the
+        arrival decision is final and a request waits for decode memory.
     """
 
     num_prefill: int = 8
@@ -74,6 +77,7 @@ class SimConfig:
     cpp_min_tokens: int | None = None
     cpp_nodes: int = 2
     cpp_chunk_tokens: int = 1024
+    decode_check_after_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -1,0 +1,38 @@
+"""The overload report's measures: each pool's demand on the cost model, the loads' swing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcake.conductor import CostModel
+from kvcake.sim.overload import pool_demand, swing
+from kvcake.sim.trace import Trace, TraceRequest
+
+COST = CostModel.from_spec("llama3-70b@a800x8")
+
+
+def test_pool_demand_prices_uncached_prefill_and_decode_memory_time() -> None:
+    # Two requests 10 s apart; the second reuses the first's two 512-token blocks.
+    trace = Trace((TraceRequest(0, 0.0, 2048, 100, (1, 2, 3, 4)),
+                   TraceRequest(1, 10_000.0, 2048, 100, (1, 2, 5, 6))), "two")
+    capacity = 1_000_000
+    demand = pool_demand(trace, COST, capacity, 512)
+    prefill = (COST.prefill_time_s(2048, 0) + COST.prefill_time_s(2048, 1024)) / 2
+    assert demand.prefill_s == pytest.approx(prefill)
+    step = COST.decode_step_time_s(capacity // 2148, capacity)
+    assert demand.decode_s == pytest.approx(2148 * 100 * step / capacity)
+    assert demand.arrival_rate == pytest.approx(0.1)
+    assert demand.capacity(8, 4) == pytest.approx((8 / demand.prefill_s, 4 / demand.decode_s))
+
+
+def test_swing_reads_anti_phase_and_in_phase_loads_inside_the_window() -> None:
+    times = [10.0 * i for i in range(8)]
+    prefill = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    anti = [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    corr, cv = swing(times, prefill, anti, 0.0, 80.0)
+    assert corr == pytest.approx(-1.0) and cv == pytest.approx(1.0)
+    corr, cv = swing(times, prefill, prefill, 0.0, 80.0)
+    assert corr == pytest.approx(1.0)
+    # Buckets outside [begin, end) are left out: the first two only leave too few to say.
+    assert swing(times, prefill, anti, 0.0, 20.0) == (0.0, 0.0)
+    assert swing(times, prefill, [2.0] * 8, 0.0, 80.0) == (0.0, 0.0)  # flat decode: no swing
