@@ -21,6 +21,7 @@ from dataclasses import replace
 from enum import StrEnum
 from typing import Any
 
+from kvcake.conductor import ConductorConfig
 from kvcake.server.cluster.config import ClusterConfig
 from kvcake.server.cluster.settings import (
     EngineSettings,
@@ -73,6 +74,18 @@ def settings_from_args(args: argparse.Namespace) -> tuple[ServeSettings, WorkerS
         raise ValueError("--secret-file / --secret-env: give one of them, not both")
     if not 0 <= serve.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {serve.port}")
+    cpp_flags = [serve.cpp_nodes, serve.cpp_min_tokens, serve.cpp_chunk_tokens]
+    if serve.config and any(v is not None for v in cpp_flags):
+        raise ValueError("--cpp-nodes / --cpp-min-tokens / --cpp-chunk-tokens: with --config, "
+                         "set [conductor] cpp_min_tokens, cpp_nodes, cpp_chunk_tokens and the "
+                         "[[workers]] role = \"cpp\" entries in the file instead")
+    if serve.cpp_chunk_tokens is not None and serve.cpp_nodes is None and \
+            serve.cpp_min_tokens is None:
+        raise ValueError("--cpp-chunk-tokens: applies to a CPP group; give --cpp-nodes X "
+                         "(and --cpp-min-tokens T) too")
+    if serve.cpp_nodes is not None and serve.cpp_nodes < 2:
+        raise ValueError(f"--cpp-nodes: a CPP group pipelines over >= 2 workers, got "
+                         f"{serve.cpp_nodes}")
     worker, engine = from_namespace(WorkerSettings, args), from_namespace(EngineSettings, args)
     mode = "disaggregated" if serve.config else serve.mode  # a file says its own mode
     for section in _SECTIONS:
@@ -107,9 +120,13 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         options = {k: v for k, v in worker.model_dump().items() if v is not None}
         etcd = {"etcd_endpoints": tuple(serve.etcd.split(",")) if serve.etcd else (),
                 "etcd_cluster": serve.cluster}
-        config = ClusterConfig.simple(workers, serve.decode, model=serve.model, mode=serve.mode,
+        cpp = cpp_conductor(serve)
+        config = ClusterConfig.simple(workers, serve.decode,
+                                      cpp.cpp_nodes if cpp.cpp_min_tokens is not None else 0,
+                                      model=serve.model, mode=serve.mode,
                                       host=serve.host, port=serve.port,
-                                      engine=engine.to_config(), worker=options, **etcd)
+                                      engine=engine.to_config(), worker=options,
+                                      conductor=cpp, **etcd)
     conductor = replace(config.conductor, min_retry_after_s=serve.retry_after_s)
     if serve.config and serve.etcd:  # the flags name the etcd of a file's cluster too
         config = replace(config, etcd_endpoints=tuple(serve.etcd.split(",")),
@@ -121,6 +138,22 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     return replace(config, conductor=conductor,
                    max_waiting_requests=serve.max_waiting_requests,
                    served_model_names=serve.served_model_name or config.served_model_names)
+
+
+def cpp_conductor(serve: ServeSettings) -> ConductorConfig:
+    """The Conductor's CPP settings from the serve flags (ConductorConfig checks them).
+    `--cpp-nodes X` alone: prompts of X chunks or more go to the group; `--cpp-min-tokens T`
+    alone: a group of 2."""
+    if serve.cpp_nodes is None and serve.cpp_min_tokens is None:
+        return ConductorConfig()
+    nodes = ConductorConfig.cpp_nodes if serve.cpp_nodes is None else serve.cpp_nodes
+    chunk = ConductorConfig.cpp_chunk_tokens if serve.cpp_chunk_tokens is None \
+        else serve.cpp_chunk_tokens
+    threshold = nodes * chunk if serve.cpp_min_tokens is None else serve.cpp_min_tokens
+    try:
+        return ConductorConfig(cpp_nodes=nodes, cpp_chunk_tokens=chunk, cpp_min_tokens=threshold)
+    except ValueError as exc:
+        raise ValueError(f"--cpp-nodes / --cpp-min-tokens / --cpp-chunk-tokens: {exc}") from None
 
 
 def http_limits(settings: ServeSettings) -> HttpLimits:

@@ -49,7 +49,7 @@ class WorkerSpec:
         try:
             object.__setattr__(self, "role", Role(self.role))
         except ValueError:
-            raise ValueError(f"workers.role: must be prefill, decode or colocated, got "
+            raise ValueError(f"workers.role: must be prefill, decode, colocated or cpp, got "
                              f"{self.role!r}") from None
         if not 0 <= self.port <= 65535:
             raise ValueError(f"workers.port: must be in [0, 65535], got {self.port}")
@@ -102,11 +102,8 @@ class ClusterConfig:
                              "that worker with the same --secret-file / --secret-env")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode: must be disaggregated or colocated, got {self.mode!r}")
-        if self.conductor.cpp_min_tokens is not None:
-            raise ValueError("[conductor] cpp_min_tokens: chunked pipeline parallelism is not "
-                             "served live yet (the simulator has it: kvcake simulate "
-                             "--cpp-min-tokens); remove the key")
         roles = [w.role for w in self.workers]
+        self._check_cpp(roles)
         if self.mode == "disaggregated" and not self.etcd_endpoints:
             if Role.PREFILL not in roles or Role.DECODE not in roles:
                 raise ValueError("workers: a disaggregated cluster needs at least one prefill "
@@ -123,10 +120,38 @@ class ClusterConfig:
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: must be in [0, 65535], got {getattr(self, name)}")
 
+    def _check_cpp(self, roles: list[Role]) -> None:
+        """Chunked pipeline parallelism: one group of `cpp_nodes` dedicated members (role cpp,
+        each a slice of the layers) beside the plain prefill workers, which take the prompts
+        below `cpp_min_tokens`."""
+        cpp = self.conductor
+        members = roles.count(Role.CPP)
+        if cpp.cpp_min_tokens is None:
+            if members:
+                raise ValueError("[[workers]] role cpp: set [conductor] cpp_min_tokens (prompts "
+                                 "of at least that many tokens go to the CPP group), or remove "
+                                 "the cpp workers")
+            return
+        if self.mode != "disaggregated":
+            raise ValueError("[conductor] cpp_min_tokens: chunked pipeline parallelism needs "
+                             "mode disaggregated (a CPP group streams its KV to a decode worker)")
+        if not self.etcd_endpoints and members != cpp.cpp_nodes:
+            raise ValueError(f"[conductor] cpp_min_tokens: the CPP group needs cpp_nodes = "
+                             f"{cpp.cpp_nodes} workers of role cpp (--cpp-nodes X launches "
+                             f"them), this cluster has {members}")
+        from kvcake.engine.loader import resolve  # the model's shape: its number of layers
+
+        num_layers = resolve(self.model).config.num_layers
+        if cpp.cpp_nodes > num_layers:
+            raise ValueError(f"[conductor] cpp_nodes: {cpp.cpp_nodes} stages for a "
+                             f"{num_layers}-layer model; use 2..{num_layers}")
+
     @classmethod
-    def simple(cls, num_prefill: int, num_decode: int, **options: Any) -> ClusterConfig:
+    def simple(cls, num_prefill: int, num_decode: int, cpp_nodes: int = 0,
+               **options: Any) -> ClusterConfig:
         """`num_prefill` prefill + `num_decode` decode workers on this host (mode
-        colocated: `num_prefill` colocated workers)."""
+        colocated: `num_prefill` colocated workers), plus `cpp_nodes` CPP members (one group;
+        `options["conductor"]` must turn CPP on with the same `cpp_nodes`)."""
         if not options.get("etcd_endpoints") and (
                 num_prefill < 1 or (options.get("mode", "disaggregated") == "disaggregated"
                                     and num_decode < 1)):
@@ -138,6 +163,7 @@ class ClusterConfig:
         else:
             specs = [WorkerSpec(Role.PREFILL, **worker_opts) for _ in range(num_prefill)]
             specs += [WorkerSpec(Role.DECODE, **worker_opts) for _ in range(num_decode)]
+            specs += [WorkerSpec(Role.CPP, **worker_opts) for _ in range(cpp_nodes)]
         return cls(workers=tuple(specs), **options)
 
     @classmethod

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from kvcake import auth
 from kvcake.auth import ClusterSecret
@@ -53,6 +54,9 @@ class Cluster:
         self.restart = restart or RestartPolicy()
         self.supervisor: Supervisor | None = None  # started once the backend serves
         self._specs: dict[str, WorkerSpec] = {}  # launched worker id -> its spec (restarts)
+        # CPP member id (its launcher id) -> its stage in the group: the cpp workers in order
+        cpp_ids = [f"cpp-{i}" for i, w in enumerate(config.workers) if w.role is Role.CPP]
+        self._stage_of = {worker_id: stage for stage, worker_id in enumerate(cpp_ids)}
         self.master: MasterServer | None = None
         self.backend: DisaggBackend | None = None
         self.membership: EtcdWorkers | None = None  # with etcd: the watch of its workers
@@ -114,7 +118,13 @@ class Cluster:
         return self.master.address if self.master is not None else None
 
     def worker_config(self, worker_id: str, spec: WorkerSpec) -> WorkerConfig:
+        cpp: dict[str, Any] = {}
+        if spec.role is Role.CPP:  # its stage: its place among the cluster's cpp workers
+            conductor = self.config.conductor
+            cpp = {"cpp_member": self._stage_of[worker_id], "cpp_nodes": conductor.cpp_nodes,
+                   "cpp_chunk_tokens": conductor.cpp_chunk_tokens}
         return WorkerConfig(role=spec.role, model=self.config.model, engine=self.config.engine,
+                            **cpp,
                             host=spec.host, port=spec.port, worker_id=worker_id,
                             master=self.master_address if spec.role is not Role.COLOCATED
                             else None,

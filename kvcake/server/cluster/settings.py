@@ -111,7 +111,8 @@ class WorkerSettings(_Settings):
 class WorkerIdentity(_Settings):
     """What `kvcake worker` alone takes: who it is and where it listens."""
 
-    role: str = setting(_W.role.value, "prefill | decode | colocated")
+    role: str = setting(_W.role.value, "prefill | decode | colocated | cpp (one stage of a "
+                        "chunked-pipeline-parallel prefill group)")
     worker_id: str | None = setting(_W.worker_id, "default: the role and a random suffix")
     host: str = setting(_W.host, "address the control port binds")
     port: int = setting(_W.port, "control port (0: the OS picks)")
@@ -126,6 +127,12 @@ class WorkerIdentity(_Settings):
     model: str = setting(_W.model, "preset name (tiny, small) or a Hugging Face directory")
     log_level: str = setting(_W.log_level, "debug | info | warning | error (launched workers: "
                              "the frontend's --log-level)")
+    cpp_member: int | None = setting(_W.cpp_member, "role cpp: this worker's stage (0-based) in "
+                                     "its group; it loads only that slice of the layers")
+    cpp_nodes: int = setting(_W.cpp_nodes, "role cpp: the members of its group (the serve's "
+                             "--cpp-nodes)")
+    cpp_chunk_tokens: int = setting(_W.cpp_chunk_tokens, "role cpp: the largest chunk of hidden "
+                                    "states it takes (the serve's --cpp-chunk-tokens)")
 
 
 class ServeSettings(_Settings):
@@ -160,6 +167,18 @@ class ServeSettings(_Settings):
     max_prompt_chars: int | None = setting(
         None, "longest text prompt, in characters, the HTTP API tokenizes (400 above it); "
         "default: 16 per token of the model's max length")
+    cpp_nodes: int | None = setting(
+        None, "chunked pipeline parallelism: launch this many more workers (role cpp), one "
+        "pipelined prefill group, each holding 1/X of the layers; prompts of --cpp-min-tokens "
+        "or more (default: X chunks) go to the group, the rest to the --prefill workers "
+        "(docs/cluster.md)",
+        modes=("disaggregated",))
+    cpp_min_tokens: int | None = setting(
+        None, "prompts of at least this many tokens are prefilled by the CPP group (alone: a "
+        "group of --cpp-nodes 2)", modes=("disaggregated",))
+    cpp_chunk_tokens: int | None = setting(
+        None, "tokens per pipelined chunk (default 1024; at least 1,000, as the paper)",
+        modes=("disaggregated",))
     etcd: str | None = setting(None, "etcd endpoints HOST:PORT[,HOST:PORT]: serve the workers "
                                "that register there (--prefill 0 --decode 0: only those) and "
                                "use the elected store master (none of its own); docs/cluster.md",

@@ -14,6 +14,7 @@ class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"  # prefills and decodes, local prefix cache only (the baseline)
+    CPP = "cpp"  # one stage of a chunked-pipeline-parallel prefill group: a slice of the layers
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,12 @@ class WorkerConfig:
     kv_events_endpoint: str | None = None
     metrics_port: int | None = None  # this worker's own /metrics (0: any port); None: none
     log_level: str = "info"  # launched workers: the frontend's level
+    # Role CPP: this worker is stage `cpp_member` (0-based) of a group of `cpp_nodes`; it loads
+    # only its slice of the layers (`split_layers`) and takes hidden states in chunks of up to
+    # `cpp_chunk_tokens` tokens (the size of each inbox slot).
+    cpp_member: int | None = None
+    cpp_nodes: int = 2
+    cpp_chunk_tokens: int = 1024
     # The cluster secret (`kvcake.auth`): the control port admits only a frontend that proves
     # it, and the store node and segment servers ask it of every peer. None: open ports.
     secret: ClusterSecret | None = field(default=None, repr=False)
@@ -56,6 +63,17 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", _role(self.role))
+        if self.role is Role.CPP:
+            if self.cpp_nodes < 2:
+                raise ValueError(f"cpp_nodes: a CPP group has >= 2 members, got {self.cpp_nodes}")
+            if self.cpp_member is None or not 0 <= self.cpp_member < self.cpp_nodes:
+                raise ValueError(f"cpp_member: role cpp needs this worker's stage in [0, "
+                                 f"{self.cpp_nodes}) (--cpp-member), got {self.cpp_member}")
+            if self.cpp_chunk_tokens < 1:
+                raise ValueError(f"cpp_chunk_tokens: must be >= 1, got {self.cpp_chunk_tokens}")
+        elif self.cpp_member is not None:
+            raise ValueError(f"cpp_member: only a worker of role cpp is a group stage (this one "
+                             f"is {self.role.value})")
         if self.etcd is not None and self.role is Role.COLOCATED:
             raise ValueError("etcd: only prefill and decode workers join a cluster through etcd")
         if not 0 <= self.port <= 65535:

@@ -72,6 +72,9 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "cluster": ("blue", "blue"),
     "secret_file": (SECRET_FILE, SECRET),
     "secret_env": (SECRET_ENV, SECRET),
+    "cpp_nodes": ("3", 3),
+    "cpp_min_tokens": ("3000", 3000),
+    "cpp_chunk_tokens": ("2000", 2000),
     # WorkerSettings
     "store_dram_bytes": ("8MiB", 8 * 2**20),
     "num_threads": ("3", 3),
@@ -109,8 +112,14 @@ def _secret_sources(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     Path(SECRET_FILE).unlink(missing_ok=True)
 
 
+# flags that act only beside another one: what the walk gives with them
+COMPANIONS = {"cpp_chunk_tokens": ["--cpp-nodes", "2"]}
+
+
 def _argv(section: type, name: str) -> list[str]:
     flag, (value, _) = flag_name(section, name), VALUES[name]
+    if name in COMPANIONS:
+        return [*COMPANIONS[name], flag, value]
     if isinstance(value, bool):
         return [flag if value else "--no-" + flag[2:]]
     return [flag, *value] if isinstance(value, list) else [flag, value]
@@ -127,7 +136,8 @@ def _worker_configs(cluster_config: ClusterConfig) -> list[WorkerConfig]:
     worker_cli.register(parser.add_subparsers())
     configs = []
     for i, spec in enumerate(cluster_config.workers):
-        argv = worker_argv(cluster.worker_config(f"w{i}", spec), parent_pid=None)
+        argv = worker_argv(cluster.worker_config(f"{spec.role.value}-{i}", spec),
+                           parent_pid=None)
         args = parser.parse_args(argv[argv.index("worker"):])
         configs.append(worker_cli.worker_config_from_args(args))
     return configs
@@ -174,6 +184,12 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
         # what the store master, the frontend and (in their environment) the workers prove
         "secret_file": [launcher.secret, frontend.secret],
         "secret_env": [launcher.secret, frontend.secret],
+        # the Conductor's group and the members launched for it (each told the group's size)
+        "cpp_nodes": [frontend.conductor.cpp_nodes, roles.count(Role.CPP),
+                      *(w.cpp_nodes for w in workers if w.role is Role.CPP)],
+        "cpp_min_tokens": [frontend.conductor.cpp_min_tokens],
+        "cpp_chunk_tokens": [frontend.conductor.cpp_chunk_tokens,
+                             *(w.cpp_chunk_tokens for w in workers if w.role is Role.CPP)],
     }
     return seen[name]
 
@@ -207,7 +223,8 @@ def test_every_serve_flag_reaches_its_user_in_every_mode(section: type, name: st
         assert config_from_args(args) == ClusterConfig.from_toml(EXAMPLE)
         return
     if mode not in modes_of(section, name):
-        with pytest.raises(ValueError, match=f"^{flag_name(section, name)}: applies only to"):
+        flags = "|".join([flag_name(section, name), *COMPANIONS.get(name, [])[:1]])
+        with pytest.raises(ValueError, match=f"^({flags}): applies only to"):
             settings_from_args(args)
         return
     seen = _observed(name, mode, args)

@@ -34,16 +34,29 @@ def test_simple_builds_the_pools() -> None:
     assert colocated.conductor.policy is Policy.COLOCATED
 
 
+_PD = '[[workers]]\nrole = "prefill"\n[[workers]]\nrole = "decode"\n'
+
+
 @pytest.mark.parametrize(("text", "error"), [
     ('model = "tiny"\nbogus = 1\n', r"unknown keys \['bogus'\]"),
     ('[frontend]\nhots = "x"\n', r"\[frontend\]: unknown keys \['hots'\]"),
     ('[[workers]]\nrole = "prefill"\nrolee = 1\n', r"\[\[workers\]\]: unknown keys"),
     ('[[workers]]\nrole = "prefill"\n', "at least one prefill and one decode"),
-    ('[[workers]]\nrole = "mixer"\n', "workers.role: must be prefill, decode or colocated"),
+    ('[[workers]]\nrole = "mixer"\n', "workers.role: must be prefill, decode, colocated or cpp"),
     ('[[workers]]\nrole = "decode"\nlaunch = false\n', "launch = false needs its port"),
     ('[engine]\nkv_cache_bytes = "lots"\n', "kv_cache_bytes: cannot read 'lots'"),
     ('[conductor]\npolicy = "best"\n', "policy must be one of"),
-    ('[conductor]\ncpp_min_tokens = 4096\n', "not served live yet"),
+    (_PD + '[conductor]\ncpp_min_tokens = 4096\n', "needs cpp_nodes = 2 workers of role cpp"),
+    (_PD + '[[workers]]\nrole = "cpp"\ncount = 2\n', "set \\[conductor\\] cpp_min_tokens"),
+    (_PD + '[conductor]\ncpp_min_tokens = 4096\n[[workers]]\nrole = "cpp"\ncount = 3\n',
+     "needs cpp_nodes = 2 workers of role cpp .* this cluster has 3"),
+    (_PD + '[conductor]\ncpp_min_tokens = 4096\ncpp_nodes = 5\n[[workers]]\nrole = "cpp"\n'
+     'count = 5\n', "cpp_nodes: 5 stages for a 4-layer model; use 2..4"),
+    (_PD + '[conductor]\ncpp_min_tokens = 4096\ncpp_nodes = 1\n', "cpp_nodes must be >= 2"),
+    (_PD + '[conductor]\ncpp_min_tokens = 4096\ncpp_chunk_tokens = 64\n',
+     "cpp_chunk_tokens must be >= 1000"),
+    ('mode = "colocated"\n[[workers]]\nrole = "colocated"\n[conductor]\ncpp_min_tokens = 9\n',
+     "needs mode disaggregated"),
     ('mode = "hybrid"\n', "mode: must be disaggregated or colocated"),
     ("model = \n", "not valid TOML"),
 ])
@@ -96,3 +109,47 @@ def test_shared_memory_can_be_turned_off_from_the_file_to_the_worker_process() -
     worker_cli.register(parser.add_subparsers())
     args = parser.parse_args(argv[argv.index("worker"):])
     assert args.shared_memory is False
+
+
+def test_cpp_group_from_a_file(tmp_path: Path) -> None:
+    """Dedicated members beside the plain prefill workers; a small chunk floor for tiny models."""
+    path = tmp_path / "cluster.toml"
+    path.write_text(_PD + '[conductor]\ncpp_min_tokens = 200\ncpp_chunk_tokens = 48\n'
+                    'cpp_min_chunk_tokens = 16\n[[workers]]\nrole = "cpp"\ncount = 2\n')
+    config = ClusterConfig.from_toml(path)
+    assert [w.role for w in config.workers] == [Role.PREFILL, Role.DECODE, Role.CPP, Role.CPP]
+    assert (config.conductor.cpp_min_tokens, config.conductor.cpp_chunk_tokens) == (200, 48)
+
+
+def test_cpp_serve_flags() -> None:
+    from kvcake.cli import build_parser
+    from kvcake.server.cli.serve import config_from_args
+
+    def parse(*flags: str) -> ClusterConfig:
+        return config_from_args(build_parser().parse_args(["serve", *flags]))
+
+    config = parse("--prefill", "1", "--decode", "1", "--cpp-nodes", "2", "--cpp-min-tokens",
+                   "4096")
+    assert [w.role for w in config.workers] == [Role.PREFILL, Role.DECODE, Role.CPP, Role.CPP]
+    assert (config.conductor.cpp_nodes, config.conductor.cpp_min_tokens,
+            config.conductor.cpp_chunk_tokens) == (2, 4096, 1024)
+    assert parse("--cpp-nodes", "3", "--cpp-min-tokens", "9", "--cpp-chunk-tokens",
+                 "2000").conductor.cpp_chunk_tokens == 2000
+    alone = parse("--cpp-nodes", "3").conductor  # X chunks and more go to the group
+    assert (alone.cpp_nodes, alone.cpp_min_tokens) == (3, 3 * 1024)
+    assert parse("--cpp-min-tokens", "5000").conductor.cpp_nodes == 2
+    for flags, error in [
+            (["--cpp-chunk-tokens", "2000"], "give --cpp-nodes X"),
+            (["--cpp-nodes", "1", "--cpp-min-tokens", "9"], "--cpp-nodes: a CPP group pipelines "
+             "over >= 2 workers, got 1"),
+            (["--cpp-nodes", "2", "--cpp-min-tokens", "9", "--cpp-chunk-tokens", "100"],
+             "cpp_chunk_tokens must be >= 1000"),
+            (["--cpp-nodes", "2", "--cpp-min-tokens", "0"], "cpp_min_tokens must be >= 1"),
+            (["--cpp-nodes", "8", "--cpp-min-tokens", "9"], "8 stages for a 4-layer model"),
+            (["--mode", "colocated", "--cpp-nodes", "2", "--cpp-min-tokens", "9"],
+             "applies only to --mode disaggregated"),
+            (["--config", "x.toml", "--cpp-nodes", "2", "--cpp-min-tokens", "9"],
+             "set \\[conductor\\] cpp_min_tokens, cpp_nodes"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            parse(*flags)
