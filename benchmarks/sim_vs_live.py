@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serving_disagg_vs_colocated as cap  # noqa: E402
 
+from kvcake.bench.capacity import find_capacities  # noqa: E402
 from kvcake.bench.prompts import PromptBuilder  # noqa: E402
 from kvcake.bench.regime import Regime  # noqa: E402
 from kvcake.bench.replay import PlannedRequest  # noqa: E402
@@ -51,8 +52,9 @@ from kvcake.sim.live_profile import live_cost_from_dict  # noqa: E402
 from kvcake.sim.run import simulate  # noqa: E402
 from kvcake.sim.trace import Trace, TraceRequest  # noqa: E402
 
-SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
-              "vocab_size")
+SHAPE_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",  # ours: HF's
+              "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+              "intermediate_size": "intermediate_size", "vocab_size": "vocab_size"}
 KV_POOL_BYTES = 2**30  # each live worker's pool (serving_disagg_vs_colocated.KV_CACHE)
 
 
@@ -80,7 +82,7 @@ def live_profile(out_dir: Path, model_config: dict[str, Any], bandwidth: float,
                  dtype_bytes: int = 4) -> dict[str, Any]:
     """`profile.json` + the `live` object kvcake/sim/live_profile.py reads."""
     data: dict[str, Any] = json.loads((out_dir / "profile.json").read_text())
-    shape = {k: int(model_config[k]) for k in SHAPE_KEYS}
+    shape = {k: int(model_config[hf]) for k, hf in SHAPE_KEYS.items()}
     kv_per_token = (2 * shape["num_layers"] * shape["num_kv_heads"]
                     * (shape["hidden_size"] // shape["num_heads"]) * dtype_bytes)
     data["live"] = {"transfer_bandwidth_bytes_per_s": bandwidth,
@@ -147,6 +149,25 @@ def sim_configs(regime: Regime, block_len: int, budget: int) -> dict[str, SimCon
     }
 
 
+def sim_capacity(records: list[TraceRequest], regime: Regime, cost: Any, budget: int,
+                 vocab_size: int) -> dict[str, list[float | None]]:
+    """The simulator's capacity per TBT SLO for the same regime: the capacity benchmark's search
+    (start rate, probes, 90% target) over the same requests, each probe one simulated run."""
+    block_len = PromptBuilder(scale_tokens=regime.scale_tokens).block_len
+    out: dict[str, list[float | None]] = {}
+    for name, config in sim_configs(regime, block_len, budget).items():
+        def probe(rate: float, config: SimConfig = config) -> list[float]:
+            planned = cap.workload(records, regime, vocab_size, rate, seed=0)
+            trace = sim_trace(records, planned, block_len)
+            return [simulate(dataclasses.replace(config, tbt_slo_ms=slo), trace, cost)
+                    .summary["effective_request_capacity"] for slo in regime.tbt_slos_ms]
+
+        found = find_capacities(probe, 0.5 / regime.mean_prefill_s, len(regime.tbt_slos_ms),
+                                cap.TARGET_SHARE, regime.max_probes)
+        out[name] = list(found.best_speeds)
+    return out
+
+
 def compare(live: dict[str, dict[str, float]],
             sim: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
     out: dict[str, dict[str, float | None]] = {}
@@ -210,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, m in metrics.items():
         err = "-" if m["rel_err"] is None else f"{m['rel_err']:+.1%}"
         print(f"| {name} | {m['live']:.4g} | {m['sim']:.4g} | {err} |")
+    capacity = sim_capacity(records, regime, cost, budget, cap_args.vocab_size)
+    (args.out_dir / "sim_capacity.json").write_text(json.dumps(capacity) + "\n")
+    print(f"simulated capacity (req/s) per TBT SLO {[round(x, 1) for x in regime.tbt_slos_ms]}: "
+          f"{json.dumps(capacity)}")
     if args.json:
         print(json.dumps({"metrics": metrics}))
     return 0
