@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import repeat
 from operator import itemgetter
 
@@ -405,7 +405,8 @@ class Conductor:
         last_estimates = self._last_decode_estimates
         new = tuple.__new__  # what DecodeEstimate(...) does, without its Python-level __new__
         estimates = []
-        forecasts = map(DecodeLoad.batch_at, loads.values(), repeat(at_s))
+        now = self.config.admission is not Admission.EARLY
+        forecasts = map(self._load_at(now), loads.values(), repeat(at_s))
         for instance_id, (batch, tokens) in zip(loads, forecasts, strict=True):
             batch, tokens = batch + 1, tokens + context
             if not fits(req, batch, tokens):
@@ -417,6 +418,15 @@ class Conductor:
                 last_estimates[instance_id] = estimate
             estimates.append(estimate)
         return tuple(estimates)
+
+    def _load_at(self, now: bool) -> Callable[[DecodeLoad, float], tuple[int, int]]:
+        """How a decode instance's batch is read: at a later moment, the forecast (requests
+        predicted to have finished by then left out); now, under a uniform decode time t_d, the
+        reported batch (a request that outlives t_d still decodes: the paper's t_d forecasts
+        the future, the load of the moment is known)."""
+        if now and self.config.uniform_decode_s is not None:
+            return DecodeLoad.batch_now
+        return DecodeLoad.batch_at
 
     def _kv_fits(self, req: ScheduleRequest, batch_size: int, context_tokens: int) -> bool:
         """Whether a batch of `batch_size` requests like `req`, holding `context_tokens` on
@@ -550,8 +560,9 @@ class Conductor:
         self._decodes[booked_on].remove(request_id)  # counted below as joining now
         as_request = ScheduleRequest(request_id, 1, (), 1, output_len)
         estimates = []
+        load_now = self._load_at(True)
         for instance_id, load in self._decodes.items():
-            batch, tokens = load.batch_at(now_s)
+            batch, tokens = load_now(load, now_s)
             batch, tokens = batch + 1, tokens + context
             tbt_s = (self._decode_model.decode_step_time_s(batch, tokens)
                      if self._kv_fits(as_request, batch, tokens) else math.inf)

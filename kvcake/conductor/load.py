@@ -214,6 +214,15 @@ class DecodeLoad:
         self._forecast = (max(lo, pending_lo), min(hi, pending_hi), counts)
         return counts
 
+    def batch_now(self, now_s: float) -> tuple[int, int]:
+        """(batch size, context tokens) now, as reported: every request that joined and has not
+        been reported finished (whatever its predicted finish), plus the expected ones predicted
+        to have joined by now. With a uniform decode time the finish times are a forecast for
+        later moments; which requests still decode now the caller's reports say."""
+        pending = self._pending
+        joined, joined_ctx = pending.until(now_s) if pending._times else (0, 0)
+        return len(self._active._times) + joined, self._active.context_sum + joined_ctx
+
     def next_finish_after(self, time_s: float) -> float | None:
         return self._active.first_after(time_s)
 

@@ -476,6 +476,27 @@ def test_uniform_decode_time_forecasts_every_request_to_finish_after_t_d() -> No
     assert c.decode_load("d0").batch_at(2.9)[0] == 1 and c.decode_load("d0").batch_at(3.0)[0] == 0
 
 
+def test_with_t_d_the_load_of_the_moment_counts_requests_that_outlive_it() -> None:
+    # a joined at 1 s with t_d = 2 s and is not reported finished at 5 s: it still decodes.
+    # Early rejection on the load of the moment ("slo") and the check after prefill count it
+    # (a second request would make the step 0.012 s > 0.0115); the prediction for a later
+    # moment ("early") follows t_d and leaves it out.
+    for admission, rejected in (("slo", True), ("early", False)):
+        c = make(admission=admission, num_decode=1, tbt_slo_s=0.0115, uniform_decode_s=2.0)
+        placed(c.schedule(request("a"), 0.0))
+        c.on_decode_joined("d0", "a", 1.0)
+        assert c.decode_load("d0").batch_now(5.0)[0] == 1
+        assert c.decode_load("d0").batch_at(5.0)[0] == 0
+        decision = c.schedule(request("b", first_key=100), 5.0)
+        assert isinstance(decision, Rejection) is rejected
+    c = make(admission="decode_after_prefill", num_decode=1, tbt_slo_s=0.0115,
+             uniform_decode_s=2.0)
+    placed(c.schedule(request("a"), 0.0))
+    c.on_decode_joined("d0", "a", 1.0)
+    placed(c.schedule(request("b", first_key=100), 5.0))
+    assert isinstance(c.admit_decode("b", 5.2), Rejection)
+
+
 def test_cpp_places_long_prompts_on_a_group_predicted_as_a_pipeline() -> None:
     c = make(num_prefill=5, cpp_min_tokens=3000, cpp_nodes=2, cpp_chunk_tokens=1000)
     assert c.cpp_groups == (("p0", "p1"), ("p2", "p3"))  # p4: the remainder, prefills alone
