@@ -35,7 +35,13 @@ import torch
 from kvcake.engine.sampling import SamplingParams
 from kvcake.engine.stage import StageEngine
 from kvcake.server.worker.kv_runs import block_runs
-from kvcake.transfer import SegmentDesc, TransferEngine, TransferOp, TransferRequest
+from kvcake.transfer import (
+    SegmentDesc,
+    TransferEngine,
+    TransferError,
+    TransferOp,
+    TransferRequest,
+)
 from kvcake.transfer.request import BatchId
 
 _TRANSFER_TIMEOUT_S = 30.0
@@ -118,7 +124,9 @@ class _Request:
 
 
 class CppMember:
-    """The loop of one group member: owns the stage engine and its inbox segment."""
+    """One group member: owns the stage engine and its inbox segment. The steps (`begin`,
+    `compute`, `write_hidden`, `finish`, `abort`) are what both drivers use: `run` over pipes
+    (`CppGroup`), and a live worker's role (cpp_role.py) over its frontend link."""
 
     def __init__(self, stage: StageEngine, transfer: TransferEngine, *, member: int,
                  chunk_tokens: int, slots: int = 2, tag: str = "") -> None:
@@ -148,34 +156,25 @@ class CppMember:
         flat = torch.frombuffer(view, dtype=self.stage.dtype)
         return flat[:num_tokens * self.stage.hidden_size].view(num_tokens, self.stage.hidden_size)
 
-    def run(self, up: Channel, down: Channel) -> None:
-        """Serve until `CppStop` (forwarded down)."""
-        while True:
-            msg = up.recv()
-            if isinstance(msg, CppStop):
-                down.send(msg)
-                return
-            self.handle(msg, up, down)
+    # -- the steps -----------------------------------------------------------------------------
+    def has(self, request_id: str) -> bool:
+        return request_id in self._requests
 
-    def handle(self, msg: Any, up: Channel, down: Channel) -> None:
-        if isinstance(msg, CppBegin):
-            if not self.stage.begin(msg.request_id, msg.prompt,
-                                    SamplingParams(max_tokens=msg.max_tokens)):
-                raise RuntimeError(f"cpp member {self.member}: no KV room for "
-                                   f"{msg.request_id} ({len(msg.prompt)} tokens)")
-            target = msg.kv_target
-            self._requests[msg.request_id] = _Request(
-                msg, None if target is None else SegmentDesc.from_dict(target.kv_pool))
-            if not self.stage.is_last:
-                down.send(msg)
-        elif isinstance(msg, CppChunk):
-            self._chunk(msg, up, down)
-        elif isinstance(msg, CppDone):  # an earlier member's report, on its way to the driver
-            down.send(msg)
-        else:
-            raise ValueError(f"cpp member {self.member}: unexpected message {msg!r}")
+    def begin(self, msg: CppBegin, params: SamplingParams | None = None) -> bool:
+        """Allocate the request's blocks in this stage; False when its pool has no room."""
+        if not self.stage.begin(msg.request_id, msg.prompt,
+                                params or SamplingParams(max_tokens=msg.max_tokens)):
+            return False
+        target = msg.kv_target
+        self._requests[msg.request_id] = _Request(
+            msg, None if target is None else SegmentDesc.from_dict(target.kv_pool))
+        return True
 
-    def _chunk(self, msg: CppChunk, up: Channel, down: Channel) -> None:
+    def compute(self, msg: CppChunk) -> torch.Tensor | int | None:
+        """Run one chunk (its hidden states from inbox slot `msg.slot`; -1: stage 0 embeds the
+        tokens), streaming this stage's layers of its KV. Returns the hidden states for the next
+        stage, or on the last stage the first token once the prompt is in (else None). The
+        inbox slot may be written again once this returns."""
         req = self._requests[msg.request_id]
         hidden = None if msg.slot < 0 else self._hidden_in(msg.slot, msg.num_tokens)
         bs = self.stage.block_size
@@ -188,21 +187,79 @@ class CppMember:
         out = self.stage.run_chunk(msg.request_id, msg.start, msg.num_tokens, hidden,
                                    hook if req.kv_pool is not None else None)
         req.compute_s += time.perf_counter() - t0
+        if self.stage.is_last:
+            return out if isinstance(out, int) else None
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def is_final(self, msg: CppChunk) -> bool:
+        return msg.start + msg.num_tokens == len(self._requests[msg.request_id].begin.prompt)
+
+    def write_hidden(self, out: torch.Tensor, slot: int, inbox: SegmentDesc | None = None) -> None:
+        """A chunk's hidden states into slot `slot` of the next stage's inbox (`inbox`, else the
+        connected one)."""
+        target = inbox or self._next
+        assert target is not None
+        self.transfer.write(target, slot * self.slot_bytes,
+                            out.contiguous().view(torch.uint8).numpy().reshape(-1))
+
+    def finish(self, request_id: str) -> CppDone:
+        """Wait for this stage's KV writes of the request, free its blocks."""
+        req = self._requests.pop(request_id)
+        try:
+            for batch in req.batches:
+                self.transfer.wait(batch, _TRANSFER_TIMEOUT_S).raise_for_failure()
+        finally:
+            self.stage.release(request_id)
+        return CppDone(request_id, self.member, req.compute_s, req.kv_bytes)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request: once this returns nothing of it writes the decode pool any more."""
+        if request_id not in self._requests:
+            return
+        try:
+            self.finish(request_id)
+        except TransferError:
+            pass  # the writes ended (failed): nothing writes any more either way
+
+    # -- driven over pipes (`CppGroup`) --------------------------------------------------------
+    def run(self, up: Channel, down: Channel) -> None:
+        """Serve until `CppStop` (forwarded down)."""
+        while True:
+            msg = up.recv()
+            if isinstance(msg, CppStop):
+                down.send(msg)
+                return
+            self.handle(msg, up, down)
+
+    def handle(self, msg: Any, up: Channel, down: Channel) -> None:
+        if isinstance(msg, CppBegin):
+            if not self.begin(msg):
+                raise RuntimeError(f"cpp member {self.member}: no KV room for "
+                                   f"{msg.request_id} ({len(msg.prompt)} tokens)")
+            if not self.stage.is_last:
+                down.send(msg)
+        elif isinstance(msg, CppChunk):
+            self._chunk(msg, up, down)
+        elif isinstance(msg, CppDone):  # an earlier member's report, on its way to the driver
+            down.send(msg)
+        else:
+            raise ValueError(f"cpp member {self.member}: unexpected message {msg!r}")
+
+    def _chunk(self, msg: CppChunk, up: Channel, down: Channel) -> None:
+        final = self.is_final(msg)
+        out = self.compute(msg)
         if msg.slot >= 0:
             up.send(CppSlotFree(msg.slot))
-        final = msg.start + msg.num_tokens == len(req.begin.prompt)
-        if not self.stage.is_last:
-            assert isinstance(out, torch.Tensor) and self._next is not None
+        if isinstance(out, torch.Tensor):
             slot = self._take_slot(down)
-            data = out.contiguous()
-            self.transfer.write(self._next, slot * self.slot_bytes,
-                                data.view(torch.uint8).numpy().reshape(-1))
+            self.write_hidden(out, slot)
             down.send(CppChunk(msg.request_id, msg.start, msg.num_tokens, slot))
-        elif final:
-            assert isinstance(out, int)
-            down.send(CppFirstToken(msg.request_id, out, req.compute_s))
+        elif out is not None:
+            compute_s = self._requests[msg.request_id].compute_s
+            down.send(CppFirstToken(msg.request_id, out, compute_s))
         if final:
-            self._finish(msg.request_id, req, down)
+            down.send(self.finish(msg.request_id))
 
     def _take_slot(self, down: Channel) -> int:
         """A free slot of the next member's inbox, waiting for one to come back if needed."""
@@ -228,10 +285,3 @@ class CppMember:
         if requests:
             req.batches.append(self.transfer.submit(requests))
             req.kv_bytes += sum(n for _, _, n in runs) * pool.layer_nbytes
-
-    def _finish(self, request_id: str, req: _Request, down: Channel) -> None:
-        for batch in req.batches:
-            self.transfer.wait(batch, _TRANSFER_TIMEOUT_S).raise_for_failure()
-        self.stage.release(request_id)
-        del self._requests[request_id]
-        down.send(CppDone(request_id, self.member, req.compute_s, req.kv_bytes))

@@ -24,6 +24,13 @@ Direction and meaning (F = frontend, P = prefill worker, D = decode worker):
   F -> P/D  Ping           liveness probe; the worker's engine loop answers between steps
   P/D -> F  Pong           the answer (same seq): a worker whose loop stalls stops answering
   F -> P/D  Abort, Shutdown
+CPP group members (C; stage s of a chunked-pipeline-parallel group, server/worker/cpp_role.py):
+  F -> C    CppOrder       the request and where its KV goes, to every member at once
+  C -> F    CppHidden      stage s wrote a chunk's hidden states into stage s+1's inbox slot;
+                           the frontend relays it to s+1
+  C -> F    CppSlotFree    stage s+1 read that slot; relayed to s (back-pressure)
+  C -> F    PrefillDone    a member's KV writes are done (the last stage's carries the first
+                           token; the others' first_token_id is -1)
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class Hello:
     kv_bytes_per_token: int
     max_model_len: int
     vocab_size: int
+    cpp_member: int | None = None  # a CPP member's stage in its group
+    cpp_inbox: dict[str, Any] | None = None  # its inbox segment (SegmentDesc.to_dict()), stage > 0
 
 
 @dataclass(frozen=True)
@@ -200,14 +209,46 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True)
+class CppOrder:
+    """To every member of the CPP group the Conductor placed the request on: prefill it chunk by
+    chunk (stage 0 starts at once, the others on each `CppHidden`), write this member's layers
+    of the KV into the decode pool's `target_blocks` (as `PrefillOrder`), and hidden states of
+    each chunk into `next_inbox` ({} on the last stage)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    next_inbox: dict[str, Any]
+    kv_pool: dict[str, Any]
+    target_blocks: list[int]
+    num_pool_blocks: int
+
+
+@dataclass(frozen=True)
+class CppHidden:
+    request_id: str
+    start: int  # prompt tokens start..start+num_tokens-1
+    num_tokens: int
+    slot: int  # the receiving stage's inbox slot
+
+
+@dataclass(frozen=True)
+class CppSlotFree:
+    request_id: str
+    slot: int
+
+
 Message = (Hello | PrefillOrder | PrefillDone | DecodeOrder | ReserveKv | KvReserved
            | DecodeAdmitted | Tokens
-           | RequestFailed | KvEvents | StoreEvents | LoadReport | Ping | Pong | Abort | Shutdown)
+           | RequestFailed | KvEvents | StoreEvents | LoadReport | Ping | Pong | Abort | Shutdown
+           | CppOrder | CppHidden | CppSlotFree)
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     Hello, PrefillOrder, PrefillDone, DecodeOrder, ReserveKv, KvReserved, DecodeAdmitted,
     Tokens, RequestFailed,
-    KvEvents, StoreEvents, LoadReport, Ping, Pong, Abort, Shutdown)}
+    KvEvents, StoreEvents, LoadReport, Ping, Pong, Abort, Shutdown, CppOrder, CppHidden,
+    CppSlotFree)}
 
 _CHECKS: dict[str, Any] = {
     "str": lambda v: isinstance(v, str),
