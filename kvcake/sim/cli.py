@@ -110,6 +110,9 @@ def register(subparsers: Any) -> None:
                      help="when the Conductor rejects (colocated never rejects): slo = the decode "
                           "load now; early (= prediction) = forecast at prefill end; "
                           "decode_after_prefill = TBT checked once the prefill is spent")
+    sim.add_argument("--decode-check-after-prefill", action="store_true",
+                     help="admission slo / early: the decode side also checks its TBT SLO when "
+                          "the prefill ends (rejecting there, prefill spent)")
     sim.add_argument("--predicted-output-len", type=_positive_int, default=None,
                      help="output length the Conductor is told (default: the trace's mean)")
     sim.add_argument("--uniform-decode-s", type=_positive_float, default=None,
@@ -189,6 +192,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         predicted_output_len=args.predicted_output_len, uniform_decode_s=args.uniform_decode_s,
         prefill_prediction_error=args.prefill_prediction_error,
         hardware_overrides=tuple(args.hardware_override),
+        decode_check_after_prefill=args.decode_check_after_prefill,
     )
 
 
