@@ -22,10 +22,11 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcake.clock import Clock
 from kvcake.store.direct import DirectPath
 from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
 from kvcake.store.master_api import Master, unwrap
-from kvcake.store.reader import ObjectReader
+from kvcake.store.reader import CACHE_ENTRIES, ObjectReader
 from kvcake.store.remote import RemoteMaster
 from kvcake.store.replica_io import write_requests
 from kvcake.store.tensors import pack_tensor, unpack_tensor
@@ -54,12 +55,15 @@ class StoreClient:
     `transfer_config.use_shared_memory=False` to force TCP even to nodes on this host. A client
     with its own engine moves batches of up to `slice_bytes` on the calling thread (`DirectPath`);
     `wrap_transport` wraps every endpoint of both (tests inject faults with it).
+    `location_cache`: how many keys' locations the reader remembers (reader.py; 0: none);
+    `clock`: how old the writer's reserved slots are (writer.py).
     """
 
     def __init__(self, master: str | Master, *, engine: TransferEngine | None = None,
                  transfer_config: TransferConfig | None = None, num_replicas: int | None = None,
                  local_node: str | None = None,
-                 wrap_transport: TransportWrapper | None = None) -> None:
+                 wrap_transport: TransportWrapper | None = None,
+                 location_cache: int = CACHE_ENTRIES, clock: Clock | None = None) -> None:
         if isinstance(master, str):  # proves transfer_config.secret to the master, if set
             master = RemoteMaster(master, secret=transfer_config.secret if transfer_config
                                   else None)
@@ -77,9 +81,11 @@ class StoreClient:
         self._embedded: EmbeddedStore | None = None
         self._start_lock = threading.Lock()
         direct = self._direct is not None
-        self._writer = ObjectWriter(master, self._transfer, direct)
         self._reader = ObjectReader(master, self._transfer,
-                                    self._engine_transfer if direct else None)
+                                    self._engine_transfer if direct else None,
+                                    cache_entries=location_cache)
+        self._writer = ObjectWriter(master, self._transfer, direct, clock=clock,
+                                    on_written=self._reader.remember)
 
     @classmethod
     def embedded(cls, config: EmbeddedConfig | int, **kwargs: Any) -> StoreClient:
@@ -109,7 +115,13 @@ class StoreClient:
         assert self._engine is not None
         return self._engine
 
+    def release_slots(self) -> None:
+        """Give back the space reserved for this client's next puts (writer.py; one-way, with
+        the next master request). Later puts reserve again; `close` does this too."""
+        self._writer.close()
+
     def close(self) -> None:
+        self._writer.close()  # releases its reserved slots (before the master connection goes)
         if self._direct is not None:
             self._direct.close()
         if self._own_engine and self._engine is not None and self._started:
@@ -146,7 +158,7 @@ class StoreClient:
     def put(self, key: str, data: Any) -> bool:
         """Store `data` (bytes-like, numpy array, CPU tensor) under `key`. Returns False, writing
         nothing, if the key is already stored or being written (keys name content)."""
-        return self.put_batch([key], [data])[0]
+        return self._writer.put(key, data, self.num_replicas, self.local_node)
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
         """Put every (key, value); one master round trip per phase and one transfer batch."""
@@ -187,10 +199,12 @@ class StoreClient:
 
     def remove(self, key: str) -> None:
         """Forget `key` (ObjectNotFound if absent). Readers holding a lease finish safely."""
+        self._reader.forget([key])
         self.master.remove(key)
 
     def remove_batch(self, keys: Sequence[str]) -> list[bool]:
         """True for each key removed, False for each that was not stored."""
+        self._reader.forget(keys)
         out = []
         for item in self.master.remove_batch(list(keys)):
             try:
@@ -213,6 +227,7 @@ class StoreClient:
         self._reader.release([(key, meta)])  # only counted, not read
         current = len(meta["replicas"])
         if num_replicas < current:
+            self._reader.forget([key])
             self.master.drop_replicas(key, num_replicas)
             return num_replicas
         plan = self.master.add_replicas(key, num_replicas)

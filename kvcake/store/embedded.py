@@ -30,6 +30,7 @@ class EmbeddedStore:
                              "(e.g. EmbeddedConfig(dram_bytes=1 << 30))")
         self.config = config
         self.master = MasterService(config.master, clock)
+        self._clock = clock
         # Nodes are served by their own engine only when a client could not map them; in one
         # process every segment is shared memory, so no server is needed.
         self.engine = TransferEngine(TransferConfig(serve=False, num_rails=1),
@@ -46,6 +47,7 @@ class EmbeddedStore:
 
     def client(self, **kwargs: Any) -> StoreClient:
         """A client of this store sharing its engine; kwargs go to `StoreClient`."""
+        kwargs.setdefault("clock", self._clock)
         client = StoreClient(self.master, engine=self.engine, **kwargs)
         self._clients.append(client)
         return client

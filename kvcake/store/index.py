@@ -8,6 +8,11 @@ The space replicas take lives in `space.py` (`NodeSpace`), eviction and DRAM<->d
 Object lifecycle:
     put_start -> PENDING (replicas allocated) -> put_commit -> COMPLETE -> remove / evict / lost
                  `-- put_revoke, or put_timeout_s passes -> reclaimed
+    reserve -> SLOT (replicas allocated, no key yet) -> commit_slot(key) -> COMPLETE
+               `-- release_slot, or put_timeout_s passes -> reclaimed
+A slot is a put_start made before its key is known: a writer holds one ready, writes the next
+object of that size into it and names the key in the commit (one master round trip per put). An
+uncommitted slot is invisible to readers, exactly like a PENDING object.
 A COMPLETE object has one or more DRAM replicas and/or one DISK replica per node with a disk.
 Eviction drops an object's DRAM replicas, demoting one to disk first where a disk has room; a get
 of an object that lives only on disk promotes it back into that node's DRAM.
@@ -21,7 +26,7 @@ from typing import Any
 
 from kvcake.store.allocator import OffsetAllocator
 from kvcake.store.config import MasterConfig
-from kvcake.store.errors import InvalidRequest, ObjectExists, ObjectNotFound
+from kvcake.store.errors import InvalidRequest, NoSpace, ObjectExists, ObjectNotFound
 from kvcake.store.eviction import LruOrder
 from kvcake.store.layout import HEADER_BYTES
 from kvcake.store.objects import ActionKind, ObjectMeta, Replica, Tier, TierAction
@@ -40,6 +45,7 @@ class StoreIndex:
     lru: LruOrder = field(default_factory=LruOrder)  # objects with a DRAM replica
     disk_lru: LruOrder = field(default_factory=LruOrder)  # objects with a disk copy
     actions: list[TierAction] = field(default_factory=list)
+    slots: dict[int, ObjectMeta] = field(default_factory=dict)  # slot id -> keyless allocation
     _next_lease: int = 1
     _num_demoted: int = 0  # DEMOTE actions their nodes reported done
     _rng: random.Random = field(default_factory=random.Random)
@@ -90,6 +96,9 @@ class StoreIndex:
         if self.nodes.pop(node_id, None) is None:
             return []
         self.space.forget_node(node_id)
+        for slot_id, slot in list(self.slots.items()):
+            if any(r.node_id == node_id for r in slot.replicas):
+                self.release_slot(slot_id)
         lost = []
         for meta in list(self.objects.values()):
             kept = [r for r in meta.replicas if r.node_id != node_id]
@@ -140,6 +149,58 @@ class StoreIndex:
         self._pending(key)
         self._forget(key)
 
+    def reserve(self, size_bytes: int, count: int, num_replicas: int, local_node: str | None,
+                now_s: float) -> list[tuple[int, ObjectMeta]]:
+        """Up to `count` keyless allocations (slots) of `size_bytes`, each placed as put_start
+        would place it but only in free space (a slot never evicts: it is taken ahead of need);
+        (slot id, its pending meta). Fewer, maybe none, when free space runs out."""
+        if size_bytes < 0 or num_replicas < 1 or not 1 <= count <= _MAX_RESERVE:
+            raise InvalidRequest(f"reserve: size_bytes >= 0, num_replicas >= 1 and 1 <= count <= "
+                                 f"{_MAX_RESERVE}, got {size_bytes}, {num_replicas}, {count}")
+        alloc = size_bytes + HEADER_BYTES
+        self.space.check_fits(alloc)
+        out: list[tuple[int, ObjectMeta]] = []
+        for _ in range(count):
+            order = order_nodes(list(self.nodes.values()), self.config.strategy, self._rng,
+                                local_node)
+            try:
+                replicas = self.tiers.allocate_on(order, alloc, num_replicas, now_s, evict=False)
+            except NoSpace:
+                break
+            slot_id = replicas[0].version  # never reused
+            meta = ObjectMeta("", size_bytes, None, replicas,
+                              deadline_s=now_s + self.config.put_timeout_s)
+            self.slots[slot_id] = meta
+            out.append((slot_id, meta))
+        return out
+
+    def commit_slot(self, key: str, slot_id: int, size_bytes: int, checksum: int,
+                    now_s: float) -> ObjectMeta:
+        """Name slot `slot_id` `key` and commit it (its bytes are written and checked). The slot
+        stays reserved when the key exists (ObjectExists) or the size differs (InvalidRequest);
+        ObjectNotFound if the slot is unknown (timed out, released, its node gone)."""
+        self._check_key(key)
+        slot = self.slots.get(slot_id)
+        if slot is None:
+            raise ObjectNotFound(f"slot {slot_id} is not reserved (timed out or released?)")
+        if size_bytes != slot.size_bytes:
+            raise InvalidRequest(f"size_bytes: slot {slot_id} holds {slot.size_bytes} bytes, "
+                                 f"got {size_bytes}")
+        if key in self.objects:
+            raise ObjectExists(f"key {key!r} is already stored or being written")
+        del self.slots[slot_id]
+        slot.key = key
+        self.objects[key] = slot
+        self.put_commit(key, now_s, checksum)
+        return slot
+
+    def release_slot(self, slot_id: int) -> None:
+        """Free a slot that will not be used (unknown ids are ignored)."""
+        slot = self.slots.pop(slot_id, None)
+        if slot is not None:
+            for replica in slot.replicas:
+                self.space.free_range("", replica)
+
     # ---- get / exists / remove -----------------------------------------------------------------
     def get(self, key: str, now_s: float) -> ObjectMeta:
         """`get_leased` without the lease id (the lease then simply runs out)."""
@@ -162,6 +223,12 @@ class StoreIndex:
         elif not any(r.tier is Tier.DRAM for r in meta.replicas):
             self.tiers.plan_promote(meta, now_s)
         return meta, lease_id
+
+    def touch(self, key: str) -> None:
+        """A read that took no lease (a client's cached location): refresh its LRU place."""
+        meta = self.objects.get(key)
+        if meta is not None and meta.committed and meta.dram():
+            self.lru.touch(key)
 
     def _committed(self, key: str) -> ObjectMeta:
         """The committed object `key`, without touching leases or LRU order."""
@@ -276,6 +343,8 @@ class StoreIndex:
         for meta in [m for m in self.objects.values() if not m.committed]:
             if meta.deadline_s <= now_s:
                 self._forget(meta.key)
+        for slot_id in [i for i, m in self.slots.items() if m.deadline_s <= now_s]:
+            self.release_slot(slot_id)
         self.space.expire(now_s)
         dead = [n.node_id for n in self.nodes.values()
                 if now_s - n.last_heartbeat_s > self.config.heartbeat_timeout_s]
@@ -319,6 +388,9 @@ class StoreIndex:
         readers = _readers(meta, now_s)
         for replica in meta.replicas:
             self.space.free_range(key, replica, release_s, readers)
+
+
+_MAX_RESERVE = 64  # slots one reserve may ask for
 
 
 def _drop_expired_leases(leases: dict[int, float], now_s: float) -> None:

@@ -143,6 +143,12 @@ class FailoverConnection:
         if conn is not None:
             conn.defer(op, **args)
 
+    def defer_items(self, op: str, field: str, items: list[Any]) -> None:
+        with self._lock:
+            conn = self._conn
+        if conn is not None:
+            conn.defer_items(op, field, items)
+
     def flush(self) -> None:
         with self._lock:
             conn = self._conn

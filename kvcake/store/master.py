@@ -14,7 +14,13 @@ from typing import Any, Protocol
 from kvcake.auth import ClusterSecret
 from kvcake.clock import Clock, SystemClock
 from kvcake.store.config import MasterConfig
-from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
+from kvcake.store.errors import (
+    InvalidRequest,
+    NoSpace,
+    ObjectNotFound,
+    StoreError,
+    TransferFailed,
+)
 from kvcake.store.index import ActionKind, ObjectMeta, Replica, StoreIndex, TierAction
 from kvcake.store.protocol import RpcConnection
 from kvcake.store.rebuild import adopt
@@ -169,6 +175,60 @@ class MasterService:
         with self._lock:
             self.index.put_revoke(key)
 
+    def put_slots(self, commits: list[Any], reserve: list[Any] | None = None) -> dict[str, Any]:
+        """Commit objects written into slots and reserve new ones, in one request.
+        `commits`: [[key, slot, size_bytes, checksum], ...], each answered as a batch entry
+        (ObjectExists or a wrong size keep the slot reserved; ObjectNotFound: the slot is gone).
+        `reserve`: [size_bytes, count, num_replicas or None, local_node or None] asks for up to
+        `count` new slots, less one for each commit that kept its slot (the writer reuses it),
+        and fewer, maybe none, when free space runs out.
+        -> {"results": [entry per commit], "slots": [{"slot", "replicas", "ttl_s"}, ...]}"""
+        items = [_commit_item(c) for c in commits]
+        spec = _reserve_spec(reserve) if reserve is not None else None
+        with self._lock:
+            now_s = self.clock.now_s()
+            results = [_item(lambda c=c: self._commit_slot(c[0], c[1], c[2], c[3], now_s))
+                       for c in items]
+            slots: list[dict[str, Any]] = []
+            if spec is not None:
+                size, count, num_replicas, local_node = spec
+                count -= sum(1 for r in results if not r["ok"]
+                             and r["error"]["type"] in ("ObjectExists", "InvalidRequest"))
+                try:
+                    reserved = self.index.reserve(size, count,
+                                                  num_replicas or self.config.default_replicas,
+                                                  local_node, now_s) if count > 0 else []
+                except NoSpace:
+                    reserved = []
+                slots = [{"slot": slot_id, "ttl_s": self.config.put_timeout_s,
+                          "replicas": [replica_desc(self.index, r) for r in meta.replicas]}
+                         for slot_id, meta in reserved]
+            self._run_actions()
+            return {"results": results, "slots": slots}
+
+    def _commit_slot(self, key: str, slot: int, size_bytes: int, checksum: int,
+                     now_s: float) -> None:
+        self.index.commit_slot(key, slot, size_bytes, checksum, now_s)
+        if self.mirror:
+            self._tell_nodes("hold", key)
+
+    def release_slots(self, slots: list[Any]) -> None:
+        """Free reserved slots a writer will not use. One-way on the wire."""
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in slots):
+            raise InvalidRequest("slots: each must be an integer slot id")
+        with self._lock:
+            for slot in slots:
+                self.index.release_slot(slot)
+
+    def touch(self, keys: list[Any]) -> None:
+        """Reads served from a client's location cache: refresh these objects' LRU place (no
+        lease is taken; unknown keys are ignored). One-way on the wire."""
+        if not all(isinstance(k, str) for k in keys):
+            raise InvalidRequest("keys: each must be a string")
+        with self._lock:
+            for key in keys:
+                self.index.touch(key)
+
     def get(self, key: str) -> dict[str, Any]:
         """{"size_bytes", "checksum", "replicas": [descriptor], "lease_id"}: the replicas are
         protected by a read lease until `release_leases` names it or `lease_s` passes."""
@@ -319,6 +379,24 @@ def _key_checksum(item: Any) -> tuple[str, int | None]:
             and not isinstance(item[1], bool):
         return _key(item[0]), item[1]
     return _key(item), None
+
+
+def _commit_item(item: Any) -> tuple[str, int, int, int]:
+    if not (isinstance(item, list | tuple) and len(item) == 4 and isinstance(item[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])):
+        raise InvalidRequest("commits: each must be [key, slot, size_bytes, checksum]")
+    return item[0], item[1], item[2], item[3]
+
+
+def _reserve_spec(spec: Any) -> tuple[int, int, int | None, str | None]:
+    ok = isinstance(spec, list | tuple) and len(spec) == 4 \
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in spec[:2]) \
+        and (spec[2] is None or isinstance(spec[2], int) and not isinstance(spec[2], bool)) \
+        and (spec[3] is None or isinstance(spec[3], str))
+    if not ok:
+        raise InvalidRequest("reserve: must be [size_bytes, count, num_replicas or null, "
+                             "local_node or null]")
+    return spec[0], spec[1], spec[2], spec[3]
 
 
 def _item(call: Any) -> dict[str, Any]:

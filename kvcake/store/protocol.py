@@ -43,6 +43,9 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
     "put_start_batch": {"items": (_LIST, True), "num_replicas": (_INT, False),
                         "local_node": (_STR, False)},
     "put_commit_batch": {"keys": (_LIST, True)},
+    "put_slots": {"commits": (_LIST, True), "reserve": (_LIST, False)},
+    "release_slots": {"slots": (_LIST, True)},
+    "touch": {"keys": (_LIST, True)},
     "get": {"key": (_STR, True)},
     "release_leases": {"leases": (_LIST, True)},
     "get_batch": {"keys": (_LIST, True)},
@@ -70,8 +73,9 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
 
 
 # Ops the server never answers: the client sends them and goes on (see RpcConnection.send).
-ONE_WAY_OPS = frozenset({"release_leases", "hold", "forget"})
+ONE_WAY_OPS = frozenset({"release_leases", "release_slots", "touch", "hold", "forget"})
 _MAX_DEFERRED = 64  # deferred one-way frames (RpcConnection.defer) held before they are sent
+_MAX_MERGED = 1024  # items merged into one deferred frame (RpcConnection.defer_items) at most
 
 
 def validate(message: object) -> tuple[int, str, dict[str, Any]]:
@@ -214,6 +218,7 @@ class RpcConnection:
         self._lock = threading.Lock()
         self._next_id = 0
         self._deferred: list[bytes] = []  # one-way frames that go out with the next send
+        self._merged: dict[tuple[str, str], list[Any]] = {}  # (op, field) -> items (defer_items)
 
     def defer(self, op: str, **args: Any) -> None:
         """A one-way request (an op in ONE_WAY_OPS) sent with this connection's next request,
@@ -228,14 +233,30 @@ class RpcConnection:
                 return
             self._sendall(b"")
 
+    def defer_items(self, op: str, field: str, items: list[Any]) -> None:
+        """`defer(op, field=items)`, merged with the items deferred for that op before: one
+        frame for them all, sent with the next request (or once `_MAX_MERGED` are waiting)."""
+        if op not in ONE_WAY_OPS:
+            raise ValueError(f"op: {op!r} is answered; use call()")
+        with self._lock:
+            pending = self._merged.setdefault((op, field), [])
+            pending.extend(items)
+            if len(pending) >= _MAX_MERGED:
+                self._sendall(b"")
+
     def flush(self) -> None:
         """Send the deferred one-way requests now."""
         with self._lock:
-            if self._deferred:
+            if self._deferred or self._merged:
                 self._sendall(b"")
 
     def _sendall(self, frame: bytes) -> None:
         """Send the deferred frames, then `frame`, in one call (under the lock)."""
+        if self._merged:
+            for (op, field), items in self._merged.items():  # one-way: never answered, so
+                self._deferred.append(encode({"id": 0, "op": op,  # no id of the call's own
+                                              "args": {field: items}}))
+            self._merged = {}
         if self._deferred:
             frame = b"".join(self._deferred) + frame
             self._deferred.clear()

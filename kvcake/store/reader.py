@@ -11,6 +11,19 @@ its range reused while it is held); the reader releases it, in a one-way message
 read is over. A remote master gets that message with the client's next request (the same send:
 no system call or master wake-up of its own), so a client that goes quiet holds its last leases
 until then or `lease_s`; holding a lease longer is always safe, it only delays eviction.
+
+Location cache: the reader remembers where each object it wrote or read lives (size, checksum,
+replica versions and offsets; up to `cache_entries` keys), and `get` / `get_into` of a remembered
+key read its replica straight away, without asking the master: one round trip instead of two. The
+read is checked exactly like any other (the header must carry the remembered version, the payload
+the remembered checksum), so a stale entry can never return wrong bytes: if the range was freed
+and reused, or is being rewritten while it is read, the check fails, the entry is dropped and the
+get goes to the master as usual. Such a read takes no lease (a concurrent eviction makes it fail
+its check and fall back); the keys read this way are told to the master (one-way `touch`, merged
+and sent before this client's next request) so that its LRU order still sees them. What a cached read may still return
+is the object's own bytes after the master forgot it (another client removed it, it was evicted,
+its node was declared dead) until its range is reused: correct bytes for the key (keys name
+content). This client's own `remove` forgets the entry first. `cache_entries=0` turns it off.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from kvcake.store.errors import (
     StoreError,
     TransferFailed,
 )
-from kvcake.store.layout import HEADER_BYTES
+from kvcake.store.layout import HEADER_BYTES, CorruptObject, verify
 from kvcake.store.master_api import Master, unwrap
 from kvcake.store.replica_io import check_room, read_requests, segment_of, valid
 from kvcake.transfer import (
@@ -43,6 +56,7 @@ log = logging.getLogger(__name__)
 # a larger batch reads into a buffer of its own.
 _BATCH_SCRATCH_BYTES = 256 << 20
 _READ_ROUNDS = 3  # how many times the reader asks the master again after every replica failed
+CACHE_ENTRIES = 1 << 16  # keys whose location a reader remembers by default
 
 Leased = list[tuple[str, dict[str, Any]]]  # (key, descriptor with its "lease_id") to release
 
@@ -63,18 +77,88 @@ class ObjectReader:
     `recheck` before it is called corrupt."""
 
     def __init__(self, master: Master, transfer: Transfer,
-                 recheck: Callable[[list[TransferRequest]], None] | None) -> None:
+                 recheck: Callable[[list[TransferRequest]], None] | None,
+                 cache_entries: int = CACHE_ENTRIES) -> None:
+        if cache_entries < 0:
+            raise InvalidRequest(f"cache_entries: must be >= 0, got {cache_entries}")
         self.master = master
         self._transfer = transfer
         self._recheck = recheck
         self._local = threading.local()
+        self._cache_entries = cache_entries
+        self._cache: dict[str, dict[str, Any]] = {}  # key -> descriptor without a lease
 
+    # ---- location cache ------------------------------------------------------------------------
+    def remember(self, key: str, size_bytes: int, checksum: int,
+                 replicas: list[dict[str, Any]]) -> None:
+        """Where object `key` lives (after this client wrote or read it)."""
+        if self._cache_entries == 0:
+            return
+        cache = self._cache
+        if key not in cache and len(cache) >= self._cache_entries:
+            try:
+                del cache[next(iter(cache))]  # the oldest entry
+            except (KeyError, StopIteration, RuntimeError):  # another thread got there first
+                pass
+        cache[key] = {"size_bytes": size_bytes, "checksum": checksum, "replicas": replicas}
+
+    def forget(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._cache.pop(key, None)
+
+    def _remember_meta(self, key: str, meta: dict[str, Any]) -> None:
+        if meta.get("checksum") is not None and meta.get("replicas"):
+            self.remember(key, int(meta["size_bytes"]), int(meta["checksum"]), meta["replicas"])
+
+    def _cached_read(self, key: str, dest: memoryview, whole: memoryview | None) -> int | None:
+        """Read `key` from its remembered location, checked; its size, or None (not
+        remembered, or the check failed: the entry is dropped and the caller asks the master)."""
+        meta = self._cache.get(key)
+        if meta is None:
+            return None
+        size = int(meta["size_bytes"])
+        if len(dest) < size:
+            return None  # the master path raises the error that says so
+        replica = meta["replicas"][0]
+        if whole is not None:
+            header = whole[:HEADER_BYTES]
+            requests = [TransferRequest(TransferOp.READ, whole, segment_of(replica["segment"]),
+                                        replica["offset"])]
+        else:
+            header = memoryview(bytearray(HEADER_BYTES))
+            requests = read_requests(replica, meta, header, dest)
+        try:
+            self._transfer(requests)
+            ok = _matches(replica, meta, header, dest)
+        except (TransferError, ValueError):
+            ok = False
+        if not ok:
+            self._cache.pop(key, None)
+            return None
+        self._touch(key)
+        return size
+
+    def _touch(self, key: str) -> None:
+        """Tell the master of a cached read (a remote one merges them into one one-way message
+        that goes before this client's next request, so every eviction it decides sees them)."""
+        try:
+            self.master.touch([key])
+        except StoreError as exc:  # only the LRU order misses this read
+            log.warning("telling the master of a cached read of %r failed: %s", key, exc)
+
+    # ---- gets --------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
         """The object's bytes; ObjectNotFound (a KeyError) if the key is not stored."""
-        meta = self.master.get(key)
-        size = int(meta["size_bytes"])
         # One contiguous read (header + payload: one request, fewer slices) into a reused buffer
         # whose pages are already mapped; the only copy is the final bytes().
+        cached = self._cache.get(key)
+        if cached is not None:
+            size = int(cached["size_bytes"])
+            scratch = self._buffer("scratch", HEADER_BYTES + size)
+            if self._cached_read(key, scratch[HEADER_BYTES:], scratch) is not None:
+                return bytes(scratch[HEADER_BYTES:])
+        meta = self.master.get(key)
+        size = int(meta["size_bytes"])
         scratch = self._buffer("scratch", HEADER_BYTES + size)
         self.read(key, meta, scratch[HEADER_BYTES:HEADER_BYTES + size], whole=scratch)
         return bytes(scratch[HEADER_BYTES:HEADER_BYTES + size])
@@ -83,6 +167,10 @@ class ObjectReader:
         """Read the object into the start of `buffer` (writable, large enough); returns its
         size in bytes."""
         dest = buffer_view(buffer, writable=True, field="buffer")
+        if key in self._cache:
+            size = self._cached_read(key, dest, None)
+            if size is not None:
+                return size
         meta = self.master.get(key)
         return self.read(key, meta, dest)
 
@@ -136,6 +224,8 @@ class ObjectReader:
                 payload = scratch[offset + HEADER_BYTES:offset + HEADER_BYTES + size]
                 if not batch_ok or not valid(meta["replicas"][0], meta, header, payload):
                     self.read(key, meta, payload)  # replica by replica, asking the master again
+                else:
+                    self._remember_meta(key, meta)
                 values.append(bytes(payload))
         finally:
             self.release(jobs)
@@ -199,6 +289,14 @@ class ObjectReader:
         for (key, meta, dest), header in zip(jobs, headers, strict=True):
             if not batch_ok or not valid(meta["replicas"][0], meta, header, dest):
                 self.read(key, meta, dest)  # replica by replica, asking the master again
+            else:
+                self._remember_meta(key, meta)
+
+    def _remember_good(self, key: str, meta: dict[str, Any], replica: dict[str, Any]) -> None:
+        """Remember `meta`'s location with the replica that just read intact first."""
+        if self._cache_entries:
+            replicas = [replica] + [r for r in meta["replicas"] if r is not replica]
+            self._remember_meta(key, {**meta, "replicas": replicas})
 
     def _read_replicas(self, key: str, meta: dict[str, Any], dest: memoryview,
                        whole: memoryview | None, leased: Leased) -> int:
@@ -217,6 +315,7 @@ class ObjectReader:
                 try:
                     self._transfer(requests)
                     if valid(replica, meta, header, dest):
+                        self._remember_good(key, meta, replica)
                         return int(meta["size_bytes"])
                     if self._recheck is not None:
                         # The direct path reads without a transport checksum (the check above
@@ -224,6 +323,7 @@ class ObjectReader:
                         # this replica is called corrupt.
                         self._recheck(requests)
                         if valid(replica, meta, header, dest):
+                            self._remember_good(key, meta, replica)
                             return int(meta["size_bytes"])
                 except (TransferError, ValueError) as exc:
                     errors.append(f"{replica['node_id']}: {exc}")
@@ -237,3 +337,14 @@ class ObjectReader:
             raise ObjectUnavailable(f"no replica of {key!r} is reachable (nodes down?): "
                                     f"{errors[-2:]}")
         raise TransferFailed(f"no replica of {key!r} could be read intact: {errors[-3:]}")
+
+
+def _matches(replica: dict[str, Any], meta: dict[str, Any], header: memoryview,
+             dest: memoryview) -> bool:
+    """`valid` without its warning: a cached location that no longer holds the object is
+    expected (removed, evicted, reused), not a corruption to report."""
+    try:
+        verify(header, dest[:meta["size_bytes"]], replica["version"], meta["checksum"])
+        return True
+    except CorruptObject:
+        return False

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from kvcake.auth import ClusterSecret
 from kvcake.store.leader import connect
+from kvcake.store.protocol import RpcConnection
 
 T = TypeVar("T")
 
@@ -45,6 +46,30 @@ class RemoteMaster:
 
     def put_revoke(self, key: str) -> None:
         self._conn.call("put_revoke", key=key)
+
+    def put_slots(self, commits: list[Any], reserve: list[Any] | None = None) -> dict[str, Any]:
+        return dict(self._conn.call("put_slots", commits=commits, reserve=reserve))
+
+    def put_slots_overlapped(self, commits: list[Any], reserve: list[Any] | None,
+                             work: Callable[[], T]) -> tuple[dict[str, Any], T]:
+        """`put_slots`, running `work()` here while the master handles it."""
+        result, value = self._conn.call_overlapped(
+            "put_slots", {"commits": commits, "reserve": reserve}, work)
+        return dict(result), value
+
+    def release_slots(self, slots: list[Any]) -> None:
+        """One-way, sent with this client's next request to the master."""
+        self._conn.defer("release_slots", slots=slots)
+
+    def touch(self, keys: list[Any]) -> None:
+        """One-way; the keys touched until this client's next request to the master go with it,
+        in one message handled before that request (so its evictions see them)."""
+        self._conn.defer_items("touch", "keys", keys)
+
+    @property
+    def follows_leader(self) -> bool:
+        """True when this master is found through etcd (it may change under the client)."""
+        return not isinstance(self._conn, RpcConnection)
 
     def get(self, key: str) -> dict[str, Any]:
         return dict(self._conn.call("get", key=key))

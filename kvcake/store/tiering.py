@@ -36,18 +36,18 @@ class Tiering:
         self.num_disk_evicted = 0
 
     def allocate_on(self, order: list[NodeInfo], alloc: int, count: int,
-                    now_s: float) -> list[Replica]:
+                    now_s: float, evict: bool = True) -> list[Replica]:
         """One replica on each of the first `count` nodes of `order` that can hold `alloc`
-        bytes: first without evicting, then evicting LRU objects from the remaining nodes.
-        NoSpace if not even one fits."""
+        bytes: first without evicting, then (`evict`) evicting LRU objects from the remaining
+        nodes. NoSpace if not even one fits."""
         replicas: list[Replica] = []
-        for evict in (False, True):
+        for evicting in (False, True) if evict else (False,):
             for node in order:
                 if len(replicas) == count:
                     return replicas
                 if any(r.node_id == node.node_id for r in replicas):
                     continue
-                offset = self._try_allocate(node, alloc, evict, now_s)
+                offset = self._try_allocate(node, alloc, evicting, now_s)
                 if offset is not None:
                     replicas.append(Replica(node.node_id, Tier.DRAM, offset, alloc,
                                             self.space.new_version()))

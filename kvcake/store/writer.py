@@ -5,15 +5,35 @@
     (acknowledged before `put_batch` returns); on any failure the batch's allocations are revoked.
 
 Keys name content: a key already stored or being written is not written again (False).
+
+A single put of up to `SLOT_MAX_BYTES` goes through a slot instead: a keyless allocation the
+master reserved beforehand (index.py), held here per object size. The put writes header +
+payload into the slot (the node checks the bytes' digest before it answers), then one master
+request names the key, commits it with its checksum and reserves the next slot of that size: two
+round trips instead of three. Nothing is weakened: the commit is still acknowledged before `put`
+returns and still follows the node's verified write, so a reader never sees a half-written object;
+a writer that dies leaves only an unnamed slot, invisible and reclaimed after `put_timeout_s`. A
+slot is used only in the first half of that time (by this client's clock), so it is never written
+after the master could have reclaimed it; an unused one is released at `close()`. The first put of
+a size reserves its slot in a round trip of its own (put_start's place). Slots are not used with a
+master found through etcd (a new leader does not know an old one's slots).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvcake.store.errors import InvalidRequest, ObjectExists, StoreError, TransferFailed
+from kvcake.clock import Clock, SystemClock
+from kvcake.store.errors import (
+    InvalidRequest,
+    ObjectExists,
+    ObjectNotFound,
+    StoreError,
+    TransferFailed,
+)
 from kvcake.store.layout import HEADER_BYTES, pack_header, payload_checksum
 from kvcake.store.master_api import Master, unwrap
 from kvcake.store.reader import Transfer
@@ -25,16 +45,125 @@ log = logging.getLogger(__name__)
 
 # (key, payload, payload checksum, the replica descriptors put_start allocated for it)
 Allocated = tuple[str, memoryview, int, list[dict[str, Any]]]
+# Called after a commit: (key, size_bytes, checksum, replica descriptors) (the reader's cache).
+OnWritten = Callable[[str, int, int, list[dict[str, Any]]], None]
+
+SLOT_MAX_BYTES = 4 << 20  # single puts up to this size go through a reserved slot
+_MAX_SHAPES = 8  # (size, replicas, local node) combinations a writer holds a slot for
+_SLOTS_PER_SHAPE = 2  # slots held per combination (more come only from concurrent puts)
 
 
 class ObjectWriter:
     """Writes objects for one client through `transfer`. `direct`: `transfer` may take the
     direct path, which moves a single-replica put as one pipelined header + payload write."""
 
-    def __init__(self, master: Master, transfer: Transfer, direct: bool) -> None:
+    def __init__(self, master: Master, transfer: Transfer, direct: bool, *,
+                 clock: Clock | None = None, on_written: OnWritten | None = None,
+                 slots: bool = True) -> None:
         self.master = master
         self._transfer = transfer
         self._direct = direct
+        self._clock = clock or SystemClock()
+        self._on_written = on_written
+        self._use_slots = slots and not getattr(master, "follows_leader", False) \
+            and hasattr(master, "put_slots")
+        # (size, num_replicas, local_node) -> [(slot descriptor, this clock when received)]
+        self._slots: dict[tuple[int, int | None, str | None],
+                          list[tuple[dict[str, Any], float]]] = {}
+        self._slot_lock = threading.Lock()
+
+    def put(self, key: str, value: Any, num_replicas: int | None,
+            local_node: str | None) -> bool:
+        """One object; through a slot when it is small enough (see the module docstring)."""
+        view = buffer_view(value, field=f"value of {key!r}")
+        size = len(view)
+        if not self._use_slots or size > SLOT_MAX_BYTES or not isinstance(key, str) or not key:
+            return self.put_batch([key], [view], num_replicas, local_node)[0]
+        shape = (size, num_replicas, local_node)
+        reserve = [size, 1, num_replicas, local_node]
+        slot = self._take(shape)
+        if slot is None:  # the first put of this size: reserve while the checksum is computed
+            result, checksum = self._put_slots([], reserve, lambda: payload_checksum(view))
+            self._keep(shape, result["slots"])
+            slot = self._take(shape)
+            if slot is None:  # no room even for one: the ordinary put says why (NoSpace)
+                return self.put_batch([key], [view], num_replicas, local_node)[0]
+        else:
+            checksum = payload_checksum(view)
+        requests, digests = self._put_requests([(key, view, checksum, slot["replicas"])])
+        try:
+            self._transfer(requests, digests)
+        except (TransferError, ValueError) as exc:
+            self._release([slot["slot"]])
+            raise TransferFailed(f"put of {key!r} failed: {exc}") from exc
+        result = self.master.put_slots([[key, slot["slot"], size, checksum]], reserve)
+        self._keep(shape, result["slots"])
+        try:
+            unwrap(result["results"][0])
+        except ObjectExists:
+            self._keep(shape, [slot], slot["_at"])  # still reserved: the next put reuses it
+            return False
+        except ObjectNotFound:  # the slot is gone (its node left): the ordinary way
+            return self.put_batch([key], [view], num_replicas, local_node)[0]
+        if self._on_written is not None:
+            self._on_written(key, size, checksum, slot["replicas"])
+        return True
+
+    def close(self) -> None:
+        """Release the slots held (one-way; a remote master gets it before the connection
+        closes). Idempotent."""
+        with self._slot_lock:
+            held = [s["slot"] for kept in self._slots.values() for s, _ in kept]
+            self._slots.clear()
+        if held:
+            self._release(held)
+
+    def _put_slots(self, commits: list[Any], reserve: list[Any],
+                   work: Callable[[], int]) -> tuple[dict[str, Any], int]:
+        if isinstance(self.master, RemoteMaster):
+            return self.master.put_slots_overlapped(commits, reserve, work)
+        value = work()
+        return self.master.put_slots(commits, reserve), value
+
+    def _take(self, shape: tuple[int, int | None, str | None]) -> dict[str, Any] | None:
+        """A slot of this shape still in the first half of its time, or None."""
+        now_s = self._clock.now_s()
+        stale: list[int] = []
+        found = None
+        with self._slot_lock:
+            kept = self._slots.get(shape, [])
+            while kept:
+                slot, at_s = kept.pop()
+                if now_s - at_s < float(slot.get("ttl_s", 0.0)) / 2:
+                    found = {**slot, "_at": at_s}
+                    break
+                stale.append(slot["slot"])
+        if stale:
+            self._release(stale)
+        return found
+
+    def _keep(self, shape: tuple[int, int | None, str | None], slots: list[dict[str, Any]],
+              at_s: float | None = None) -> None:
+        if not slots:
+            return
+        at_s = self._clock.now_s() if at_s is None else at_s
+        dropped: list[int] = []
+        with self._slot_lock:
+            if shape not in self._slots and len(self._slots) >= _MAX_SHAPES:
+                oldest = next(iter(self._slots))
+                dropped = [s["slot"] for s, _ in self._slots.pop(oldest)]
+            kept = self._slots.setdefault(shape, [])
+            kept.extend((s, at_s) for s in slots)
+            while len(kept) > _SLOTS_PER_SHAPE:
+                dropped.append(kept.pop(0)[0]["slot"])
+        if dropped:
+            self._release(dropped)
+
+    def _release(self, slots: list[int]) -> None:
+        try:
+            self.master.release_slots(slots)
+        except StoreError as exc:  # they time out on the master anyway
+            log.warning("releasing %d slots failed: %s", len(slots), exc)
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any], num_replicas: int | None,
                   local_node: str | None) -> list[bool]:
@@ -71,6 +200,9 @@ class ObjectWriter:
                 raise TransferFailed(f"put of {len(todo)} objects failed: {exc}") from exc
         for result in self.master.put_commit_batch([[k, c] for k, _, c, _ in allocated]):
             unwrap(result)
+        if self._on_written is not None:
+            for key, view, checksum, descs in allocated:
+                self._on_written(key, len(view), checksum, descs)
         return written
 
     def revoke(self, key: str) -> None:
