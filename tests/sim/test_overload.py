@@ -36,3 +36,17 @@ def test_swing_reads_anti_phase_and_in_phase_loads_inside_the_window() -> None:
     # Buckets outside [begin, end) are left out: the first two only leave too few to say.
     assert swing(times, prefill, anti, 0.0, 20.0) == (0.0, 0.0)
     assert swing(times, prefill, [2.0] * 8, 0.0, 80.0) == (0.0, 0.0)  # flat decode: no swing
+
+
+def test_t_d_is_the_mean_decode_time_of_finished_requests() -> None:
+    from kvcake.sim.overload import mean_decode_s
+    from kvcake.sim.records import RequestState
+    from kvcake.sim.run import arrivals_of
+
+    trace = Trace(tuple(TraceRequest(i, 0.0, 1024, 10, (i,)) for i in range(3)), "three")
+    states = [RequestState(i, f"r{i}", a) for i, a in enumerate(arrivals_of(trace))]
+    assert mean_decode_s(states) is None
+    states[0].decode_join_s, states[0].finish_s = 1.0, 4.0
+    states[1].decode_join_s, states[1].finish_s = 2.0, 3.0
+    states[2].decode_join_s = 2.0  # still decoding (rejected or cut off): not counted
+    assert mean_decode_s(states) == pytest.approx(2.0)
