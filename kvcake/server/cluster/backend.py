@@ -53,7 +53,14 @@ from kvcake.server.frontend.backend import (
     TokenEvent,
 )
 from kvcake.server.frontend.model_front import ModelFront
-from kvcake.server.worker.messages import Hello, KvEvents, Message, StoreEvents
+from kvcake.server.worker.messages import (
+    CppHidden,
+    CppSlotFree,
+    Hello,
+    KvEvents,
+    Message,
+    StoreEvents,
+)
 from kvcake.store import StoreClient
 from kvcake.transfer import TransferConfig
 
@@ -171,7 +178,8 @@ class DisaggBackend(ModelFront):
                 if self._router is None:
                     self._init_router([hello])
                 else:
-                    self._router.set_draining(hello.worker_id, hello.role, False)
+                    self._router.set_draining(hello.worker_id, hello.role, False,
+                                              hello.cpp_member)
                 self._workers.add(view)
             except BaseException:
                 view.link.close()
@@ -282,7 +290,8 @@ class DisaggBackend(ModelFront):
             if view is None or not view.alive:
                 raise ValueError(f"worker: no live worker {worker_id!r}")
             assert self._router is not None
-            self._router.set_draining(worker_id, view.hello.role, draining)
+            self._router.set_draining(worker_id, view.hello.role, draining,
+                                      view.hello.cpp_member)
 
     def live_worker_ids(self) -> list[str]:
         with self._lock:
@@ -321,8 +330,24 @@ class DisaggBackend(ModelFront):
                 self._router.on_kv_events(worker_id, message)
             elif isinstance(message, StoreEvents):
                 self._router.on_store_events(message)
+            elif isinstance(message, CppHidden | CppSlotFree):
+                self._relay_cpp(worker_id, message)
             elif not self._workers.on_report(worker_id, message):
                 self._book.on_message(worker_id, message)
+
+    def _relay_cpp(self, worker_id: str, message: CppHidden | CppSlotFree) -> None:
+        """Hidden states go down the pipeline (stage s -> s+1), freed inbox slots up (s+1 ->
+        s); relayed whether or not the request still lives, so no slot is ever lost."""
+        view = self._workers.get(worker_id)
+        stage = view.hello.cpp_member if view is not None else None
+        if stage is None:
+            return
+        to = stage + 1 if isinstance(message, CppHidden) else stage - 1
+        for other in self._workers.live_ids():
+            peer = self._workers.get(other)
+            if peer is not None and peer.hello.role == "cpp" and peer.hello.cpp_member == to:
+                self._workers.send(other, message)
+                return
 
     def worker_dead(self, worker_id: str, why: str = "its process exited") -> int:
         """The worker's process is known dead (reaped by whoever launched it): lost if it was

@@ -16,7 +16,13 @@ from typing import Any, cast
 
 from kvcake.conductor import Placement
 from kvcake.server.frontend.backend import GenerateRequest, TokenEvent
-from kvcake.server.worker.messages import DecodeOrder, PrefillDone, PrefillOrder, Sampling
+from kvcake.server.worker.messages import (
+    CppOrder,
+    DecodeOrder,
+    PrefillDone,
+    PrefillOrder,
+    Sampling,
+)
 
 
 class Stage(Enum):
@@ -44,6 +50,16 @@ class Flight:
     stage: Stage = Stage.QUEUED
     num_cached_tokens: int = 0
     aborted: bool = False
+    # A CPP placement: the stages still to answer (PrefillDone or RequestFailed), the last
+    # stage's PrefillDone (the first token) and the KV bytes every stage streamed.
+    cpp_waiting: set[str] = field(default_factory=set)
+    cpp_done: PrefillDone | None = None
+    cpp_transfer_bytes: int = 0
+
+    @property
+    def prefill_ids(self) -> tuple[str, ...]:
+        """The prefill worker, or every stage of a CPP group."""
+        return self.placement.prefill_group or (self.placement.prefill_id,)
 
     def prefill_order(self) -> PrefillOrder:
         """The order for the prefill worker: write into `targets` of the decode worker's pool
@@ -54,6 +70,13 @@ class Flight:
                             asdict(self.sampling),
                             [cast(int, k) for k in fetch.keys] if fetch is not None else [],
                             self.kv_pool, self.targets, self.num_pool_blocks)
+
+    def cpp_order(self, next_inbox: dict[str, Any]) -> CppOrder:
+        """The order for one stage of the request's CPP group (`next_inbox`: the next stage's
+        inbox segment, {} for the last)."""
+        request = self.request
+        return CppOrder(request.request_id, list(request.prompt_token_ids), asdict(self.sampling),
+                        next_inbox, self.kv_pool, self.targets, self.num_pool_blocks)
 
     def decode_order(self, first_token_id: int,
                      sampler_state: bytes | None = None) -> DecodeOrder:

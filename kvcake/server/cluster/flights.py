@@ -16,13 +16,19 @@ request's once p acked; a request whose prefill worker was lost while it might s
 out of use (p may be hung, not dead) until p is known dead, its process reaped
 (`on_worker_dead`: a plain `Abort` to d frees them): never serving overwritten KV.
 
+A CPP placement (`Placement.prefill_group`, stages in pipeline order) is one prefill to this
+book: `CppOrder` to every stage instead of `PrefillOrder`, and the request moves on (first token,
+`DecodeOrder`) once every stage has answered `PrefillDone` (each after its own KV writes; the
+last stage's carries the token); a stage that fails or is lost fails the request, and the
+reservation waits until no stage writes (as for a single prefill worker).
+
 Not thread-safe: the backend calls every method under its lock. Events reach the HTTP side
 through `Flight.emit` (any thread).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from kvcake.clock import Clock
 from kvcake.server.cluster.flight import Flight, Stage, TransferTotals
@@ -79,7 +85,8 @@ class Flights:
             return
         flight.aborted = True
         placement = flight.placement
-        self._workers.send(placement.prefill_id, Abort(request_id))
+        for prefill_id in flight.prefill_ids:
+            self._workers.send(prefill_id, Abort(request_id))
         if flight.stage is not Stage.PREFILLING:  # nothing may still write its blocks
             if placement.decode_id != placement.prefill_id:
                 flight.reserved = False
@@ -101,7 +108,10 @@ class Flights:
         if flight is None:
             return
         if isinstance(message, PrefillDone):
-            self._on_prefill_done(flight, message)
+            if flight.placement.prefill_group:
+                self._on_stage_done(flight, worker_id, message)
+            else:
+                self._on_prefill_done(flight, message)
         elif isinstance(message, KvReserved):
             self._on_reserved(flight, message)
         elif isinstance(message, DecodeAdmitted):
@@ -115,6 +125,9 @@ class Flights:
             if reason is not None:
                 self._finish(flight)
         elif isinstance(message, RequestFailed):
+            if flight.placement.prefill_group:
+                self._on_stage_failed(flight, worker_id, message)
+                return
             if worker_id == flight.placement.prefill_id:
                 flight.prefill_writing = False
             if flight.aborted:
@@ -126,9 +139,9 @@ class Flights:
         """End the flights placed on a lost worker."""
         for flight in list(self.by_id.values()):
             p = flight.placement
-            if worker_id not in (p.prefill_id, p.decode_id):
+            if worker_id not in (*flight.prefill_ids, p.decode_id):
                 continue
-            if worker_id == p.prefill_id and flight.prefill_writing and flight.reserved:
+            if worker_id in flight.prefill_ids and flight.prefill_writing and flight.reserved:
                 # p may be hung rather than dead and still write into the blocks reserved on
                 # d: never hand them back (see the module docstring)
                 flight.reserved = False
@@ -191,12 +204,59 @@ class Flights:
 
     def _send_prefill(self, flight: Flight) -> None:
         placement = flight.placement
-        order = flight.prefill_order()
         flight.stage = Stage.PREFILLING
         flight.prefill_writing = True
         self._router.prefill_started(placement, flight.request.request_id, self._clock.now_s())
-        if not self._workers.send(placement.prefill_id, order):
+        if placement.prefill_group:
+            self._send_cpp(flight)
+            return
+        if not self._workers.send(placement.prefill_id, flight.prefill_order()):
             self._fail(flight, RuntimeError(f"prefill worker {placement.prefill_id} is gone"))
+
+    def _send_cpp(self, flight: Flight) -> None:
+        """`CppOrder` to every stage of the group, each told the next stage's inbox."""
+        group = flight.placement.prefill_group
+        inboxes: list[dict[str, object]] = []
+        for stage_id in group[1:]:
+            view = self._workers.get(stage_id)
+            inbox = view.hello.cpp_inbox if view is not None and view.alive else None
+            if not inbox:
+                self._fail(flight, RuntimeError(f"cpp stage {stage_id} is gone"))
+                return
+            inboxes.append(inbox)
+        flight.cpp_waiting = set(group)
+        for stage_id, inbox in zip(group, [*inboxes, {}], strict=True):
+            if not self._workers.send(stage_id, flight.cpp_order(dict(inbox))):
+                self._fail(flight, RuntimeError(f"cpp stage {stage_id} is gone"))
+                return
+
+    def _on_stage_done(self, flight: Flight, worker_id: str, done: PrefillDone) -> None:
+        """One stage's KV is written; the last stage's report carries the first token. Once
+        every stage is done the request goes on as after a single prefill."""
+        if worker_id not in flight.cpp_waiting:
+            return
+        flight.cpp_waiting.discard(worker_id)
+        flight.cpp_transfer_bytes += done.transfer_bytes
+        if worker_id == flight.placement.prefill_group[-1]:
+            flight.cpp_done = done
+        if flight.cpp_waiting:
+            return
+        if flight.cpp_done is None:  # cannot happen: the last stage answered above
+            self._fail(flight, RuntimeError("the CPP group sent no first token"))
+            return
+        self._on_prefill_done(flight, replace(flight.cpp_done,
+                                              transfer_bytes=flight.cpp_transfer_bytes))
+
+    def _on_stage_failed(self, flight: Flight, worker_id: str, failed: RequestFailed) -> None:
+        """A stage refused or gave up (or acked an abort): the others are stopped, and the
+        reservation is cancelled once no stage can write it any more."""
+        flight.cpp_waiting.discard(worker_id)
+        flight.prefill_writing = bool(flight.cpp_waiting)
+        if not flight.aborted:
+            flight.emit(RuntimeError(f"worker {worker_id}: {failed.message}"))
+            self.abort(flight.request.request_id)
+        if not flight.cpp_waiting:
+            self._finish(flight)
 
     def _on_prefill_done(self, flight: Flight, done: PrefillDone) -> None:
         placement = flight.placement
@@ -228,7 +288,7 @@ class Flights:
         if flight.stage is not Stage.DONE and not flight.aborted:
             flight.emit(error)
         placement = flight.placement
-        for worker_id in {placement.prefill_id, placement.decode_id}:
+        for worker_id in {*flight.prefill_ids, placement.decode_id}:
             keep = flight.kv_kept and worker_id == placement.decode_id
             self._workers.send(worker_id, Abort(flight.request.request_id, keep_reserved=keep))
         self._finish(flight)

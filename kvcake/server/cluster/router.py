@@ -73,6 +73,9 @@ class Router:
                     h.num_blocks * h.block_size for h in decoders))
         conductor = Conductor(config, prefill_ids, decode_ids, prefill_model, decode_model,
                               layout.kv_bytes_per_token)
+        for hello in workers:  # CPP stages: placed only as their group (conductor/cpp.py)
+            if hello.role == "cpp":
+                conductor.add_prefill_instance(hello.worker_id, cpp_member=hello.cpp_member)
         return cls(conductor, layout.block_size, store_audit)
 
     # -- admission -----------------------------------------------------------------------------
@@ -128,9 +131,11 @@ class Router:
         self.conductor.on_blocks_removed(STORE_HOLDER, keys)
 
     # -- membership ----------------------------------------------------------------------------
-    def set_draining(self, worker_id: str, role: str, draining: bool) -> None:
+    def set_draining(self, worker_id: str, role: str, draining: bool,
+                     cpp_member: int | None = None) -> None:
         """Stop (or resume) placing requests on a live worker of `role`; a resumed prefill
-        worker starts with an empty view of its cache."""
+        worker starts with an empty view of its cache; a CPP stage (`cpp_member`) rejoins its
+        group."""
         conductor = self.conductor
         known = worker_id in conductor.prefill_ids or worker_id in conductor.decode_ids
         if draining and known:
@@ -138,6 +143,8 @@ class Router:
         elif not draining and not known:
             if role == "decode":
                 conductor.add_decode_instance(worker_id)
+            elif role == "cpp":
+                conductor.add_prefill_instance(worker_id, cpp_member=cpp_member)
             else:
                 conductor.add_prefill_instance(worker_id)
                 if conductor.config.policy is Policy.COLOCATED:

@@ -33,7 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvcake import auth
 from kvcake.engine.engine import Engine
+from kvcake.engine.loader import resolve
+from kvcake.engine.stage import StageEngine, split_layers
 from kvcake.server.worker.config import Role, WorkerConfig
+from kvcake.server.worker.cpp_role import CppRole
 from kvcake.server.worker.decode import DecodeRole, pool_allocator
 from kvcake.server.worker.kv_event_publisher import KvEventPublisher
 from kvcake.server.worker.messages import (
@@ -69,6 +72,7 @@ class Worker:
         self._wrap_transport = wrap_transport
         self.worker_id = config.worker_id or f"{config.role.value}-{uuid.uuid4().hex[:6]}"
         self.engine: Engine | None = None
+        self.stage: StageEngine | None = None  # role cpp: its slice of the layers, no Engine
         self.transfer: TransferEngine | None = None
         self.store: StoreClient | None = None
         self.store_node: StoreNode | None = None
@@ -118,17 +122,22 @@ class Worker:
                                        wrap_transport=self._wrap_transport)
         kv_allocator = pool_allocator(self.transfer, self.worker_id, shared=cfg.shared_memory) \
             if cfg.role is Role.DECODE else None
-        self.engine = Engine(cfg.model, cfg.engine, kv_allocator=kv_allocator)
-        if cfg.kv_events_endpoint is not None:
+        if cfg.role is Role.CPP:
+            layers = split_layers(resolve(cfg.model).config.num_layers, cfg.cpp_nodes)
+            self.stage = StageEngine(cfg.model, layers[cfg.cpp_member or 0], cfg.engine)
+        else:
+            self.engine = Engine(cfg.model, cfg.engine, kv_allocator=kv_allocator)
+        model = self._model()
+        if cfg.kv_events_endpoint is not None and self.engine is not None:
             self.kv_events = KvEventPublisher(
-                cfg.kv_events_endpoint, f"kv@{self.worker_id}@{self.engine.model_config.name}",
+                cfg.kv_events_endpoint, f"kv@{self.worker_id}@{model.model_config.name}",
                 self.engine.block_size, "GPU" if self.engine.device.type == "cuda" else "CPU")
             log.info("%s: KV events (vLLM KVEventBatch) on %s", self.worker_id,
                      self.kv_events.endpoint)
         self.transfer.start()
         if cfg.metrics_port is not None:
-            self.counts.num_blocks = self.engine.num_blocks
-            labels = {"model_name": self.engine.model_config.name, "worker_id": self.worker_id,
+            self.counts.num_blocks = model.block_manager.num_blocks
+            labels = {"model_name": model.model_config.name, "worker_id": self.worker_id,
                       "role": cfg.role.value}
             self._metrics_server, self.metrics_port = serve_metrics(
                 WorkerCollector(self.counts, labels), cfg.host, cfg.metrics_port)
@@ -145,6 +154,8 @@ class Worker:
                                      local_node=self.store_node.node_id)
         if cfg.role is Role.DECODE:
             self._role = DecodeRole(self)
+        elif self.stage is not None:
+            self._role = CppRole(self, self.stage)
         else:
             self._role = PrefillRole(self)
         self._listener = socket.create_server((cfg.host, cfg.port))
@@ -160,8 +171,8 @@ class Worker:
             node, transfer = self.store_node, self.transfer
             assert transfer is not None
             self.membership = WorkerMembership(
-                Etcd(cfg.etcd), cfg.cluster, cfg.role.value, self._engine().model_config.name,
-                self._engine().namespace)
+                Etcd(cfg.etcd), cfg.cluster, cfg.role.value, model.model_config.name,
+                model.namespace)
             self.membership.join(self, cfg.advertise_host,
                                  (node.node_id, transfer.address) if node else None)
         return self
@@ -208,16 +219,21 @@ class Worker:
         self.close()
 
     def hello(self) -> Hello:
-        engine = self._engine()
+        """Identity and KV layout (a CPP stage's pool holds its own layers only; the bytes per
+        token are the whole model's, what a request's KV weighs)."""
+        engine = self._model()
         itemsize = engine.pool.kv.element_size()
+        role = self._role
         return Hello(
             worker_id=self.worker_id, role=self.config.role.value,
             model_name=engine.model_config.name, namespace=engine.namespace,
-            block_size=engine.block_size, num_blocks=engine.num_blocks,
+            block_size=engine.block_size, num_blocks=engine.block_manager.num_blocks,
             block_nbytes=engine.pool.block_nbytes, layer_nbytes=engine.pool.layer_nbytes,
             num_layers=engine.pool.num_layers,
             kv_bytes_per_token=engine.model_config.kv_bytes_per_token(itemsize),
-            max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size)
+            max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+            cpp_member=self.config.cpp_member,
+            cpp_inbox=role.inbox.to_dict() if isinstance(role, CppRole) and role.inbox else None)
 
     def hold(self) -> None:
         """Fault injection: stall the engine loop (before its next iteration) until
@@ -241,10 +257,12 @@ class Worker:
         except OSError as exc:
             log.warning("%s: frontend link lost (%s)", self.worker_id, exc)
 
-    def _engine(self) -> Engine:
-        if self.engine is None:
+    def _model(self) -> Engine | StageEngine:
+        """The engine, or a CPP stage's slice of it: what identity and layout are read from."""
+        model = self.engine or self.stage
+        if model is None:
             raise RuntimeError("worker not started")
-        return self.engine
+        return model
 
     def _active_role(self) -> WorkerRole:
         if self._role is None:
@@ -300,10 +318,10 @@ class Worker:
             self._inbox.put(message)
 
     def _engine_loop(self) -> None:
-        engine = self._engine()
+        engine = self.engine  # None on a CPP stage: its role runs the chunks
         role = self._active_role()
         while True:
-            idle = not engine.has_unfinished() and not role.has_pending()
+            idle = not (engine is not None and engine.has_unfinished()) and not role.has_pending()
             messages = self._drain(block=idle)
             self._running.wait()
             for message in messages:
@@ -320,7 +338,7 @@ class Worker:
                 except Exception:  # one bad order must not stop the worker
                     log.exception("%s: handling %s failed", self.worker_id,
                                   type(message).__name__)
-            if engine.has_unfinished():
+            if engine.has_unfinished() if engine is not None else role.has_pending():
                 role.step()
             role.after_step()
             self._publish()
@@ -334,7 +352,11 @@ class Worker:
                 return items
 
     def _publish(self) -> None:
-        engine = self._engine()
+        engine = self.engine
+        if engine is None:  # a CPP stage: no prefix cache, its load only
+            free = self._model().block_manager.num_free_blocks
+            self._send_load(LoadReport(self._active_role().num_pending(), 0, free))
+            return
         events = engine.drain_kv_events()
         if events:
             stored = [int(e.key) for e in events if e.kind.value == "stored"]
@@ -344,8 +366,11 @@ class Worker:
                 self.kv_events.publish((e.kind.value == "stored", int(e.key)) for e in events)
             self.counts.blocks_stored += len(stored)
             self.counts.blocks_removed += len(removed)
-        load = LoadReport(len(engine.batcher.waiting) + self._active_role().num_pending(),
-                          len(engine.batcher.running), engine.block_manager.num_free_blocks)
+        self._send_load(LoadReport(len(engine.batcher.waiting) + self._active_role().num_pending(),
+                                   len(engine.batcher.running),
+                                   engine.block_manager.num_free_blocks))
+
+    def _send_load(self, load: LoadReport) -> None:
         self.counts.waiting, self.counts.running, self.counts.free_blocks = \
             load.num_waiting, load.num_running, load.num_free_blocks
         if load != self._last_load:

@@ -1,0 +1,242 @@
+"""`CppRole`: a worker that is one stage of a chunked-pipeline-parallel (CPP) prefill group.
+
+The worker loads only its slice of the layers (`StageEngine`, stage s of X) and owns only those
+layers' KV; the frontend places prompts of `cpp_min_tokens` or more on the whole group. Lifecycle
+of one request on stage s, on the engine-loop thread (F = the frontend, which relays the
+stage-to-stage messages; hidden states themselves go straight into the next stage's inbox, a
+transfer segment: shared memory on one host, TCP across hosts):
+
+  CppOrder     (F, to every stage at once) allocate the request's blocks in this stage's pool;
+               stage 0 queues every chunk of the prompt (it embeds the tokens itself).
+  CppHidden    (stage s-1) chunk i's hidden states are in slot k of this stage's inbox: queue it.
+  step         run the oldest queued chunk through this stage's layers; from the layer hook
+               each layer's KV of the chunk is written straight into the decode worker's
+               reserved blocks (as the prefill role does). Then `CppSlotFree(k)` back to s-1,
+               and the chunk's hidden states into a free slot of s+1's inbox + `CppHidden` to
+               s+1. With no free slot the output waits and this stage runs nothing more until
+               s+1 frees one (back-pressure; `SLOTS` = 2 is double buffering).
+  last chunk   wait for this stage's KV writes, free its blocks, `PrefillDone`: the last stage
+               with the first token it sampled (and the seeded sampler's state), the others
+               with first_token_id -1. The frontend sends `DecodeOrder` once every stage is done.
+  Abort        drop the request's queued chunks (their inbox slots go back), wait for its KV
+               writes, free its blocks, ack with `RequestFailed("aborted")`.
+
+Sampling on the group: the first token is sampled without the engine's extras (min_tokens,
+penalties, log probabilities); an order asking for them is refused with what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from kvcake.engine.sampling import SamplingParams
+from kvcake.engine.stage import StageEngine
+from kvcake.server.worker.cpp_stage import CppBegin, CppChunk, CppMember, KvTarget
+from kvcake.server.worker.messages import (
+    Abort,
+    CppHidden,
+    CppOrder,
+    CppSlotFree,
+    Message,
+    PrefillDone,
+    RequestFailed,
+    sampling_from_wire,
+)
+from kvcake.server.worker.role import RoleHost, sampling_params
+from kvcake.transfer import SegmentDesc, TransferError
+
+log = logging.getLogger(__name__)
+
+SLOTS = 2  # chunks each inbox holds: double buffering
+
+
+@dataclass(frozen=True)
+class _Parked:
+    """A chunk's hidden states waiting for a free slot of the next stage's inbox."""
+
+    chunk: CppChunk
+    hidden: torch.Tensor
+    inbox: SegmentDesc
+
+
+class CppRole:
+    def __init__(self, worker: RoleHost, stage: StageEngine) -> None:
+        assert worker.transfer is not None
+        cfg = worker.config
+        self.worker = worker
+        self.stage = stage
+        self.member = CppMember(stage, worker.transfer, member=cfg.cpp_member or 0,
+                                chunk_tokens=cfg.cpp_chunk_tokens, slots=SLOTS,
+                                tag=worker.worker_id)
+        self.chunk_tokens = cfg.cpp_chunk_tokens
+        self._ready: deque[CppChunk] = deque()  # chunks whose input is here, in order
+        self._parked: _Parked | None = None
+        self._free_next = list(range(SLOTS))  # free slots of the next stage's inbox
+        self._orders: dict[str, CppOrder] = {}
+        self._started_s: dict[str, float] = {}
+        self.num_chunks = 0  # chunks this stage computed (tests, inspection)
+
+    @property
+    def inbox(self) -> SegmentDesc | None:
+        return self.member.inbox
+
+    # -- the role contract (role.py) -----------------------------------------------------------
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def has_pending(self) -> bool:
+        """A step can run now: a parked output with a free slot, or a queued chunk."""
+        if self._parked is not None:
+            return bool(self._free_next)
+        return bool(self._ready)
+
+    def num_pending(self) -> int:
+        return len(self._ready) + (self._parked is not None)
+
+    def after_step(self) -> None:
+        pass
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, CppOrder):
+            self._begin(message)
+        elif isinstance(message, CppHidden):
+            if not self.member.has(message.request_id):  # aborted or refused here
+                self.worker.send(CppSlotFree(message.request_id, message.slot))
+                return
+            self._ready.append(CppChunk(message.request_id, message.start, message.num_tokens,
+                                        message.slot))
+        elif isinstance(message, CppSlotFree):
+            if not 0 <= message.slot < SLOTS or message.slot in self._free_next:
+                log.warning("%s: ignoring a bad CppSlotFree %d", self.worker.worker_id,
+                            message.slot)
+                return
+            self._free_next.append(message.slot)
+        elif isinstance(message, Abort):
+            self._abort(message.request_id)
+
+    def step(self) -> None:
+        if self._parked is not None:
+            if self._free_next:
+                parked, self._parked = self._parked, None
+                self._send_hidden(parked.chunk, parked.hidden, parked.inbox)
+            return
+        if not self._ready:
+            return
+        chunk = self._ready.popleft()
+        rid = chunk.request_id
+        final = self.member.is_final(chunk)
+        self._started_s.setdefault(rid, time.perf_counter())
+        try:
+            out = self.member.compute(chunk)
+        except Exception as exc:  # one bad request must not stop the stage
+            log.exception("%s: chunk %d of %s failed", self.worker.worker_id, chunk.start, rid)
+            if chunk.slot >= 0:
+                self.worker.send(CppSlotFree(rid, chunk.slot))
+            self._abort(rid, f"cpp stage {self.member.member} failed: {exc}")
+            return
+        self.num_chunks += 1
+        if chunk.slot >= 0:  # its hidden states are read: the stage before may write it again
+            self.worker.send(CppSlotFree(rid, chunk.slot))
+        if isinstance(out, torch.Tensor):
+            inbox = SegmentDesc.from_dict(self._orders[rid].next_inbox)
+            if self._free_next:
+                self._send_hidden(chunk, out, inbox)
+            else:
+                self._parked = _Parked(chunk, out.clone(), inbox)
+        if final and rid in self._orders:
+            self._finish(rid, out if isinstance(out, int) else None)
+
+    # -- a request -----------------------------------------------------------------------------
+    def _begin(self, order: CppOrder) -> None:
+        rid = order.request_id
+        try:
+            params = sampling_params(sampling_from_wire(order.sampling))
+            _check_supported(params)
+            target = KvTarget(order.kv_pool, order.num_pool_blocks, tuple(order.target_blocks)) \
+                if order.target_blocks else None
+            if not self.stage.is_last and not order.next_inbox:
+                raise ValueError("next_inbox: a stage before the last needs the next one's inbox")
+            if not self.member.begin(CppBegin(rid, tuple(order.prompt_token_ids),
+                                              params.max_tokens, target), params):
+                raise ValueError(f"no KV room in this stage for {len(order.prompt_token_ids)} "
+                                 "tokens now")
+        except ValueError as exc:
+            self.worker.send(RequestFailed(rid, f"cpp stage {self.member.member} refused the "
+                                                f"prefill: {exc}"))
+            return
+        self._orders[rid] = order
+        if self.stage.is_first:
+            n = len(order.prompt_token_ids)
+            self._ready.extend(CppChunk(rid, s, min(self.chunk_tokens, n - s), -1)
+                               for s in range(0, n, self.chunk_tokens))
+
+    def _send_hidden(self, chunk: CppChunk, hidden: torch.Tensor, inbox: SegmentDesc) -> None:
+        slot = self._free_next.pop(0)
+        try:
+            self.member.write_hidden(hidden, slot, inbox)
+        except TransferError as exc:
+            self._free_next.append(slot)
+            self._abort(chunk.request_id, f"hidden states to the next stage failed: {exc}")
+            return
+        self.worker.send(CppHidden(chunk.request_id, chunk.start, chunk.num_tokens, slot))
+
+    def _finish(self, rid: str, token: int | None) -> None:
+        order = self._orders.pop(rid)
+        sampler_state = self.stage.sampler_state(rid) if token is not None else None
+        ended = time.perf_counter()
+        try:
+            done = self.member.finish(rid)
+        except TransferError as exc:
+            self.worker.send(RequestFailed(rid, f"KV transfer to the decode worker failed: "
+                                                f"{exc}"))
+            return
+        exposed_s = time.perf_counter() - ended
+        span_s = time.perf_counter() - self._started_s.pop(rid, ended)
+        self.worker.send(PrefillDone(
+            rid, -1 if token is None else token,
+            None if token is None else self._finish_reason(order, token), 0, 0, done.compute_s,
+            span_s if done.kv_bytes else 0.0, exposed_s if done.kv_bytes else 0.0,
+            done.kv_bytes, sampler_state))
+
+    def _finish_reason(self, order: CppOrder, token: int) -> str | None:
+        """As the engine decides at a first token: a stop id or EOS ends it, else max_tokens 1."""
+        params = sampling_params(sampling_from_wire(order.sampling))
+        if token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.stage.model_config.eos_token_ids):
+            return "stop"
+        return "length" if params.max_tokens <= 1 else None
+
+    def _abort(self, rid: str, answer: str = "aborted") -> None:
+        kept: deque[CppChunk] = deque()
+        for chunk in self._ready:
+            if chunk.request_id != rid:
+                kept.append(chunk)
+            elif chunk.slot >= 0:
+                self.worker.send(CppSlotFree(rid, chunk.slot))
+        self._ready = kept
+        if self._parked is not None and self._parked.chunk.request_id == rid:
+            self._parked = None
+        self._started_s.pop(rid, None)
+        if self._orders.pop(rid, None) is not None:
+            self.member.abort(rid)  # returns once nothing of it writes the decode pool
+            self.worker.send(RequestFailed(rid, answer))
+
+
+def _check_supported(params: SamplingParams) -> None:
+    unsupported = [name for name, on in (
+        ("logprobs", params.logprobs is not None),
+        ("prompt_logprobs", params.prompt_logprobs is not None),
+        ("min_tokens", params.min_tokens > 0),
+        ("repetition/frequency/presence penalties", params.penalized)) if on]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)}: not supported on a CPP group yet; send "
+                         "such a request with a prompt below cpp_min_tokens")
+

@@ -1,0 +1,104 @@
+"""Chunked pipeline parallelism served live (tiny preset, workers in this process): a cluster of
+1 plain prefill worker, 1 decode worker and a CPP group of 2 stages (each a slice of the layers,
+hidden states through a shared-memory inbox, chunks of 40 tokens). A prompt of `cpp_min_tokens`
+or more is prefilled by the group, a shorter one by the plain worker; the greedy tokens equal
+the offline engine's either way."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from kvcake import LLM
+from kvcake.conductor import ConductorConfig
+from kvcake.server.cluster.backend import DisaggBackend
+from kvcake.server.cluster.config import ClusterConfig
+from kvcake.server.cluster.launcher import Cluster
+from kvcake.server.frontend.backend import GenerateRequest
+from kvcake.server.worker.cpp_role import CppRole
+from kvcake.types import RequestId
+from tests.server.test_disagg import ENGINE, WORKER, ids, offline, profile_dir, run, tokens
+
+CHUNK = 40
+CPP = {"admission": "none", "cpp_min_tokens": 100, "cpp_nodes": 2, "cpp_chunk_tokens": CHUNK,
+       "cpp_min_chunk_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    config = ClusterConfig.simple(1, 1, 2, engine=ENGINE, worker=dict(WORKER),
+                                  conductor=ConductorConfig.from_dict(CPP),
+                                  profile_dir=profile_dir(tmp_path_factory))
+    with Cluster(config, in_process=True) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def backend(cluster: Cluster) -> DisaggBackend:
+    assert cluster.backend is not None
+    return cluster.backend
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny", config=ENGINE)
+
+
+def chunks_by_stage(cluster: Cluster) -> list[int]:
+    roles = [cluster.workers[w]._role for w in ("cpp-2", "cpp-3")]
+    assert all(isinstance(r, CppRole) for r in roles)
+    return [r.num_chunks for r in roles]  # type: ignore[union-attr]
+
+
+def test_stages_hold_their_slice_and_form_the_group(cluster: Cluster,
+                                                    backend: DisaggBackend) -> None:
+    stages = [cluster.workers[w].stage for w in ("cpp-2", "cpp-3")]
+    assert [s.layers if s else None for s in stages] == [range(0, 2), range(2, 4)]
+    assert [s.pool.num_layers if s else 0 for s in stages] == [2, 2]
+    assert backend.conductor is not None
+    assert backend.conductor.cpp_groups == (("cpp-2", "cpp-3"),)
+
+
+def test_long_prompt_through_the_group_equals_the_single_engine(cluster: Cluster,
+                                                                backend: DisaggBackend,
+                                                                llm: LLM) -> None:
+    prompt = ids(70, 230)  # 6 chunks (5 x 40 + 30), most ending inside a block
+    before, bytes_before = chunks_by_stage(cluster), backend.totals.transfer_bytes
+    events = run(backend, prompt, 9)
+    assert tokens(events) == offline(llm, [prompt], 9)[0]
+    assert [a - b for a, b in zip(chunks_by_stage(cluster), before, strict=True)] == [6, 6]
+    # Each stage streamed its 2 layers of every block each chunk touched: 3 blocks per chunk
+    # (a block a chunk leaves partial goes again with the next one), 18 in all.
+    touched = sum(-(-min(s + CHUNK, 230) // 16) - s // 16 for s in range(0, 230, CHUNK))
+    assert touched == 18
+    layer_nbytes = backend._hello().layer_nbytes
+    assert backend.totals.transfer_bytes - bytes_before == touched * 4 * layer_nbytes
+
+
+def test_short_prompt_takes_the_plain_path(cluster: Cluster, backend: DisaggBackend,
+                                           llm: LLM) -> None:
+    prompt = ids(71, 60)
+    before = chunks_by_stage(cluster)
+    assert tokens(run(backend, prompt, 6)) == offline(llm, [prompt], 6)[0]
+    assert chunks_by_stage(cluster) == before
+
+
+def test_concurrent_long_and_short_prompts(cluster: Cluster, backend: DisaggBackend,
+                                           llm: LLM) -> None:
+    """Two long prompts share the group's inbox slots (back-pressure) while short ones go to
+    the plain worker."""
+    prompts = [ids(80 + i, n) for i, n in enumerate((300, 40, 150, 99))]
+    before = chunks_by_stage(cluster)
+
+    async def all_at_once() -> list[list[int]]:
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            stream = await backend.generate(GenerateRequest(
+                RequestId(f"cpp-batch-{i}"), tuple(prompt), 7, temperature=0.0,
+                ignore_eos=True))
+            return [t async for e in stream for t in e.token_ids]
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    assert asyncio.run(all_at_once()) == offline(llm, prompts, 7)
+    assert [a - b for a, b in zip(chunks_by_stage(cluster), before, strict=True)] == [8 + 4] * 2
