@@ -262,6 +262,26 @@ class Served:
             svv.stop(self.server, self._svv_args(), self.port, self.run_dir)
             self.server = None
 
+    def counters(self) -> dict[str, float]:
+        """The server's prefix-cache and KV counters (/metrics, summed over labels)."""
+        import re
+
+        import httpx
+
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
+        except httpx.HTTPError:
+            return {}
+        out: dict[str, float] = {}
+        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total",
+                     "kv_transfer_bytes_total", "kv_stream_hidden_share",
+                     "store_fetched_tokens_total", "num_preemptions_total"):
+            found = re.findall(rf"^(?:vllm:|kvcake:){name}(?:{{[^}}]*}})? (\S+)$", text,
+                               re.MULTILINE)
+            if found:
+                out[name] = sum(float(v) for v in found)
+        return out
+
     def replay(self, planned: list[PlannedRequest]) -> tuple[list[RequestResult], float]:
         return asyncio.run(replay(planned, ReplayConfig(self.url, self.model)))
 
@@ -323,7 +343,11 @@ def run_step(step: str, args: argparse.Namespace, regime: Regime) -> dict[str, A
                 raise SystemExit(f"{path} not found: run --systems colocated-budget first")
             budget = int(json.loads(path.read_text())["chunk_budget"])
         with Served(step, args, budget) as served:
+            before = served.counters()
             result = search(served, records, regime)
+            after = served.counters()
+            result["counters"] = {k: after[k] - before.get(k, 0.0) if k.endswith("_total")
+                                  else after[k] for k in after}
         result["chunk_budget"] = budget
     result |= {"started": begun, "load_before": load_before, "load_after": os.getloadavg(),
                "wall_s": time.perf_counter() - started}
