@@ -19,7 +19,17 @@ from kvcake.server.cluster.launcher import Cluster
 from kvcake.server.frontend.backend import GenerateRequest
 from kvcake.server.worker.cpp_role import CppRole
 from kvcake.types import RequestId
-from tests.server.test_disagg import ENGINE, WORKER, ids, offline, profile_dir, run, tokens
+from tests.server.test_disagg import (
+    ENGINE,
+    WORKER,
+    ids,
+    offline,
+    profile_dir,
+    run,
+    store_blocks,
+    tokens,
+    wait_until,
+)
 
 CHUNK = 40
 CPP = {"admission": "none", "cpp_min_tokens": 100, "cpp_nodes": 2, "cpp_chunk_tokens": CHUNK,
@@ -102,3 +112,16 @@ def test_concurrent_long_and_short_prompts(cluster: Cluster, backend: DisaggBack
 
     assert asyncio.run(all_at_once()) == offline(llm, prompts, 7)
     assert [a - b for a, b in zip(chunks_by_stage(cluster), before, strict=True)] == [8 + 4] * 2
+
+
+def test_a_group_prompt_reaches_the_store_for_later_prompts(backend: DisaggBackend,
+                                                            llm: LLM) -> None:
+    """No stage holds a whole block: the decode worker writes the group's prompt to the store
+    once committed; a later short prompt with that prefix fetches it on the plain worker."""
+    first = ids(90, 230)
+    run(backend, first, 4)
+    wait_until(lambda: store_blocks(backend, first) == 230 // 16)
+    second = first[:96] + ids(91, 3)  # below cpp_min_tokens: the plain prefill worker
+    events = run(backend, second, 6)
+    assert events[0].num_cached_tokens == 96  # 6 blocks fetched from the store
+    assert tokens(events) == offline(llm, [second], 6)[0]

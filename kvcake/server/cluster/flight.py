@@ -81,7 +81,8 @@ class Flight:
     def decode_order(self, first_token_id: int,
                      sampler_state: bytes | None = None) -> DecodeOrder:
         return DecodeOrder(self.request.request_id, list(self.request.prompt_token_ids),
-                           first_token_id, asdict(self.sampling), sampler_state)
+                           first_token_id, asdict(self.sampling), sampler_state,
+                           store_prompt=bool(self.placement.prefill_group))
 
     def emit(self, item: TokenEvent | BaseException) -> None:
         """Hand an event (or the error that ends the stream) to the HTTP side; any thread."""

@@ -13,7 +13,8 @@ Lifecycle of one request on the engine-loop thread:
   `ReserveKv` -> `engine.reserve_request` -> `KvReserved` (the pool segment and the reserved
   block ids; prefill workers write each layer of each prompt block straight into them) ->
   `DecodeOrder` -> `commit_reserved` (no copy) -> `DecodeAdmitted` -> every step's new tokens
-  -> `Tokens` (finish_reason on the last). `Abort` cancels a reservation (the frontend sends it
+  -> `Tokens` (finish_reason on the last). A CPP group's prompt (`DecodeOrder.store_prompt`)
+  is written to the store from here once committed (`StoreWriter`). `Abort` cancels a reservation (the frontend sends it
   only once nothing writes the blocks any more). A reservation the pool has no room for waits
   (in arrival order) until running requests free blocks; one that can never fit, because
   nothing else runs or is reserved, fails with `RequestFailed`.
@@ -37,6 +38,7 @@ from kvcake.server.worker.messages import (
     sampling_from_wire,
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
+from kvcake.server.worker.store_writer import StoreWriter
 from kvcake.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -80,12 +82,13 @@ class DecodeRole:
         # Kept out of use: their prefill worker was lost while writing them. A later plain
         # `Abort` (the frontend knows that worker is dead: its process reaped) frees them.
         self._kept: set[str] = set()
+        self._writer = StoreWriter(worker, self.engine)
 
     def start(self) -> None:
-        pass
+        self._writer.start()
 
     def close(self) -> None:
-        pass
+        self._writer.close()
 
     def has_pending(self) -> bool:
         return bool(self._pending) and self.engine.has_unfinished()
@@ -175,3 +178,5 @@ class DecodeRole:
         self._reserved.discard(rid)
         self._live.add(rid)
         self.worker.send(DecodeAdmitted(rid))
+        if order.store_prompt:  # a CPP group's prompt: its blocks meet whole only here
+            self._writer.write_prompt(order.prompt_token_ids)

@@ -128,6 +128,7 @@ class DecodeOrder:
     first_token_id: int
     sampling: dict[str, Any]  # the KV is in the blocks reserved for it by ReserveKv
     sampler_state: bytes | None = None  # from PrefillDone: seeded sampling continues exactly
+    store_prompt: bool = False  # write the prompt's full blocks to the store (a CPP group's)
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,11 @@ from kvcake.server.worker.messages import (
     PrefillDone,
     PrefillOrder,
     RequestFailed,
-    StoreEvents,
     Tokens,
     sampling_from_wire,
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
+from kvcake.server.worker.store_writer import StoreWriter
 from kvcake.store import StoreError
 from kvcake.transfer import (
     SegmentDesc,
@@ -53,7 +53,6 @@ from kvcake.types import BlockKey
 log = logging.getLogger(__name__)
 
 _TRANSFER_TIMEOUT_S = 30.0
-_MAX_REMEMBERED_KEYS = 200_000
 
 
 @dataclass(frozen=True)
@@ -89,9 +88,7 @@ class PrefillRole:
         self.engine = worker.engine
         self.transfer = worker.transfer
         self._live: dict[str, _Prefill] = {}
-        self._writes: queue.Queue[tuple[list[BlockKey], list[bytes]] | None] = queue.Queue()
-        self._put_keys: dict[int, None] = {}  # keys handed to the writer (insertion ordered)
-        self._writer: threading.Thread | None = None
+        self._writer = StoreWriter(worker, self.engine)
         self._in_step: list[_Prefill] = []  # requests in the step now running (set at layer 0)
         self._fetches: queue.Queue[PrefillOrder | None] = queue.Queue()
         self._fetching: dict[str, PrefillOrder] = {}  # handed to the fetcher, not started
@@ -99,19 +96,17 @@ class PrefillRole:
 
     # -- the role contract (role.py) ---------------------------------------------------
     def start(self) -> None:
+        self._writer.start()
         if self.worker.store is not None:
-            self._writer = threading.Thread(target=self._write_loop, daemon=True,
-                                            name=f"{self.worker.worker_id}-store-writer")
-            self._writer.start()
             self._fetcher = threading.Thread(target=self._fetch_loop, daemon=True,
                                              name=f"{self.worker.worker_id}-fetcher")
             self._fetcher.start()
 
     def close(self) -> None:
-        for thread, inbox in ((self._writer, self._writes), (self._fetcher, self._fetches)):
-            if thread is not None:
-                inbox.put(None)
-                thread.join(timeout=10)
+        self._writer.close()
+        if self._fetcher is not None:
+            self._fetches.put(None)
+            self._fetcher.join(timeout=10)
 
     def has_pending(self) -> bool:
         return False
@@ -288,7 +283,7 @@ class PrefillRole:
         error = self._wait_transfers(state)
         exposed_s = time.perf_counter() - ended
         span_s = time.perf_counter() - (state.first_submit_s or ended)
-        self._queue_store_write(state.order.prompt_token_ids)
+        self._writer.write_prompt(state.order.prompt_token_ids)
         sampler_state = self.engine.sampler_state(rid) if state.kv_pool is not None else None
         if state.kv_pool is not None:
             self.engine.release(rid)
@@ -320,45 +315,6 @@ class PrefillRole:
                 error = str(exc)
         state.batches.clear()
         return error
-
-    # -- step 3b: new blocks to the store ----------------------------------------------------
-    def _queue_store_write(self, prompt: list[int]) -> None:
-        if self._writer is None:
-            return
-        keys, blobs = [], []
-        for key in self.engine.prompt_block_keys(prompt):
-            if int(key) in self._put_keys:
-                continue
-            data = self.engine.export_block_kv(key)
-            if data is None:
-                break
-            keys.append(key)
-            blobs.append(data)
-            self._put_keys[int(key)] = None
-        while len(self._put_keys) > _MAX_REMEMBERED_KEYS:
-            del self._put_keys[next(iter(self._put_keys))]
-        if keys:
-            self._writes.put((keys, blobs))
-
-    def _write_loop(self) -> None:
-        store = self.worker.store
-        assert store is not None
-        ns = self.engine.namespace
-        while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            keys, blobs = item
-            try:
-                store.put_batch([f"{ns}:{key_hex(k)}" for k in keys], blobs)
-            except (StoreError, TransferError, OSError) as exc:
-                log.warning("%s: store write of %d blocks failed: %s", self.worker.worker_id,
-                            len(keys), exc)
-                for k in keys:
-                    self._put_keys.pop(int(k), None)
-                continue
-            # Written now, or already there (put returns False): either way the store has them.
-            self.worker.send(StoreEvents([int(k) for k in keys]))
 
 
 def _kv_pool(order: PrefillOrder) -> SegmentDesc | None:

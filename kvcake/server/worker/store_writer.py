@@ -1,0 +1,90 @@
+"""`StoreWriter`: a prompt's full KV blocks into the store, off the engine thread.
+
+`write_prompt` (engine-loop thread) copies out the prompt's full blocks that this engine caches
+and has not handed over before; the writer thread puts them (`namespace:key_hex`, async
+two-phase puts by the store client) and reports them to the frontend (`StoreEvents`: holder
+"store" in the Conductor), so later prompts anywhere reuse them. A prefill worker writes what
+it computed; a decode worker writes a CPP group's prompt (no stage holds all of a block's
+layers; the decode pool is where they meet).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING
+
+from kvcake.hashing import key_hex
+from kvcake.server.worker.messages import StoreEvents
+from kvcake.server.worker.role import RoleHost
+from kvcake.store import StoreError
+from kvcake.transfer import TransferError
+from kvcake.types import BlockKey
+
+if TYPE_CHECKING:
+    from kvcake.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+_MAX_REMEMBERED_KEYS = 200_000
+
+
+class StoreWriter:
+    def __init__(self, worker: RoleHost, engine: Engine) -> None:
+        self.worker = worker
+        self.engine = engine
+        self._writes: queue.Queue[tuple[list[BlockKey], list[bytes]] | None] = queue.Queue()
+        self._put_keys: dict[int, None] = {}  # keys handed to the writer (insertion ordered)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the writer thread (nothing to do without a store)."""
+        if self.worker.store is not None:
+            self._thread = threading.Thread(target=self._write_loop, daemon=True,
+                                            name=f"{self.worker.worker_id}-store-writer")
+            self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._writes.put(None)
+            self._thread.join(timeout=10)
+
+    def write_prompt(self, prompt: list[int]) -> None:
+        """Queue the prompt's full blocks this engine caches (engine-loop thread)."""
+        if self._thread is None:
+            return
+        keys, blobs = [], []
+        for key in self.engine.prompt_block_keys(prompt):
+            if int(key) in self._put_keys:
+                continue
+            data = self.engine.export_block_kv(key)
+            if data is None:
+                break
+            keys.append(key)
+            blobs.append(data)
+            self._put_keys[int(key)] = None
+        while len(self._put_keys) > _MAX_REMEMBERED_KEYS:
+            del self._put_keys[next(iter(self._put_keys))]
+        if keys:
+            self._writes.put((keys, blobs))
+
+    def _write_loop(self) -> None:
+        store = self.worker.store
+        assert store is not None
+        ns = self.engine.namespace
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            keys, blobs = item
+            try:
+                store.put_batch([f"{ns}:{key_hex(k)}" for k in keys], blobs)
+            except (StoreError, TransferError, OSError) as exc:
+                log.warning("%s: store write of %d blocks failed: %s", self.worker.worker_id,
+                            len(keys), exc)
+                for k in keys:
+                    self._put_keys.pop(int(k), None)
+                continue
+            # Written now, or already there (put returns False): either way the store has them.
+            self.worker.send(StoreEvents([int(k) for k in keys]))
