@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcake import LLM
+from kvcake import LLM, SamplingParams
 from kvcake.conductor import ConductorConfig
 from kvcake.server.cluster.backend import DisaggBackend
 from kvcake.server.cluster.config import ClusterConfig
@@ -125,3 +125,44 @@ def test_a_group_prompt_reaches_the_store_for_later_prompts(backend: DisaggBacke
     events = run(backend, second, 6)
     assert events[0].num_cached_tokens == 96  # 6 blocks fetched from the store
     assert tokens(events) == offline(llm, [second], 6)[0]
+
+
+def generate(backend: DisaggBackend, rid: str, prompt: list[int], **sampling: object) -> list[int]:
+    async def go() -> list[int]:
+        stream = await backend.generate(GenerateRequest(RequestId(rid), tuple(prompt),
+                                                        **sampling))  # type: ignore[arg-type]
+        return [t async for e in stream for t in e.token_ids]
+    return asyncio.run(go())
+
+
+def test_seeded_sampling_continues_exactly_after_the_group(backend: DisaggBackend,
+                                                          llm: LLM) -> None:
+    prompt = ids(100, 170)
+    got = generate(backend, "cpp-seeded", prompt, max_tokens=8, temperature=0.9, seed=7,
+                   ignore_eos=True)
+    want = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.9, seed=7,
+                                                 ignore_eos=True))[0].token_ids
+    assert got == want
+
+
+def test_unsupported_sampling_on_the_group_fails_clearly_and_frees_the_blocks(
+        cluster: Cluster, backend: DisaggBackend) -> None:
+    engine = cluster.workers["decode-1"].engine
+    assert engine is not None
+    with pytest.raises(RuntimeError, match="logprobs: not supported on a CPP group yet; send "
+                                           "such a request with a prompt below cpp_min_tokens"):
+        generate(backend, "cpp-logprobs", ids(101, 150), max_tokens=3, logprobs=2)
+    wait_until(lambda: engine.block_manager.num_free_blocks == engine.pool.num_blocks
+               and not backend._flights)
+
+
+def test_closing_a_group_stream_early_frees_the_decode_blocks(cluster: Cluster,
+                                                              backend: DisaggBackend,
+                                                              llm: LLM) -> None:
+    engine = cluster.workers["decode-1"].engine
+    assert engine is not None
+    assert len(run(backend, ids(102, 260), 50, close_after=1)) == 1
+    wait_until(lambda: engine.block_manager.num_free_blocks == engine.pool.num_blocks
+               and not backend._flights)
+    prompt = ids(103, 140)
+    assert tokens(run(backend, prompt, 4)) == offline(llm, [prompt], 4)[0]

@@ -171,3 +171,32 @@ def test_early_rejection_forecasts_against_the_decode_workers_kv_pool() -> None:
     with pytest.raises(ValueError, match="simulator baseline"):
         Router.for_workers(replace(config, admission=Admission.DECODE_AFTER_PREFILL), HELLOS, PREFILL,
                            DECODE)
+
+
+def test_cpp_stages_are_placed_only_as_their_group_in_stage_order() -> None:
+    """Dedicated CPP stages (role cpp) join the Conductor as one group in stage order, whatever
+    order they registered in; long prompts go to the group, short ones to the plain prefill
+    worker; a lost stage breaks the group and long prompts fall back to the plain worker."""
+    config = ConductorConfig.from_dict({"cpp_min_tokens": 200, "cpp_nodes": 2,
+                                        "cpp_chunk_tokens": 64, "cpp_min_chunk_tokens": 16,
+                                        "admission": "none"})
+    stages = [replace(hello("cpp-3", "cpp"), cpp_member=1),
+              replace(hello("cpp-2", "cpp"), cpp_member=0)]
+    r = Router.for_workers(config, [hello("prefill-0", "prefill"), hello("decode-1", "decode"),
+                                    *stages], PREFILL, DECODE)
+    assert r.conductor.cpp_groups == (("cpp-2", "cpp-3"),)
+
+    def place(rid: str, n: int) -> Placement:
+        return r.place(schedule_request(GenerateRequest(RequestId(rid), tuple(range(n)), 4),
+                                        HELLOS[0]), 0.0)
+
+    long = place("long", 300)
+    assert (long.prefill_id, long.prefill_group) == ("cpp-2", ("cpp-2", "cpp-3"))
+    short = place("short", 150)
+    assert (short.prefill_id, short.prefill_group) == ("prefill-0", ())
+    r.remove("cpp-2")
+    assert r.conductor.cpp_groups == ()
+    assert place("long-2", 300).prefill_id == "prefill-0"
+    r.set_draining("cpp-2", "cpp", False, cpp_member=0)  # restarted: rejoins as stage 0
+    assert r.conductor.cpp_groups == (("cpp-2", "cpp-3"),)
+    assert place("long-3", 300).prefill_group == ("cpp-2", "cpp-3")
