@@ -7,6 +7,7 @@ the offline engine's either way."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,7 @@ from kvcake.server.cluster.config import ClusterConfig
 from kvcake.server.cluster.launcher import Cluster
 from kvcake.server.frontend.backend import GenerateRequest
 from kvcake.server.worker.cpp_role import CppRole
+from kvcake.server.worker.worker import Worker
 from kvcake.types import RequestId
 from tests.server.test_disagg import (
     ENGINE,
@@ -166,3 +168,43 @@ def test_closing_a_group_stream_early_frees_the_decode_blocks(cluster: Cluster,
                and not backend._flights)
     prompt = ids(103, 140)
     assert tokens(run(backend, prompt, 4)) == offline(llm, [prompt], 4)[0]
+
+
+def test_a_restarted_stage_rejoins_and_the_group_serves_again(
+        tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> None:
+    """Stage 1 stalls with both of its inbox slots full (stage 0 holds a chunk for it), then
+    dies: the request fails; a new stage 1 joins and the frontend tells stage 0 its inbox is
+    empty, so the next long prompt flows through the group again."""
+    config = ClusterConfig.simple(1, 1, 2, engine=ENGINE, worker=dict(WORKER),
+                                  conductor=ConductorConfig.from_dict(CPP),
+                                  profile_dir=profile_dir(tmp_path_factory))
+    with Cluster(config, in_process=True) as running:
+        backend = running.backend
+        assert backend is not None and backend.conductor is not None
+        first, old = running.workers["cpp-2"], running.workers["cpp-3"]
+        role = first._role
+        assert isinstance(role, CppRole)
+        old.hold()
+        failures: list[BaseException] = []
+
+        def doomed() -> None:
+            try:
+                run(backend, ids(110, 230), 4)
+            except RuntimeError as exc:
+                failures.append(exc)
+
+        thread = threading.Thread(target=doomed)
+        thread.start()
+        wait_until(lambda: role._parked is not None)  # slots 0 and 1 are stage 1's
+        old.close()
+        thread.join(timeout=30)
+        assert failures and "cpp-3" in str(failures[0])
+        assert backend.conductor.cpp_groups == ()
+        new = Worker(old.config).start()
+        running.workers["cpp-3"] = new  # closed with the cluster
+        backend.add_worker(new.address)
+        assert backend.conductor.cpp_groups == (("cpp-2", "cpp-3"),)
+        wait_until(lambda: len(role._free_next) == 2)
+        prompt = ids(111, 230)
+        assert tokens(run(backend, prompt, 5)) == offline(llm, [prompt], 5)[0]
+        assert isinstance(new._role, CppRole) and new._role.num_chunks == 6

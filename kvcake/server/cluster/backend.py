@@ -54,6 +54,7 @@ from kvcake.server.frontend.backend import (
 )
 from kvcake.server.frontend.model_front import ModelFront
 from kvcake.server.worker.messages import (
+    NEXT_STAGE_NEW,
     CppHidden,
     CppSlotFree,
     Hello,
@@ -181,6 +182,8 @@ class DisaggBackend(ModelFront):
                     self._router.set_draining(hello.worker_id, hello.role, False,
                                               hello.cpp_member)
                 self._workers.add(view)
+                if hello.role == "cpp":  # the stage before may still count slots of the old one
+                    self._relay_cpp(hello.worker_id, CppSlotFree("", NEXT_STAGE_NEW))
             except BaseException:
                 view.link.close()
                 raise

@@ -18,6 +18,7 @@ transfer segment: shared memory on one host, TCP across hosts):
   last chunk   wait for this stage's KV writes, free its blocks, `PrefillDone`: the last stage
                with the first token it sampled (and the seeded sampler's state), the others
                with first_token_id -1. The frontend sends `DecodeOrder` once every stage is done.
+  CppSlotFree(-1)  (F) the next stage (re)joined with an empty inbox: every slot is free.
   Abort        drop the request's queued chunks (their inbox slots go back), wait for its KV
                writes, free its blocks, ack with `RequestFailed("aborted")`.
 
@@ -38,6 +39,7 @@ from kvcake.engine.sampling import SamplingParams
 from kvcake.engine.stage import StageEngine
 from kvcake.server.worker.cpp_stage import CppBegin, CppChunk, CppMember, KvTarget
 from kvcake.server.worker.messages import (
+    NEXT_STAGE_NEW,
     Abort,
     CppHidden,
     CppOrder,
@@ -114,6 +116,10 @@ class CppRole:
             self._ready.append(CppChunk(message.request_id, message.start, message.num_tokens,
                                         message.slot))
         elif isinstance(message, CppSlotFree):
+            if message.slot == NEXT_STAGE_NEW:  # the next stage restarted: an empty inbox
+                self._free_next = list(range(SLOTS))
+                self._parked = None  # its request failed with the old stage
+                return
             if not 0 <= message.slot < SLOTS or message.slot in self._free_next:
                 log.warning("%s: ignoring a bad CppSlotFree %d", self.worker.worker_id,
                             message.slot)

@@ -237,7 +237,10 @@ class CppHidden:
 @dataclass(frozen=True)
 class CppSlotFree:
     request_id: str
-    slot: int
+    slot: int  # NEXT_STAGE_NEW (from the frontend): the next stage (re)joined, all slots free
+
+
+NEXT_STAGE_NEW = -1
 
 
 Message = (Hello | PrefillOrder | PrefillDone | DecodeOrder | ReserveKv | KvReserved
