@@ -3,6 +3,10 @@
 - `csrc/paged_attention.cpp`: `paged_decode_attention`, decode attention that reads each
   sequence's K and V in place through its block table (no gathered copy of the context per layer
   per step);
+- `csrc/prefill_attention.cpp`: `paged_prefill_attention` (fp32), causal attention of a prompt
+  chunk over its sequence's paged KV in place (a cached prefix is not gathered, no mask tensor):
+  register-blocked micro-GEMMs on the vector width this CPU has, an online softmax, work items
+  spread over torch's threads;
 - `csrc/fused_ops.cpp`: fp32 `rms_norm`, `add_rms_norm` (residual add + norm), `silu_mul`
   (SwiGLU's gate) and `rope_qkv_store` (RoPE on q and k, and the K/V write into the pool), each
   one pass on the calling thread instead of 2-8 eager kernels (fewer dispatches, and no parallel
@@ -35,9 +39,9 @@ import torch
 from torch import Tensor
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_attention.cpp", "fused_ops.cpp"))
+                for name in ("paged_attention.cpp", "fused_ops.cpp", "prefill_attention.cpp"))
 HEADER = SOURCES[0].with_name("fast_exp.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC",
          "-std=c++17", "-w")
 
@@ -121,6 +125,22 @@ def paged_decode_attention(q: Tensor, kv_layer: Tensor, block_tables: Tensor,
     D] -> [B, Hq, D]. Needs `load()`."""
     return torch.ops.kvcake.paged_decode_attention(q, kv_layer, block_tables, context_lens,
                                                    scale)
+
+
+def paged_prefill_supported(head_size: int, dtype: torch.dtype) -> bool:
+    """Whether `paged_prefill_attention` runs this model's attention (fp32, a head size the
+    kernel's vector blocking divides, ops loaded)."""
+    return dtype == torch.float32 and load() and \
+        head_size % torch.ops.kvcake.prefill_attention_head_multiple() == 0
+
+
+def paged_prefill_attention(q: Tensor, kv_layer: Tensor, block_table: Tensor, ctx_len: int,
+                            scale: float) -> Tensor:
+    """q [n, Hq, D] (a chunk of one sequence's prompt at positions ctx_len - n .. ctx_len - 1)
+    attending causally to that sequence's positions 0 .. its own, whose K and V are in the blocks
+    block_table [>= ceil(ctx_len / block_size)] of kv_layer [num_blocks, 2, block_size, Hkv, D]
+    (the chunk's own included) -> [n, Hq, D]. Needs `paged_prefill_supported`."""
+    return torch.ops.kvcake.paged_prefill_attention(q, kv_layer, block_table, ctx_len, scale)
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from kvcake.engine import cpu_ops
 from kvcake.engine.config import ModelConfig
-from kvcake.engine.cpu_ops import paged_decode_attention
+from kvcake.engine.cpu_ops import paged_decode_attention, paged_prefill_attention
 from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.linear import Linear
 
@@ -44,6 +44,9 @@ class AttentionBatch:
     paged: single-token sequences attended in place by the paged-attention op (no gather, no
       padding): (rows [B] of the flat batch, block tables [B, max_blocks] padded with any valid
       block id, context lengths [B]); used instead of `decode` when the op is loaded.
+    prefill_paged: prompt chunks attended in place by the prefill-attention op (fp32; no gather
+      of a cached prefix, no mask): (q_start, q_len, ctx_len, block table [ceil(ctx_len / bs)]);
+      used instead of `prefill` when the op applies.
     k_slots / v_slots: the rows where each flat token's K and V are written.
     """
 
@@ -53,6 +56,7 @@ class AttentionBatch:
     v_slots: Tensor
     block_size: int
     paged: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)
+    prefill_paged: list[tuple[int, int, int, Tensor]] = field(default_factory=list)
 
 
 class RMSNorm(nn.Module):
@@ -160,10 +164,18 @@ class DecoderLayer(nn.Module):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
-        if not batch.prefill and not batch.decode and len(batch.paged) == 1:
-            _, tables, lens = batch.paged[0]  # a pure decode step: every row, in order
-            return paged_decode_attention(q, kv, tables, lens, self.scale)
+        if not batch.prefill and not batch.decode:
+            if not batch.prefill_paged and len(batch.paged) == 1:
+                _, tables, lens = batch.paged[0]  # a pure decode step: every row, in order
+                return paged_decode_attention(q, kv, tables, lens, self.scale)
+            if not batch.paged and len(batch.prefill_paged) == 1 \
+                    and batch.prefill_paged[0][1] == q.shape[0]:
+                _, _, ctx_len, table = batch.prefill_paged[0]  # one prompt chunk: every row
+                return paged_prefill_attention(q, kv, table, ctx_len, self.scale)
         out = torch.empty_like(q)
+        for q_start, q_len, ctx_len, table in batch.prefill_paged:
+            out[q_start:q_start + q_len] = paged_prefill_attention(
+                q[q_start:q_start + q_len], kv, table, ctx_len, self.scale)
         rows = kv.view(-1, self.num_kv_heads, self.head_dim)
         for q_start, q_len, ctx_len, k_rows in batch.prefill:
             qs = q[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0)

@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
+from kvcake.engine import cpu_ops
 from kvcake.engine.batcher import BatchPlan
 from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.model import AttentionBatch, LlamaModel
@@ -30,12 +31,15 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, device: torch.device,
                  paged_attention: bool = False) -> None:
         """`paged_attention`: decode rows go to the paged-attention op (`AttentionBatch.paged`,
-        the op must be loaded) instead of padded, gathered groups."""
+        the op must be loaded) instead of padded, gathered groups, and prompt chunks to the
+        prefill-attention op (`AttentionBatch.prefill_paged`) where it applies (fp32)."""
         self.model = model
         self.pool = pool
         self.device = device
         self.block_size = pool.block_size
         self.paged_attention = paged_attention
+        self.paged_prefill = paged_attention and device.type == "cpu" and \
+            cpu_ops.paged_prefill_supported(model.config.head_size, pool.kv.dtype)
 
     def run(self, plan: BatchPlan, seqs: Mapping[str, Sequence],
             tables: Mapping[str, list[BlockId]],
@@ -57,6 +61,8 @@ class ModelRunner:
         decode_tables: list[list[BlockId]] = []
         decode_lens: list[int] = []
         extra_rows: list[int] = []
+        paged_prefill: list[tuple[int, int, int]] = []  # (row, q_len, ctx_len), tables below
+        prefill_tables: list[int] = []
         for chunk in plan.chunks:
             seq, table = seqs[chunk.request_id], tables[chunk.request_id]
             row = len(input_ids)
@@ -71,6 +77,9 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_tables.append(table[:num_ctx_blocks])
                 decode_lens.append(end)
+            elif self.paged_prefill:
+                paged_prefill.append((row, chunk.num_tokens, end))
+                prefill_tables.extend(table[:num_ctx_blocks])
             else:
                 k_rows = None if chunk.start == 0 else \
                     self._k_rows(self._long(table[:num_ctx_blocks])).flatten()[:end]
@@ -85,7 +94,7 @@ class ModelRunner:
         logit_rows.extend(extra_rows)
         # Every int list of the step goes to the device as one tensor, then views of it: a
         # torch.tensor call per list was a measurable share of a decode step.
-        parts: list[list[int]] = [input_ids, positions, k_slots, logit_rows]
+        parts: list[list[int]] = [input_ids, positions, k_slots, logit_rows, prefill_tables]
         paged = bool(decode_rows) and self.paged_attention
         width = max((len(t) for t in decode_tables), default=0)
         if paged:
@@ -96,8 +105,13 @@ class ModelRunner:
         ids_t, pos_t, k, logit_t = views[:4]
         batch = AttentionBatch(prefill=prefill, decode=[], k_slots=k, v_slots=k + bs,
                                block_size=bs)
+        offset = 0
+        for row, q_len, ctx_len in paged_prefill:
+            blocks = -(-ctx_len // bs)
+            batch.prefill_paged.append((row, q_len, ctx_len, views[4][offset:offset + blocks]))
+            offset += blocks
         if paged:
-            batch.paged.append((views[4], views[6].view(len(decode_rows), width), views[5]))
+            batch.paged.append((views[5], views[7].view(len(decode_rows), width), views[6]))
         elif decode_rows:
             self._fill_decode(batch, decode_rows, decode_tables, decode_lens)
         return self.model(ids_t, pos_t, batch, self.pool, logit_t, layer_hook, hidden=hidden)

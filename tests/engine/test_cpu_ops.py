@@ -152,3 +152,96 @@ def test_fused_and_eager_layers_give_the_same_logits(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cpu_ops, "fused", lambda t: False)
     _, eager = Engine("tiny", SMALL_POOL).prompt_logits(prompt)
     assert (fused - eager).abs().max().item() < 1e-5
+
+
+def _prefill_reference(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor,
+                       ctx_len: int) -> torch.Tensor:
+    """Gather the context out of the pool, then SDPA with an explicit causal mask."""
+    _, _, bs, hkv, d = kv.shape
+    rows = kv.reshape(-1, hkv, d)
+    pos = torch.arange(ctx_len)
+    k_rows = table[pos // bs] * 2 * bs + pos % bs
+    ks, vs = rows[k_rows].transpose(0, 1), rows[k_rows + bs].transpose(0, 1)
+    n = q.shape[0]
+    mask = pos[None, :] <= torch.arange(ctx_len - n, ctx_len)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), ks, vs, attn_mask=mask,
+                                         scale=d**-0.5, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@needs_op
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size", "ctx_len", "q_len"), [
+    (8, 2, 64, 300, 300),   # a whole prompt: several query tiles and KV tiles, partial block
+    (8, 2, 64, 150, 37),    # a chunk after a cached prefix, starting mid-block
+    (4, 2, 32, 45, 1),      # one token
+    (6, 2, 32, 70, 69),     # group 3, odd lengths
+    (4, 4, 128, 33, 17),    # no GQA, a wide head
+])
+def test_prefill_op_equals_gather_then_masked_sdpa(heads: int, kv_heads: int, head_size: int,
+                                                   ctx_len: int, q_len: int) -> None:
+    assert cpu_ops.load(), cpu_ops.load_error()
+    if not cpu_ops.paged_prefill_supported(head_size, torch.float32):
+        pytest.skip(f"head size {head_size} is not a multiple of this CPU's vector width")
+    gen = torch.Generator().manual_seed(ctx_len)
+    blocks = -(-ctx_len // 16)
+    kv = torch.randn(blocks + 5, 2, 16, kv_heads, head_size, generator=gen)
+    table = torch.randperm(blocks + 5, generator=gen)[:blocks]
+    q = torch.randn(q_len, heads, head_size, generator=gen)
+    out = cpu_ops.paged_prefill_attention(q, kv, table, ctx_len, head_size**-0.5)
+    assert out.shape == q.shape
+    assert (out - _prefill_reference(q, kv, table, ctx_len)).abs().max().item() < 1e-5
+
+
+@needs_op
+def test_prefill_op_rejects_bad_tables_and_lengths() -> None:
+    assert cpu_ops.load(), cpu_ops.load_error()
+    kv = torch.zeros(4, 2, 16, 2, 32)
+    q = torch.zeros(3, 4, 32)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_ops.paged_prefill_attention(q, kv, torch.tensor([0, 4]), 20, 1.0)
+    with pytest.raises(RuntimeError, match="covering the context"):
+        cpu_ops.paged_prefill_attention(q, kv, torch.tensor([0]), 20, 1.0)
+    with pytest.raises(RuntimeError, match="q_len <= ctx_len"):
+        cpu_ops.paged_prefill_attention(q, kv, torch.tensor([0]), 2, 1.0)
+
+
+@needs_op
+def test_engine_prefills_through_the_op_as_through_the_gather_path() -> None:
+    # Chunks of 24 over 16-token blocks after a cached 32-token prefix: every path of the op.
+    engine = Engine("tiny", EngineConfig(kv_cache_bytes=4 * 2**20, device="cpu",
+                                         max_num_batched_tokens=24))
+    assert engine.runner.paged_prefill
+    prompt = [(11 * j) % 250 + 3 for j in range(90)]
+    engine.prompt_logits(prompt[:32])  # caches two full blocks
+    cached, paged = engine.prompt_logits(prompt)
+    assert cached == 32
+    engine.runner.paged_prefill = False
+    engine.block_manager = Engine("tiny", SMALL_POOL).block_manager  # nothing cached
+    cached, gathered = engine.prompt_logits(prompt)
+    assert cached == 0
+    assert (paged - gathered[32:]).abs().max().item() < 1e-5
+
+
+@needs_op
+def test_fused_ops_split_over_threads_equal_one_thread() -> None:
+    assert cpu_ops.load(), cpu_ops.load_error()
+    ops = torch.ops.kvcake
+    gen = torch.Generator().manual_seed(4)
+    h, delta, w = (torch.randn(300, 48, generator=gen), torch.randn(300, 48, generator=gen),
+                   torch.randn(48, generator=gen))
+    qkv = torch.randn(300, 8 * 8, generator=gen)
+    ang = torch.randn(300, 4, generator=gen)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), ang.sin()
+    slots = torch.randperm(600, generator=gen)[:300]
+    results = []
+    threads = torch.get_num_threads()
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        try:
+            pool = torch.zeros(1200, 2, 8)
+            results.append((ops.rms_norm(h, w, 1e-5), *ops.add_rms_norm(h, delta, w, 1e-5),
+                            ops.silu_mul(qkv), *ops.rope_qkv_store(qkv, cos, sin, pool, 2 * slots,
+                                                                   2 * slots + 1, 4, 2), pool))
+        finally:
+            torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

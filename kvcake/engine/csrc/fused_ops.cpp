@@ -3,9 +3,11 @@
 // Eager torch runs RMSNorm as six kernels, RoPE and the KV write as eight, SwiGLU's gate as two;
 // each is a dispatch and, on large inputs, a parallel region whose threads must all meet at its
 // end. On a busy 2-core machine a region waits for whichever thread lost its core, so a prefill
-// of ~120 such regions spent seconds waiting. Each op here is one pass over its rows on the
-// calling thread (the GEMMs and attention around them stay multi-threaded).
+// of ~120 such regions spent seconds waiting. Each op here is one pass over its rows: on the
+// calling thread up to PARALLEL_ROWS rows (a decode step), split over torch's threads beyond
+// (a prompt chunk, where one pass is milliseconds: one region per op instead of 2-8).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -13,6 +15,18 @@
 #include "fast_exp.h"
 
 namespace {
+
+constexpr int64_t PARALLEL_ROWS = 64;
+
+// f(begin, end) over rows [0, n): one call on this thread for small n, else torch's threads.
+template <typename F>
+void for_rows(int64_t n, const F& f) {
+  if (n <= PARALLEL_ROWS) {
+    f(0, n);
+  } else {
+    at::parallel_for(0, n, PARALLEL_ROWS / 2, f);
+  }
+}
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": CPU float32 only");
@@ -35,9 +49,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(w.numel() == x.size(1), "rms_norm: weight size != row size");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(0), d = x.size(1);
-  for (int64_t r = 0; r < n; ++r)
-    norm_row(x.data_ptr<float>() + r * x.stride(0), w.data_ptr<float>(), eps, d,
-             out.data_ptr<float>() + r * d);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  for_rows(n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * xs, wp, eps, d, op + r * d);
+  });
   return out;
 }
 
@@ -51,14 +69,22 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   TORCH_CHECK(w.numel() == h.size(1), "add_rms_norm: weight size != row size");
   const int64_t n = h.size(0), d = h.size(1);
   at::Tensor sum = at::empty({n, d}, h.options()), out = at::empty({n, d}, h.options());
-  for (int64_t r = 0; r < n; ++r) {
-    const float* hr = h.data_ptr<float>() + r * h.stride(0);
-    const float* dr = delta.data_ptr<float>() + r * delta.stride(0);
-    float* sr = sum.data_ptr<float>() + r * d;
+  const float* hp = h.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t hs = h.stride(0), ds = delta.stride(0);
+  for_rows(n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* hr = hp + r * hs;
+      const float* dr = dp + r * ds;
+      float* sr = sp + r * d;
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) sr[i] = hr[i] + dr[i];
-    norm_row(sr, w.data_ptr<float>(), eps, d, out.data_ptr<float>() + r * d);
-  }
+      for (int64_t i = 0; i < d; ++i) sr[i] = hr[i] + dr[i];
+      norm_row(sr, wp, eps, d, op + r * d);
+    }
+  });
   return {sum, out};
 }
 
@@ -68,13 +94,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: odd width");
   const int64_t n = gate_up.size(0), half = gate_up.size(1) / 2;
   at::Tensor out = at::empty({n, half}, gate_up.options());
-  for (int64_t r = 0; r < n; ++r) {
-    const float* g = gate_up.data_ptr<float>() + r * gate_up.stride(0);
-    const float* u = g + half;
-    float* o = out.data_ptr<float>() + r * half;
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t gs = gate_up.stride(0);
+  for_rows(n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * gs;
+      const float* u = g + half;
+      float* o = op + r * half;
 #pragma omp simd
-    for (int64_t i = 0; i < half; ++i) o[i] = g[i] / (1.f + kvcake::fast_exp(-g[i])) * u[i];
-  }
+      for (int64_t i = 0; i < half; ++i) o[i] = g[i] / (1.f + kvcake::fast_exp(-g[i])) * u[i];
+    }
+  });
   return out;
 }
 
@@ -119,7 +150,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_store(
              v = at::empty({n, num_kv_heads, d}, opts);
   float* pool = pool_rows.data_ptr<float>();
   const int64_t kv_row = num_kv_heads * d;
-  for (int64_t r = 0; r < n; ++r) {
+  for_rows(n, [&](int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
     const float* src = qkv.data_ptr<float>() + r * qkv.stride(0);
     const float* c = cos.data_ptr<float>() + r * cos.stride(0);
     const float* s = sin_half.data_ptr<float>() + r * sin_half.stride(0);
@@ -138,6 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_store(
       vdst[i] = vr[i];
     }
   }
+  });
   return {q, k, v};
 }
 

@@ -46,10 +46,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   // Strides of the layer tensor [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim].
   const int64_t s_tok = num_kv_heads * head_dim, s_kv = block_size * s_tok, s_blk = 2 * s_kv;
 
-  // One thread: built without -fopenmp, at::parallel_for runs the range on the calling thread.
-  // A parallel build measured slower here (each call waited ~1-9 ms for the second thread on a
-  // busy 2-core machine, against 0.3 ms for a 2,048-token context on one core).
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One thread, the calling one: a parallel version measured slower here (each call waited
+  // ~1-9 ms for the second thread on a busy 2-core machine, against 0.3 ms for a 2,048-token
+  // context on one core).
+  auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
@@ -92,7 +92,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
           ob[g * head_dim + i] = static_cast<T>(acc[g * head_dim + i] * inv);
       }
     }
-  });
+  };
+  run(0, batch * num_kv_heads);
 }
 
 // q [B, Hq, D]; kv one layer [num_blocks, 2, block_size, Hkv, D]; block_tables [B, max_blocks]
