@@ -295,26 +295,75 @@ def probe_summary(results: list[RequestResult], duration_s: float, regime: Regim
             "errors": report["error_messages"][:3]}
 
 
-def search(served: Served, records: list[TraceRequest], regime: Regime) -> dict[str, Any]:
+RATE_FLOOR = 0.25  # of the start rate: lower rates are not replayed (a probe lasts N / rate)
+SEARCH_BUDGET_S = 780.0  # of replays per system step: the step fits one 15-minute lock hold
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def capacities_from(probes: list[dict[str, Any]], num_slos: int) -> list[float | None]:
+    """Per SLO, the highest passing rate below the lowest failing one (the search's answer when
+    it completes; its best estimate from the probes run when the time budget stopped it)."""
+    out: list[float | None] = []
+    for k in range(num_slos):
+        failing = min((p["rate"] for p in probes if p["shares"][k] < TARGET_SHARE),
+                      default=float("inf"))
+        passing = [p["rate"] for p in probes
+                   if p["shares"][k] >= TARGET_SHARE and p["rate"] < failing]
+        out.append(max(passing) if passing else None)
+    return out
+
+
+def search(served: Served, records: list[TraceRequest], regime: Regime,
+           partial: Path | None = None) -> dict[str, Any]:
+    """`find_capacities` from 0.5 / mean prefill; rates below RATE_FLOOR x that are not replayed
+    (they count as failing: such a capacity is reported as below the floor); replays stop after
+    SEARCH_BUDGET_S (a probe that would end past it is not started; then the capacities are those the probes so far support, `complete`
+    false). Each probe is written to `partial` as it ends; probes already there (an earlier,
+    interrupted run of this step, same regime) are reused, not replayed."""
+    start_rate = 0.5 / regime.mean_prefill_s
+    floor = RATE_FLOOR * start_rate
     probes: list[dict[str, Any]] = []
+    done: dict[float, list[float]] = {}
+    if partial is not None and partial.is_file():
+        for old in json.loads(partial.read_text()).get("probes", []):
+            done[float(old["rate"])] = list(old["shares"])
+            probes.append(old)
+    began = time.perf_counter()
 
     def probe(rate: float) -> list[float]:
+        for old_rate, got in done.items():
+            if abs(old_rate - rate) <= 1e-6 * rate:
+                return got
+        if rate < floor * (1 - 1e-9):
+            return [0.0] * len(regime.tbt_slos_ms)
+        expected_s = len(records) / rate + 20.0  # arrivals, then the last requests' decode
+        if time.perf_counter() - began + expected_s > SEARCH_BUDGET_S:
+            raise _OutOfTime
         planned = workload(records, regime, served.args.vocab_size, rate,
                            seed=1000 + len(probes))
         results, duration = served.replay(planned)
         probes.append(probe_summary(results, duration, regime, rate))
         got = probes[-1]
+        done[rate] = got["shares"]
+        if partial is not None:
+            partial.write_text(json.dumps({"probes": probes}, indent=1) + "\n")
         print(f"[{served.kind}] rate {rate:.3g}/s: shares {[round(s, 3) for s in got['shares']]}"
               f" TTFT p50/p90 {got['median_ttft_ms']:.0f}/{got['p90_ttft_ms']:.0f} ms, TBT "
               f"p50/p90 {got['median_tbt_ms']:.1f}/{got['p90_tbt_ms']:.1f} ms "
               f"({duration:.0f} s)", file=sys.stderr, flush=True)
         return got["shares"]
 
-    start_rate = 0.5 / regime.mean_prefill_s
-    found = find_capacities(probe, start_rate, len(regime.tbt_slos_ms), TARGET_SHARE,
-                            regime.max_probes)
-    return {"capacity_rps": list(found.best_speeds), "probes": probes,
-            "start_rate": start_rate}
+    complete = True
+    try:
+        find_capacities(probe, start_rate, len(regime.tbt_slos_ms), TARGET_SHARE,
+                        regime.max_probes)
+    except _OutOfTime:
+        complete = False
+    return {"capacity_rps": capacities_from(probes, len(regime.tbt_slos_ms)), "probes": probes,
+            "start_rate": start_rate, "rate_floor": floor, "complete": complete}
 
 
 def run_step(step: str, args: argparse.Namespace, regime: Regime) -> dict[str, Any]:
@@ -344,7 +393,7 @@ def run_step(step: str, args: argparse.Namespace, regime: Regime) -> dict[str, A
             budget = int(json.loads(path.read_text())["chunk_budget"])
         with Served(step, args, budget) as served:
             before = served.counters()
-            result = search(served, records, regime)
+            result = search(served, records, regime, args.out_dir / f"{step}.partial.json")
             after = served.counters()
             result["counters"] = {k: after[k] - before.get(k, 0.0) if k.endswith("_total")
                                   else after[k] for k in after}
