@@ -86,3 +86,11 @@ def test_sim_vs_live_json_shape() -> None:
             assert m["rel_err"] == pytest.approx((m["sim"] - m["live"]) / m["live"])
     assert live["disagg"]["ttft_p50_ms"] == pytest.approx(550.0)
     json.dumps({"metrics": metrics})
+
+
+def test_capacities_from_probes_is_below_the_first_failure() -> None:
+    probes = [{"rate": 0.8, "shares": [0.3, 0.6, 0.95]}, {"rate": 0.4, "shares": [0.5, 1.0, 1.0]},
+              {"rate": 0.2, "shares": [0.95, 1.0, 1.0]}, {"rate": 1.6, "shares": [0.0, 0.0, 0.5]},
+              {"rate": 1.2, "shares": [0.0, 0.0, 0.92]}]
+    assert cap.capacities_from(probes, 3) == [0.2, 0.4, 1.2]
+    assert cap.capacities_from(probes[:2], 3) == [None, 0.4, 0.8]
