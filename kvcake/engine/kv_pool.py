@@ -50,6 +50,8 @@ class KVPool:
         else:
             self.kv = _view_of(memory, shape, dtype, device)
             self.kv.zero_()  # the invariant above, whatever the allocator handed over
+        # One view per layer, made once (indexing `kv` per layer per step showed in a step).
+        self.layer_views: tuple[Tensor, ...] = tuple(self.kv.unbind(0))
         self.layer_shape = tuple(self.kv.shape[2:])
         self.layer_nbytes = self.kv[0, 0].numel() * self.kv.element_size()
         self.block_nbytes = self.layer_nbytes * config.num_layers
@@ -66,7 +68,7 @@ class KVPool:
 
     def layer(self, layer_idx: int) -> Tensor:
         """[num_blocks, 2, block_size, num_kv_heads, head_dim] view of one layer."""
-        return self.kv[layer_idx]
+        return self.layer_views[layer_idx]
 
     def export_layer(self, block_id: BlockId, layer_idx: int) -> bytes:
         """One layer of one block as bytes (K then V, row-major)."""

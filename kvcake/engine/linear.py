@@ -79,6 +79,7 @@ class Kernel:
         self.choice: list[str] = ["aten"] * len(BUCKETS)
         self._onednn: Tensor | None = None
         self._mkl: Tensor | None = None
+        self._fns: list[Callable[[Tensor], Tensor]] | None = None  # per bucket, see `bind`
 
     def prepare(self, backend: str) -> None:
         if backend == "onednn" and self._onednn is None:
@@ -87,11 +88,29 @@ class Kernel:
             self._mkl = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
 
     def drop_unused(self) -> None:
-        """Free the packed forms no bucket chose."""
+        """Free the packed forms no bucket chose, and bind the chosen ones."""
         if "onednn" not in self.choice:
             self._onednn = None
         if "mkl_gemv" not in self.choice:
             self._mkl = None
+        self.bind()
+
+    def bind(self) -> None:
+        """One callable per bucket for `choice` (no backend lookup per call: a decode step
+        makes ~17 of these calls, each a few microseconds of Python otherwise)."""
+        self._fns = [self._fn(b) for b in self.choice]
+
+    def _fn(self, backend: str) -> Callable[[Tensor], Tensor]:
+        w, b = self.weight, self.bias
+        if backend == "aten":
+            return lambda x: F.linear(x, w, b)
+        if backend == "onednn" and self._onednn is not None:
+            packed, op = self._onednn, torch.ops.mkldnn._linear_pointwise.default
+            return lambda x: op(x, packed, b, "none", [], "")
+        if backend == "mkl_gemv" and self._mkl is not None:
+            packed, op = self._mkl, torch.ops.mkl._mkl_linear.default
+            return lambda x: op(x, packed, w, b, 1)
+        return lambda x: self.run(x, backend)
 
     def run(self, x: Tensor, backend: str) -> Tensor:
         if backend == "aten":
@@ -109,7 +128,12 @@ class Kernel:
 
     def __call__(self, x: Tensor) -> Tensor:
         rows = x.shape[0]  # 0 rows: a step whose chunks all continue a prompt samples nothing
-        return self.run(x, self.choice[bucket_of(rows)] if rows else "aten")
+        if self._fns is None:
+            self.bind()
+        assert self._fns is not None
+        if rows == 1:
+            return self._fns[0](x)
+        return self._fns[bucket_of(rows)](x) if rows else F.linear(x, self.weight, self.bias)
 
 
 class Linear(nn.Linear):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +119,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
         self.scale = hd**-0.5
+        self._fast: tuple[Any, ...] | None = None  # `_forward_fused`'s attributes, cached
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
@@ -145,22 +147,26 @@ class DecoderLayer(nn.Module):
         """`forward` with the element-wise steps as single-pass ops (CPU fp32, `cpu_ops`). The
         residual stream is h + pending (the previous layer's last add, folded into this
         layer's first norm); returns this layer's output the same way, (h, delta)."""
-        ops = torch.ops.kvcake
+        ops = cpu_ops.fused_ops()
+        fast = self._fast
+        if fast is None:  # plain attributes: nn.Module's __getattr__ is ~1 us a lookup
+            fast = self._fast = (
+                self.qkv_proj.forward, self.o_proj.forward, self.gate_up_proj.forward,
+                self.down_proj.forward, self.input_layernorm.weight, self.input_layernorm.eps,
+                self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        qkv_proj, o_proj, gate_up_proj, down_proj, in_w, in_eps, post_w, post_eps = fast
         n = h.shape[0]
-        norm = self.input_layernorm
         if pending is None:
-            x = ops.rms_norm(h, norm.weight, norm.eps)
+            x = ops.rms_norm(h, in_w, in_eps)
         else:
-            h, x = ops.add_rms_norm(h, pending, norm.weight, norm.eps)
+            h, x = ops.add_rms_norm(h, pending, in_w, in_eps)
         rows = kv.view(-1, self.num_kv_heads, self.head_dim)
-        q, k, v = ops.rope_qkv_store(self.qkv_proj.forward(x), cos.view(n, -1), sin.view(n, -1),
+        q, k, v = ops.rope_qkv_store(qkv_proj(x), cos.view(n, -1), sin.view(n, -1),
                                      rows, batch.k_slots, batch.v_slots, self.num_heads,
                                      self.num_kv_heads)
         attn = self._attend(q, k, v, kv, batch)
-        norm = self.post_attention_layernorm
-        h, x = ops.add_rms_norm(h, self.o_proj.forward(attn.view(n, self.q_size)), norm.weight,
-                                norm.eps)
-        return h, self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
+        h, x = ops.add_rms_norm(h, o_proj(attn.view(n, self.q_size)), post_w, post_eps)
+        return h, down_proj(ops.silu_mul(gate_up_proj(x)))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
@@ -241,10 +247,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch,
                 pool: KVPool, logit_rows: Tensor,
                 layer_hook: Callable[[int], None] | None = None, *,
-                hidden: Tensor | None = None) -> Tensor:
+                hidden: Tensor | None = None, max_position: int | None = None) -> Tensor:
         """Logits (fp32) of the flat rows `logit_rows` only: one per sequence that samples.
         A stage without the last layer returns the hidden states of every row instead, and
-        one without the first layer starts from `hidden` (the previous stage's output)."""
+        one without the first layer starts from `hidden` (the previous stage's output).
+        `max_position`: the largest of `positions` when the caller knows it (saves a sync)."""
         if self.is_first:
             h = self.embed_tokens(input_ids)
         elif hidden is None or hidden.shape != (input_ids.shape[0], self.config.hidden_size):
@@ -253,13 +260,14 @@ class LlamaModel(nn.Module):
                              f"{self.config.hidden_size}]")
         else:
             h = hidden.to(dtype=next(self.layers.parameters()).dtype)
-        cos, sin = self._rope(positions, h.dtype)
+        cos, sin = self._rope(positions, h.dtype, max_position)
         first = self.layer_range.start
         fused = cpu_ops.fused(h)  # decided once per forward (a check per layer showed in a step)
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         pending: Tensor | None = None  # fused path: the residual stream is h + pending
+        views = pool.layer_views
         for idx, layer in enumerate(layers):
-            kv = pool.kv[idx]
+            kv = views[idx]
             if fused:  # direct call: nn.Module's __call__ is measurable at decode sizes
                 h, pending = layer._forward_fused(h, pending, cos, sin, kv, batch)
             else:
@@ -269,13 +277,17 @@ class LlamaModel(nn.Module):
         if not self.is_last:
             return h if pending is None else h + pending
         if pending is not None:  # only the rows that give logits need the last add
-            return self.lm_head(self.norm(h[logit_rows] + pending[logit_rows])).float()
-        return self.lm_head(self.norm(h[logit_rows])).float()
+            if h.shape[0] == 1 and logit_rows.shape[0] == 1:  # one decode row: no gather
+                return self.lm_head.forward(self.norm.forward(h + pending)).float()
+            return self.lm_head.forward(
+                self.norm.forward(h[logit_rows] + pending[logit_rows])).float()
+        return self.lm_head.forward(self.norm.forward(h[logit_rows])).float()
 
-    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def _rope(self, positions: Tensor, dtype: torch.dtype,
+              max_position: int | None = None) -> tuple[Tensor, Tensor]:
         """cos [n, 1, head_dim] and the first half of sin [n, 1, head_dim / 2] (its halves are
         equal) of `positions`, from a cache grown on demand."""
-        need = int(positions.max().item()) + 1
+        need = (int(positions.max().item()) if max_position is None else max_position) + 1
         if self._rope_cache is None or self._rope_cache.shape[1] < need \
                 or self._rope_cache.dtype != dtype:
             size = max(need, 1 << (need - 1).bit_length(), 1024)

@@ -114,7 +114,8 @@ class ModelRunner:
             batch.paged.append((views[5], views[7].view(len(decode_rows), width), views[6]))
         elif decode_rows:
             self._fill_decode(batch, decode_rows, decode_tables, decode_lens)
-        return self.model(ids_t, pos_t, batch, self.pool, logit_t, layer_hook, hidden=hidden)
+        return self.model(ids_t, pos_t, batch, self.pool, logit_t, layer_hook, hidden=hidden,
+                          max_position=max(positions))
 
     def _fill_decode(self, batch: AttentionBatch, rows: list[int],
                      tables: list[list[BlockId]], lens: list[int]) -> None:
