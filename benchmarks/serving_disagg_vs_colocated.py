@@ -48,7 +48,12 @@ TTFT <= the TTFT SLO and its TBT (mean of its slowest 10% of token gaps) <= the 
 replay gives the share at all three TBT SLOs. Capacity per SLO = the highest rate with >= 90%
 effective (`kvcake.bench.capacity.find_capacities`: doubling from r0 = 0.5 / mean prefill, then
 geometric bisection to 10%, at most --max-probes per SLO, a rate never replayed twice; SLO k
-starts from SLO k-1's capacity). Admission control is off in kvcake (every request is served).
+starts from SLO k-1's capacity). Bounded so that one system's step fits one 15-minute lock hold
+on 2 cores (a probe lasts ~N / rate): rates below 1/4 of r0 are not replayed (a capacity there is
+reported as below that floor, null), and no probe starts that would end past 780 s of replays
+(the capacities are then those the probes run support; `complete` false in the step's JSON).
+Probes are written to `<step>.partial.json` as they end; a rerun of the step reuses them. Admission
+control is off in kvcake (every request is served).
 
 Systems, one at a time on 127.0.0.1, each warmed up the same way (benchmarks/serving_vs_vllm.py):
 - `disagg`: `kvcake serve --config` 1 prefill + 1 decode worker (1 thread each), policy
