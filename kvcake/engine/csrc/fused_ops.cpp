@@ -102,8 +102,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* g = gp + r * gs;
       const float* u = g + half;
       float* o = op + r * half;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) o[i] = g[i] / (1.f + kvcake::fast_exp(-g[i])) * u[i];
+      int64_t i = 0;
+      for (; i + kvcake::VLEN <= half; i += kvcake::VLEN) {  // vexp: vectorised for certain
+        const kvcake::vfloat gv = kvcake::vload(g + i);
+        kvcake::vstore(o + i, gv / (1.f + kvcake::vexp(-gv)) * kvcake::vload(u + i));
+      }
+      for (; i < half; ++i) o[i] = g[i] / (1.f + kvcake::fast_exp(-g[i])) * u[i];
     }
   });
   return out;

@@ -71,8 +71,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * ctx;
         const float m = row_max[g];
-#pragma omp simd
-        for (int64_t p = 0; p < ctx; ++p) sg[p] = kvcake::fast_exp(sg[p] - m);
+        int64_t p = 0;
+        for (; p + kvcake::VLEN <= ctx; p += kvcake::VLEN)  // vexp: vectorised for certain
+          kvcake::vstore(sg + p, kvcake::vexp(kvcake::vload(sg + p) - m));
+        for (; p < ctx; ++p) sg[p] = kvcake::fast_exp(sg[p] - m);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t p = 0; p < ctx; ++p) sum += sg[p];

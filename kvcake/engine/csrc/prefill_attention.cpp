@@ -24,54 +24,20 @@
 
 namespace {
 
+using kvcake::VLEN;
+using kvcake::vexp;
+using kvcake::vload;
+using kvcake::vstore;
+typedef kvcake::vfloat vec;
 #if defined(__AVX512F__)
-constexpr int64_t VLEN = 16;  // floats per vector register
-constexpr int64_t RB = 4;     // rows per register block (RB x 4 accumulators)
+constexpr int64_t RB = 4;  // rows per register block (RB x 4 accumulators)
 #else
-constexpr int64_t VLEN = 8;
 constexpr int64_t RB = 2;
 #endif
 constexpr int64_t NK = 4 * VLEN;  // KV positions per tile (4 vectors of scores per row)
 constexpr int64_t ROWS = 128;     // target query rows (positions x group) per work item
 
-typedef float vec __attribute__((vector_size(VLEN * sizeof(float))));
-
-inline vec vload(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void vstore(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
-
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
-
-typedef int32_t ivec __attribute__((vector_size(VLEN * sizeof(int32_t))));
-
-// kvcake::fast_exp (fast_exp.h) lane by lane, written on vectors so that it is vectorised.
-inline vec vexp(vec x) {
-  const vec lo = vec{} - 87.3f, hi = vec{} + 88.3f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const vec fx = x * 1.44269504088896341f + 0.5f;
-  ivec ni = __builtin_convertvector(fx, ivec);
-  ni += (__builtin_convertvector(ni, vec) > fx);  // floor: true lanes are -1
-  const vec n = __builtin_convertvector(ni, vec);
-  vec r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  const vec z = r * r;
-  vec y = vec{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  const ivec bits = (ni + 127) << 23;
-  vec scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
 
 // s[m][0..NK) = qp[m][0..d) . kt[0..d)[0..NK) for m in [0, rows), rows a multiple of RB.
 void qk_tile(const float* qp, const float* kt, int64_t rows, int64_t d, float* s) {
