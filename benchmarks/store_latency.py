@@ -7,7 +7,9 @@ Ours is `kvcake store master` + `kvcake store node` (separate processes, as in
 store_vs_peers.py), this script the client over TCP. A put is timed as its three stages (put_start
 at the master, the write at the node, the acknowledged commit at the master) and whole; a get as
 its two (the master's descriptor and lease, the node read; the lease release rides with the next
-request) and whole. Redis: `redis-server` from Debian through redis-py (skipped if either is
+request) and whole; a slot put as its two (the write into a slot reserved ahead, then one master
+request that commits it and reserves the next) and whole; a whole get with the location cache
+(the node read alone) and without it. Redis: `redis-server` from Debian through redis-py (skipped if either is
 missing). Every figure is the median (p50) over `--ops` operations, after a warm-up, in us.
 """
 
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcake.store import StoreClient
-from kvcake.store.layout import HEADER_BYTES
+from kvcake.store.layout import HEADER_BYTES, payload_checksum
 from kvcake.store.master_api import unwrap
 from kvcake.store.replica_io import segment_of, valid
 from kvcake.transfer import TransferConfig, TransferOp, TransferRequest
@@ -166,10 +168,39 @@ def _measure(client: StoreClient, size: int, ops: int) -> dict[str, float]:
                 stages["get: master"].append(t1 - t0)
                 stages["get: node read"].append(t2 - t1)
         client.remove_batch(keys)
+    shape, reserve = (size, None, None), [size, 1, None, None]
+    slot_stages: dict[str, list[float]] = {"slot put: write": [], "slot put: put_slots": []}
+    for rnd in ("warm", "timed"):  # a slot put, stage by stage (ObjectWriter.put)
+        keys = [f"slot-{rnd}-{i}" for i in range(ops if rnd == "timed" else 50)]
+        for key in keys:
+            slot = writer._take(shape)
+            if slot is None:
+                writer._keep(shape, master.put_slots([], reserve)["slots"])
+                slot = writer._take(shape)
+            assert slot is not None
+            t0 = time.perf_counter()
+            view = memoryview(value)
+            checksum = payload_checksum(view)
+            requests, digests = writer._put_requests([(key, view, checksum, slot["replicas"])])
+            client._transfer(requests, digests)
+            t1 = time.perf_counter()
+            result = master.put_slots([[key, slot["slot"], size, checksum]], reserve)
+            unwrap(result["results"][0])
+            writer._keep(shape, result["slots"])
+            t2 = time.perf_counter()
+            if rnd == "timed":
+                slot_stages["slot put: write"].append(t1 - t0)
+                slot_stages["slot put: put_slots"].append(t2 - t1)
+        client.remove_batch(keys)
+    stages.update(slot_stages)
     out = {name: _p50_us(samples) for name, samples in stages.items()}
     whole_keys = [f"whole-{i}" for i in range(ops)]
-    out["put (whole)"] = _p50_us(_timed(lambda i: client.put(whole_keys[i], value), ops))
-    out["get (whole)"] = _p50_us(_timed(lambda i: client.get(whole_keys[i]), ops))
+    out["put (whole, slot)"] = _p50_us(_timed(lambda i: client.put(whole_keys[i], value), ops))
+    out["get (whole, cached location)"] = _p50_us(_timed(lambda i: client.get(whole_keys[i]),
+                                                         ops))
+    reader.forget(whole_keys)
+    out["get (whole, from the master)"] = _p50_us(_timed(lambda i: client.get(whole_keys[i]),
+                                                         ops))
     client.remove_batch(whole_keys)
     return out
 

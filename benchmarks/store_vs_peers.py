@@ -4,6 +4,8 @@ The same layout for every system: one storage process, one client process that p
   ours:     `kvcake store master` + `kvcake store node` (the storage process; the master holds
             metadata only); this script is the client, over TCP ("ours-tcp") and, as a second
             row, over the node's shared-memory segment ("ours-shm", same host, no TCP at all)
+            and, as a third row, over TCP with `StoreClient(async_seal=True)` ("ours-tcp-seal":
+            a small put returns once its one-way seal is sent, not acknowledged; writer.py)
   redis:    `redis-server` (Debian), this script is the client through redis-py
   mooncake: `mooncake_master` + a Mooncake client process holding a segment (storage) + a second,
             pure Mooncake client process that puts and gets (PyPI
@@ -98,8 +100,8 @@ for line in sys.stdin:
 
 
 class Ours:
-    def __init__(self, name: str, port: int, shm: bool) -> None:
-        self.name, self.port, self.shm = name, port, shm
+    def __init__(self, name: str, port: int, shm: bool, async_seal: bool = False) -> None:
+        self.name, self.port, self.shm, self.async_seal = name, port, shm, async_seal
         self.procs: list[subprocess.Popen[Any]] = []
         self.client: StoreClient | None = None
         self.address = ""
@@ -123,7 +125,7 @@ class Ours:
             time.sleep(0.5)  # registration follows the segment server's start
         self.address = address
         config = TransferConfig(serve=False, use_shared_memory=self.shm, num_rails=4)
-        self.client = StoreClient(address, transfer_config=config)
+        self.client = StoreClient(address, transfer_config=config, async_seal=self.async_seal)
 
     def putget(self, size: int, n: int, prefix: str) -> dict[str, Any]:
         assert self.client is not None
@@ -368,12 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=21100, help="base port (uses 20 ports)")
     parser.add_argument("--transfer-port", type=int, default=21800)
-    parser.add_argument("--skip", default="", help="comma list of: redis, mooncake, transfer")
+    parser.add_argument("--skip", default="",
+                        help="comma list of: redis, mooncake, transfer, seal")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     ours_tcp = Ours("ours-tcp", args.port, shm=False)
     ours_shm = Ours("ours-shm", args.port, shm=True)
+    ours_seal = Ours("ours-tcp-seal", args.port, shm=False, async_seal=True)
     systems: list[Any] = []
     started: list[Any] = []
     try:
@@ -382,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         ours_shm.start(shared=ours_tcp)
         started.append(ours_shm)
         systems += [ours_tcp, ours_shm]
+        if "seal" not in skip:
+            ours_seal.start(shared=ours_tcp)
+            started.append(ours_seal)
+            systems.append(ours_seal)
         if "redis" not in skip:
             redis = Redis(args.port + 5)
             redis.start()

@@ -56,14 +56,16 @@ class StoreClient:
     with its own engine moves batches of up to `slice_bytes` on the calling thread (`DirectPath`);
     `wrap_transport` wraps every endpoint of both (tests inject faults with it).
     `location_cache`: how many keys' locations the reader remembers (reader.py; 0: none);
-    `clock`: how old the writer's reserved slots are (writer.py).
+    `clock`: how old the writer's reserved slots are; `async_seal`: a small put returns once its
+    one-way seal is sent, not acknowledged (writer.py; off by default).
     """
 
     def __init__(self, master: str | Master, *, engine: TransferEngine | None = None,
                  transfer_config: TransferConfig | None = None, num_replicas: int | None = None,
                  local_node: str | None = None,
                  wrap_transport: TransportWrapper | None = None,
-                 location_cache: int = CACHE_ENTRIES, clock: Clock | None = None) -> None:
+                 location_cache: int = CACHE_ENTRIES, clock: Clock | None = None,
+                 async_seal: bool = False) -> None:
         if isinstance(master, str):  # proves transfer_config.secret to the master, if set
             master = RemoteMaster(master, secret=transfer_config.secret if transfer_config
                                   else None)
@@ -85,7 +87,7 @@ class StoreClient:
                                     self._engine_transfer if direct else None,
                                     cache_entries=location_cache)
         self._writer = ObjectWriter(master, self._transfer, direct, clock=clock,
-                                    on_written=self._reader.remember)
+                                    on_written=self._reader.remember, async_seal=async_seal)
 
     @classmethod
     def embedded(cls, config: EmbeddedConfig | int, **kwargs: Any) -> StoreClient:

@@ -25,6 +25,9 @@ class MasterConfig:
     put_timeout_s: float = 30.0  # an allocation not committed by then is reclaimed
     lease_s: float = 5.0  # a get protects the object from eviction and reuse this long
     heartbeat_timeout_s: float = 10.0  # a node silent this long is dead
+    # a get of an object whose writer named it and is sealing it (writer.py) waits this long,
+    # in real seconds, for the seal before it answers ObjectNotFound
+    seal_wait_s: float = 2.0
     default_replicas: int = 1
     strategy: Strategy = Strategy.MOST_FREE_FIRST
     alignment_bytes: int = 64
@@ -40,6 +43,8 @@ class MasterConfig:
         for name in ("put_timeout_s", "lease_s", "heartbeat_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.seal_wait_s <= 60.0:
+            raise ValueError(f"seal_wait_s: must be in [0, 60], got {self.seal_wait_s}")
         if self.default_replicas < 1:
             raise ValueError(f"default_replicas: must be >= 1, got {self.default_replicas}")
         if self.alignment_bytes < 1 or self.alignment_bytes & (self.alignment_bytes - 1):

@@ -9,7 +9,9 @@ Object lifecycle:
     put_start -> PENDING (replicas allocated) -> put_commit -> COMPLETE -> remove / evict / lost
                  `-- put_revoke, or put_timeout_s passes -> reclaimed
     reserve -> SLOT (replicas allocated, no key yet) -> commit_slot(key) -> COMPLETE
-               `-- release_slot, or put_timeout_s passes -> reclaimed
+       |       `-- release_slot, or put_timeout_s passes -> reclaimed
+       `-> name_slot(key) -> PENDING, sealing -> seal -> COMPLETE
+                             `-- put_revoke, or put_timeout_s passes -> reclaimed
 A slot is a put_start made before its key is known: a writer holds one ready, writes the next
 object of that size into it and names the key in the commit (one master round trip per put). An
 uncommitted slot is invisible to readers, exactly like a PENDING object.
@@ -173,6 +175,37 @@ class StoreIndex:
             self.slots[slot_id] = meta
             out.append((slot_id, meta))
         return out
+
+    def name_slot(self, key: str, slot_id: int, size_bytes: int, checksum: int) -> ObjectMeta:
+        """Give slot `slot_id` its key and checksum, still PENDING (its bytes are being written;
+        `seal` commits it). The same errors as `commit_slot`, which keep the slot reserved."""
+        self._check_key(key)
+        slot = self.slots.get(slot_id)
+        if slot is None:
+            raise ObjectNotFound(f"slot {slot_id} is not reserved (timed out or released?)")
+        if size_bytes != slot.size_bytes:
+            raise InvalidRequest(f"size_bytes: slot {slot_id} holds {slot.size_bytes} bytes, "
+                                 f"got {size_bytes}")
+        if key in self.objects:
+            raise ObjectExists(f"key {key!r} is already stored or being written")
+        del self.slots[slot_id]
+        slot.key, slot.checksum, slot.sealing = key, checksum, True
+        self.objects[key] = slot
+        return slot
+
+    def seal(self, key: str, now_s: float) -> None:
+        """Commit an object named from a slot (its writer's bytes are written and checked).
+        ObjectNotFound if it is not a named object waiting for its seal."""
+        meta = self.objects.get(key)
+        if meta is None or meta.committed or not meta.sealing:
+            raise ObjectNotFound(f"key {key!r} has no named put waiting for its seal")
+        meta.sealing = False
+        self.put_commit(key, now_s)
+
+    def sealing(self, key: str) -> ObjectMeta | None:
+        """The object `key` if it is named and waiting for its seal."""
+        meta = self.objects.get(key)
+        return meta if meta is not None and meta.sealing and not meta.committed else None
 
     def commit_slot(self, key: str, slot_id: int, size_bytes: int, checksum: int,
                     now_s: float) -> ObjectMeta:

@@ -105,6 +105,7 @@ class MasterService:
         self.mirror = mirror
         self._handles: dict[str, NodeHandle] = {}
         self._lock = threading.RLock()
+        self._sealed = threading.Condition(self._lock)  # notified when named objects seal or go
 
     # ---- nodes ---------------------------------------------------------------------------------
     def register_node(self, node_id: str, dram_bytes: int, disk_bytes: int,
@@ -144,6 +145,7 @@ class MasterService:
                 if not isinstance(local, RemoteNode):  # in-process nodes live as long as we do
                     self.index.heartbeat(node_id, now_s)
             dead = self.index.expire(now_s)
+            self._sealed.notify_all()  # named objects reclaimed: their waiting gets answer
             self._run_actions()
         for node_id in dead:
             log.warning("node %s missed its heartbeats: declared dead", node_id)
@@ -174,9 +176,14 @@ class MasterService:
     def put_revoke(self, key: str) -> None:
         with self._lock:
             self.index.put_revoke(key)
+            self._sealed.notify_all()
 
-    def put_slots(self, commits: list[Any], reserve: list[Any] | None = None) -> dict[str, Any]:
-        """Commit objects written into slots and reserve new ones, in one request.
+    def put_slots(self, commits: list[Any], reserve: list[Any] | None = None,
+                  seal_later: bool = False) -> dict[str, Any]:
+        """Commit objects written into slots and reserve new ones, in one request. With
+        `seal_later`, each commit only names its slot (PENDING: the writer sends this before its
+        bytes are written) and `put_seal` later makes it readable; a get of it meanwhile waits
+        for that seal (up to `seal_wait_s`).
         `commits`: [[key, slot, size_bytes, checksum], ...], each answered as a batch entry
         (ObjectExists or a wrong size keep the slot reserved; ObjectNotFound: the slot is gone).
         `reserve`: [size_bytes, count, num_replicas or None, local_node or None] asks for up to
@@ -187,8 +194,11 @@ class MasterService:
         spec = _reserve_spec(reserve) if reserve is not None else None
         with self._lock:
             now_s = self.clock.now_s()
-            results = [_item(lambda c=c: self._commit_slot(c[0], c[1], c[2], c[3], now_s))
-                       for c in items]
+            if seal_later:
+                results = [_item(lambda c=c: self._name_slot(*c)) for c in items]
+            else:
+                results = [_item(lambda c=c: self._commit_slot(c[0], c[1], c[2], c[3], now_s))
+                           for c in items]
             slots: list[dict[str, Any]] = []
             if spec is not None:
                 size, count, num_replicas, local_node = spec
@@ -205,6 +215,33 @@ class MasterService:
                          for slot_id, meta in reserved]
             self._run_actions()
             return {"results": results, "slots": slots}
+
+    def _name_slot(self, key: str, slot: int, size_bytes: int, checksum: int) -> None:
+        self.index.name_slot(key, slot, size_bytes, checksum)
+
+    def put_seal(self, keys: list[Any]) -> None:
+        """The named objects `keys` are written and checked: make them readable (and wake the
+        gets waiting for them). One-way on the wire: the writer does not wait."""
+        if not all(isinstance(k, str) for k in keys):
+            raise InvalidRequest("keys: each must be a string")
+        with self._lock:
+            now_s = self.clock.now_s()
+            try:
+                for key in keys:
+                    self.index.seal(key, now_s)
+                    if self.mirror:
+                        self._tell_nodes("hold", key)
+            finally:
+                self._sealed.notify_all()
+            self._run_actions()
+
+    def _wait_seal(self, key: str) -> None:
+        """Under the lock: if `key` is named and being sealed, wait (the lock released) until it
+        is sealed or gone, or `seal_wait_s` passes."""
+        meta = self.index.sealing(key)
+        if meta is not None:
+            self._sealed.wait_for(lambda: self.index.sealing(key) is not meta,
+                                  timeout=self.config.seal_wait_s)
 
     def _commit_slot(self, key: str, slot: int, size_bytes: int, checksum: int,
                      now_s: float) -> None:
@@ -233,6 +270,7 @@ class MasterService:
         """{"size_bytes", "checksum", "replicas": [descriptor], "lease_id"}: the replicas are
         protected by a read lease until `release_leases` names it or `lease_s` passes."""
         with self._lock:
+            self._wait_seal(key)
             meta, lease_id = self.index.get_leased(key, self.clock.now_s())
             if not meta.dram():
                 self._run_actions()
@@ -254,6 +292,7 @@ class MasterService:
 
     def exists(self, key: str) -> bool:
         with self._lock:
+            self._wait_seal(key)
             return self.index.exists(key)
 
     def remove(self, key: str) -> None:

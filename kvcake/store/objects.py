@@ -32,6 +32,7 @@ class ObjectMeta:
     deadline_s: float = 0.0  # uncommitted puts are reclaimed after this
     leases: dict[int, float] = field(default_factory=dict)  # lease id -> end, one per read
     pinned: bool = False
+    sealing: bool = False  # named from a slot, its writer's one-way seal commits it
 
     @property
     def lease_until_s(self) -> float:

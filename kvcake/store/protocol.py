@@ -43,7 +43,9 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
     "put_start_batch": {"items": (_LIST, True), "num_replicas": (_INT, False),
                         "local_node": (_STR, False)},
     "put_commit_batch": {"keys": (_LIST, True)},
-    "put_slots": {"commits": (_LIST, True), "reserve": (_LIST, False)},
+    "put_slots": {"commits": (_LIST, True), "reserve": (_LIST, False),
+                  "seal_later": (_BOOL, False)},
+    "put_seal": {"keys": (_LIST, True)},
     "release_slots": {"slots": (_LIST, True)},
     "touch": {"keys": (_LIST, True)},
     "get": {"key": (_STR, True)},
@@ -73,7 +75,8 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
 
 
 # Ops the server never answers: the client sends them and goes on (see RpcConnection.send).
-ONE_WAY_OPS = frozenset({"release_leases", "release_slots", "touch", "hold", "forget"})
+ONE_WAY_OPS = frozenset({"release_leases", "release_slots", "touch", "put_seal", "hold",
+                         "forget"})
 _MAX_DEFERRED = 64  # deferred one-way frames (RpcConnection.defer) held before they are sent
 _MAX_MERGED = 1024  # items merged into one deferred frame (RpcConnection.defer_items) at most
 

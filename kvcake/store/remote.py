@@ -47,15 +47,23 @@ class RemoteMaster:
     def put_revoke(self, key: str) -> None:
         self._conn.call("put_revoke", key=key)
 
-    def put_slots(self, commits: list[Any], reserve: list[Any] | None = None) -> dict[str, Any]:
-        return dict(self._conn.call("put_slots", commits=commits, reserve=reserve))
+    def put_slots(self, commits: list[Any], reserve: list[Any] | None = None,
+                  seal_later: bool = False) -> dict[str, Any]:
+        return dict(self._conn.call("put_slots", commits=commits, reserve=reserve,
+                                    seal_later=seal_later))
 
     def put_slots_overlapped(self, commits: list[Any], reserve: list[Any] | None,
-                             work: Callable[[], T]) -> tuple[dict[str, Any], T]:
+                             work: Callable[[], T], seal_later: bool = False
+                             ) -> tuple[dict[str, Any], T]:
         """`put_slots`, running `work()` here while the master handles it."""
         result, value = self._conn.call_overlapped(
-            "put_slots", {"commits": commits, "reserve": reserve}, work)
+            "put_slots", {"commits": commits, "reserve": reserve, "seal_later": seal_later},
+            work)
         return dict(result), value
+
+    def put_seal(self, keys: list[Any]) -> None:
+        """One-way, sent now (gets of these keys wait for it)."""
+        self._conn.send("put_seal", keys=keys)
 
     def release_slots(self, slots: list[Any]) -> None:
         """One-way, sent with this client's next request to the master."""

@@ -7,16 +7,27 @@
 Keys name content: a key already stored or being written is not written again (False).
 
 A single put of up to `SLOT_MAX_BYTES` goes through a slot instead: a keyless allocation the
-master reserved beforehand (index.py), held here per object size. The put writes header +
-payload into the slot (the node checks the bytes' digest before it answers), then one master
-request names the key, commits it with its checksum and reserves the next slot of that size: two
-round trips instead of three. Nothing is weakened: the commit is still acknowledged before `put`
-returns and still follows the node's verified write, so a reader never sees a half-written object;
-a writer that dies leaves only an unnamed slot, invisible and reclaimed after `put_timeout_s`. A
-slot is used only in the first half of that time (by this client's clock), so it is never written
-after the master could have reclaimed it; an unused one is released at `close()`. The first put of
-a size reserves its slot in a round trip of its own (put_start's place). Slots are not used with a
-master found through etcd (a new leader does not know an old one's slots).
+master reserved beforehand (index.py), held here per object size. By default the put writes
+header + payload into the slot (the node checks the bytes' digest before it answers), then one
+master request names the key, commits it with its checksum (acknowledged before `put` returns)
+and reserves the next slot of that size: two round trips instead of three, nothing weakened.
+
+`async_seal=True` (opt-in) takes the master off the critical path: the request that names the
+slot with the key and checksum (PENDING, not readable) and reserves the next slot is sent first,
+the bytes are written while the master handles it, its reply is read (ObjectExists: False, as
+ever), and a one-way seal commits the object. A reader still never sees a half-written object (the
+seal follows the node's verified write; a get of a named key waits for its seal, `seal_wait_s`,
+then says ObjectNotFound) and this client's later requests see the object (its master connection
+is in order); but `put` returns once the seal is sent, not acknowledged: should the master never
+get it, the object is not stored, as if evicted at once. Measured side by side in
+benchmarks/store_vs_peers.py (docs/benchmarks.md), it is not the default.
+
+Either way a writer that dies leaves nothing readable (an unnamed slot, or a named object never
+sealed, reclaimed after `put_timeout_s`). A slot is used only in the first half of
+`put_timeout_s` (by this client's clock), so it is never written after the master could have
+reclaimed it; an unused one is released at `close()`. The first put of a size reserves its slot
+in a round trip of its own (put_start's place). Slots are not used with a master found through
+etcd (a new leader does not know an old one's slots).
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ class ObjectWriter:
 
     def __init__(self, master: Master, transfer: Transfer, direct: bool, *,
                  clock: Clock | None = None, on_written: OnWritten | None = None,
-                 slots: bool = True) -> None:
+                 slots: bool = True, async_seal: bool = False) -> None:
         self.master = master
         self._transfer = transfer
         self._direct = direct
@@ -71,6 +82,7 @@ class ObjectWriter:
         self._slots: dict[tuple[int, int | None, str | None],
                           list[tuple[dict[str, Any], float]]] = {}
         self._slot_lock = threading.Lock()
+        self._async_seal = async_seal
 
     def put(self, key: str, value: Any, num_replicas: int | None,
             local_node: str | None) -> bool:
@@ -91,12 +103,55 @@ class ObjectWriter:
         else:
             checksum = payload_checksum(view)
         requests, digests = self._put_requests([(key, view, checksum, slot["replicas"])])
+        if not self._async_seal:
+            return self._put_acknowledged(key, view, checksum, slot, shape, reserve,
+                                          requests, digests, num_replicas, local_node)
+
+        def write() -> BaseException | None:  # the error, so that the master's reply is read
+            try:
+                self._transfer(requests, digests)
+            except (TransferError, ValueError) as exc:
+                return exc
+            return None
+
+        # Name the slot (sent first: the master handles it while the bytes go to the node),
+        # write, then seal it one-way; a get of the key meanwhile waits for the seal.
+        commits = [[key, slot["slot"], size, checksum]]
+        if isinstance(self.master, RemoteMaster):
+            result, failed = self.master.put_slots_overlapped(commits, reserve, write,
+                                                              seal_later=True)
+        else:
+            result = self.master.put_slots(commits, reserve, seal_later=True)
+            failed = write()
+        self._keep(shape, result["slots"])
+        try:
+            unwrap(result["results"][0])
+        except ObjectExists:
+            self._keep(shape, [slot], slot["_at"])  # still reserved: the next put reuses it
+            return False
+        except ObjectNotFound:  # the slot is gone (its node left): the ordinary way
+            return self.put_batch([key], [view], num_replicas, local_node)[0]
+        if failed is not None:  # named but not written: nobody may read it
+            self.revoke(key)
+            raise TransferFailed(f"put of {key!r} failed: {failed}") from failed
+        self.master.put_seal([key])
+        if self._on_written is not None:
+            self._on_written(key, size, checksum, slot["replicas"])
+        return True
+
+    def _put_acknowledged(self, key: str, view: memoryview, checksum: int,
+                          slot: dict[str, Any], shape: tuple[int, int | None, str | None],
+                          reserve: list[Any], requests: list[TransferRequest],
+                          digests: list[int | None], num_replicas: int | None,
+                          local_node: str | None) -> bool:
+        """Write into the slot, then one request commits it (acknowledged) and reserves the
+        next: two round trips."""
         try:
             self._transfer(requests, digests)
         except (TransferError, ValueError) as exc:
             self._release([slot["slot"]])
             raise TransferFailed(f"put of {key!r} failed: {exc}") from exc
-        result = self.master.put_slots([[key, slot["slot"], size, checksum]], reserve)
+        result = self.master.put_slots([[key, slot["slot"], len(view), checksum]], reserve)
         self._keep(shape, result["slots"])
         try:
             unwrap(result["results"][0])
@@ -106,7 +161,7 @@ class ObjectWriter:
         except ObjectNotFound:  # the slot is gone (its node left): the ordinary way
             return self.put_batch([key], [view], num_replicas, local_node)[0]
         if self._on_written is not None:
-            self._on_written(key, size, checksum, slot["replicas"])
+            self._on_written(key, len(view), checksum, slot["replicas"])
         return True
 
     def close(self) -> None:

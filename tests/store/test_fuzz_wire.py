@@ -49,6 +49,8 @@ class Served:
         self.values = {key: bytes([i]) * (1000 + 100 * i) for i, key in enumerate(KEYS)}
         for key, value in self.values.items():
             self.member.put(key, value)
+        # A put's seal is one-way: an answered request on the same connection orders after it.
+        assert self.member.exists(KEYS[-1])
         self.before = self.state()
 
     def state(self) -> tuple[Any, ...]:

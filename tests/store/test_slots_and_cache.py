@@ -19,13 +19,15 @@ from kvcake.store import StoreClient
 from kvcake.store.config import EmbeddedConfig, MasterConfig, NodeConfig
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
-from kvcake.store.layout import HEADER_BYTES
+from kvcake.store.layout import HEADER_BYTES, payload_checksum
 from kvcake.store.master import MasterServer, MasterService
 from kvcake.store.node import StoreNode
 from kvcake.store.protocol import ONE_WAY_OPS
-from kvcake.transfer import TransferConfig
+from kvcake.store.replica_io import write_requests
+from kvcake.transfer import TransferConfig, TransferError
 
 PUT_TIMEOUT_S = 30.0
+SEAL_WAIT_S = 0.05  # real seconds a get waits for a seal that never comes (the crash test)
 
 
 class Counting:
@@ -34,6 +36,7 @@ class Counting:
     def __init__(self, service: MasterService) -> None:
         self.service = service
         self.calls: list[str] = []
+        self.fail_seals = False
         self.fail_commits = False
 
     def __getattr__(self, name: str) -> Any:
@@ -45,12 +48,15 @@ class Counting:
             self.calls.append(name)
             if name == "put_slots" and self.fail_commits and args and args[0]:
                 raise StoreError("the writer died before its commit reached the master")
+            if name == "put_seal" and self.fail_seals:
+                raise StoreError("the writer died before its seal reached the master")
             return attr(*args, **kwargs)
         return call
 
 
 def _store(clock: ManualClock, num_nodes: int = 1, dram: int = 1 << 20) -> EmbeddedStore:
-    config = MasterConfig(put_timeout_s=PUT_TIMEOUT_S, lease_s=5.0, heartbeat_timeout_s=1e9)
+    config = MasterConfig(put_timeout_s=PUT_TIMEOUT_S, lease_s=5.0, heartbeat_timeout_s=1e9,
+                          seal_wait_s=SEAL_WAIT_S)
     return EmbeddedStore(EmbeddedConfig(dram, num_nodes=num_nodes, master=config),
                          clock=clock)
 
@@ -75,16 +81,32 @@ def test_a_slot_put_is_one_write_and_one_master_request_and_a_cached_get_none() 
         master.calls.clear()
         assert client.put("b", b"y" * 5000)
         assert master.calls == ["put_slots"]  # commit of b + the next slot, one request
+        assert store.master.index.objects["b"].committed  # acknowledged before put returned
+        master.calls.clear()
+        assert client.get("a") == b"x" * 5000 and client.get("b") == b"y" * 5000
+        assert master.calls == ["touch", "touch"]  # no lookup, only the LRU news
+
+
+def test_an_async_seal_put_names_writes_then_seals() -> None:
+    clock = ManualClock(0.0)
+    with _store(clock) as store:
+        client, master = _client(store, clock, async_seal=True)
+        assert client.put("a", b"x" * 5000)  # the first put of a size reserves its slot first
+        assert master.calls == ["put_slots", "put_slots", "put_seal"]
+        master.calls.clear()
+        assert client.put("b", b"y" * 5000)
+        assert master.calls == ["put_slots", "put_seal"]  # name b + the next slot; one-way seal
         master.calls.clear()
         assert client.get("a") == b"x" * 5000 and client.get("b") == b"y" * 5000
         assert master.calls == ["touch", "touch"]  # no lookup, only the LRU news
         assert store.master.exists("a") and store.master.exists("b")
 
 
-def test_a_put_of_an_existing_key_returns_false_and_keeps_its_slot() -> None:
+@pytest.mark.parametrize("async_seal", [False, True])
+def test_a_put_of_an_existing_key_returns_false_and_keeps_its_slot(async_seal: bool) -> None:
     clock = ManualClock(0.0)
     with _store(clock) as store:
-        client, _ = _client(store, clock)
+        client, _ = _client(store, clock, async_seal=async_seal)
         other = store.client(location_cache=0)
         assert client.put("k", b"1" * 100)
         assert not client.put("k", b"2" * 100)  # written into the slot, never named k
@@ -93,37 +115,111 @@ def test_a_put_of_an_existing_key_returns_false_and_keeps_its_slot() -> None:
         assert client.put("j", b"3" * 100) and other.get("j") == b"3" * 100
 
 
-def test_a_writer_that_dies_before_its_commit_leaves_nothing_and_its_space_comes_back() -> None:
+def test_a_writer_that_dies_before_its_seal_leaves_nothing_and_its_space_comes_back() -> None:
+    clock = ManualClock(0.0)
+    with _store(clock) as store:
+        client, master = _client(store, clock, async_seal=True)
+        assert client.put("first", b"f" * 3000)
+        used = store.master.stats()["used_bytes"]
+        master.fail_seals = True
+        with pytest.raises(StoreError, match="died"):  # named, bytes written, never sealed
+            client.put("half", b"h" * 3000)
+        reader = store.client(location_cache=0)
+        assert not reader.exists("half")  # each waits SEAL_WAIT_S for the seal, then answers
+        with pytest.raises(ObjectNotFound):
+            reader.get("half")
+        assert store.master.index.objects["half"].sealing  # named, pending, unreadable
+        used_before_reclaim = store.master.stats()["used_bytes"]
+        clock.advance(PUT_TIMEOUT_S + 1)
+        store.master.tick()
+        assert "half" not in store.master.index.objects
+        client.release_slots()  # the next put's slot too: only "first" is left
+        assert store.master.stats()["used_bytes"] < used_before_reclaim
+        assert store.master.stats()["used_bytes"] < used
+        assert reader.get("first") == b"f" * 3000 and not reader.exists("half")
+
+
+def test_an_acknowledged_put_that_dies_before_its_commit_leaves_nothing() -> None:
     clock = ManualClock(0.0)
     with _store(clock) as store:
         client, master = _client(store, clock)
         assert client.put("first", b"f" * 3000)
         used = store.master.stats()["used_bytes"]
         master.fail_commits = True
-        with pytest.raises(StoreError, match="died"):  # bytes written into the slot, no commit
+        with pytest.raises(StoreError, match="died"):  # bytes written into the slot
             client.put("half", b"h" * 3000)
         reader = store.client(location_cache=0)
         assert not reader.exists("half")
         with pytest.raises(ObjectNotFound):
             reader.get("half")
-        assert store.master.index.slots  # the written slot, still reserved, still unnamed
+        assert store.master.index.slots  # the written slot: reserved, unnamed, unreadable
         clock.advance(PUT_TIMEOUT_S + 1)
         store.master.tick()
         assert not store.master.index.slots
-        assert store.master.stats()["used_bytes"] < used  # the slot's range is free again
-        assert reader.get("first") == b"f" * 3000 and not reader.exists("half")
+        assert store.master.stats()["used_bytes"] < used  # its range is free again
+        assert reader.get("first") == b"f" * 3000
+
+
+@pytest.mark.parametrize("async_seal", [False, True])
+def test_a_writer_whose_write_fails_leaves_nothing(async_seal: bool) -> None:
+    clock = ManualClock(0.0)
+    with _store(clock) as store:
+        client, _ = _client(store, clock, async_seal=async_seal)
+        assert client.put("first", b"f" * 3000)
+
+        def broken(requests: Any, digests: Any = None) -> None:
+            raise TransferError("the node went away mid-write")
+
+        client._writer._transfer = broken
+        with pytest.raises(TransferFailed, match="mid-write"):
+            client.put("half", b"h" * 3000)
+        assert "half" not in store.master.index.objects  # revoked (or never named) at once
+        reader = store.client(location_cache=0)
+        with pytest.raises(ObjectNotFound):
+            reader.get("half")
+
+
+def test_a_get_of_a_named_key_waits_for_its_seal_and_serves_the_sealed_bytes() -> None:
+    clock = ManualClock(0.0)
+    config = MasterConfig(seal_wait_s=30.0)  # never runs out here: the seal is sent below
+    with EmbeddedStore(EmbeddedConfig(1 << 20, master=config), clock=clock) as store:
+        writer = store.client()
+        reader = store.client(location_cache=0)
+        value = os.urandom(2000)
+        checksum = payload_checksum(value)
+        slot = store.master.put_slots([], [2000, 1, None, None])["slots"][0]
+        named = store.master.put_slots([["k", slot["slot"], 2000, checksum]], None,
+                                       seal_later=True)
+        assert named["results"][0]["ok"]
+        waiting = threading.Event()
+        original = store.master._sealed.wait_for
+
+        def wait_for(predicate: Any, timeout: float | None = None) -> bool:
+            waiting.set()  # the reader is inside the master, waiting for the seal
+            return original(predicate, timeout)
+
+        store.master._sealed.wait_for = wait_for  # type: ignore[method-assign]
+        got: list[bytes] = []
+        thread = threading.Thread(target=lambda: got.append(reader.get("k")))
+        thread.start()
+        assert waiting.wait(10.0)
+        writer._writer._transfer(write_requests(memoryview(value), checksum,
+                                                slot["replicas"]))
+        store.master.put_seal(["k"])
+        thread.join(10.0)
+        assert got == [value]
 
 
 def test_a_slot_is_not_written_in_the_second_half_of_its_time() -> None:
     clock = ManualClock(0.0)
     with _store(clock) as store:
-        client, master = _client(store, clock)
+        client, master = _client(store, clock, async_seal=True)
         assert client.put("a", b"a" * 1000)
         (old,) = store.master.index.slots
         clock.advance(PUT_TIMEOUT_S / 2)
         master.calls.clear()
         assert client.put("b", b"b" * 1000)
-        assert master.calls == ["release_slots", "put_slots", "put_slots"]  # a fresh slot
+        assert master.calls == ["release_slots", "put_slots", "put_slots", "put_seal"]
         assert old not in store.master.index.slots
         assert client.get("b") == b"b" * 1000
 
@@ -182,10 +278,11 @@ def test_a_corrupted_replica_is_detected_through_a_cached_location() -> None:
             client.get_into("b", bytearray(6000))
 
 
-def test_concurrent_slot_puts_and_cached_gets_serve_only_the_bytes_put() -> None:
+@pytest.mark.parametrize("async_seal", [False, True])
+def test_concurrent_slot_puts_and_cached_gets_serve_only_the_bytes_put(async_seal: bool) -> None:
     clock = ManualClock(0.0)
     with _store(clock, num_nodes=2, dram=4 << 20) as store:
-        client, _ = _client(store, clock)
+        client, _ = _client(store, clock, async_seal=async_seal)
         errors: list[BaseException] = []
 
         def work(thread: int) -> None:
@@ -232,7 +329,11 @@ def test_put_slots_validates_its_arguments() -> None:
         service.touch([1])
     result = service.put_slots([["k", 7, 10, 1]], None)  # an unknown slot: that entry fails
     assert result["slots"] == [] and result["results"][0]["error"]["type"] == "ObjectNotFound"
-    assert {"release_slots", "touch"} <= ONE_WAY_OPS
+    assert {"release_slots", "touch", "put_seal"} <= ONE_WAY_OPS
+    with pytest.raises(InvalidRequest, match="keys"):
+        service.put_seal([3])
+    with pytest.raises(ObjectNotFound, match="seal"):
+        service.put_seal(["never-named"])
 
 
 def test_over_tcp_cached_reads_reach_the_masters_lru_before_the_next_request(
