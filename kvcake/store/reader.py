@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvcake.store.errors import (
     InvalidRequest,
@@ -44,6 +44,7 @@ from kvcake.store.layout import HEADER_BYTES, CorruptObject, verify
 from kvcake.store.master_api import Master, unwrap
 from kvcake.store.replica_io import check_room, read_requests, segment_of, valid
 from kvcake.transfer import (
+    SegmentDesc,
     TransferError,
     TransferOp,
     TransferRequest,
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 # a larger batch reads into a buffer of its own.
 _BATCH_SCRATCH_BYTES = 256 << 20
 _READ_ROUNDS = 3  # how many times the reader asks the master again after every replica failed
-CACHE_ENTRIES = 1 << 16  # keys whose location a reader remembers by default
+CACHE_ENTRIES = 1 << 15  # keys whose location a reader remembers by default (~200 bytes each)
 
 Leased = list[tuple[str, dict[str, Any]]]  # (key, descriptor with its "lease_id") to release
 
@@ -86,7 +87,7 @@ class ObjectReader:
         self._recheck = recheck
         self._local = threading.local()
         self._cache_entries = cache_entries
-        self._cache: dict[str, dict[str, Any]] = {}  # key -> descriptor without a lease
+        self._cache: dict[str, _Location] = {}
 
     # ---- location cache ------------------------------------------------------------------------
     def remember(self, key: str, size_bytes: int, checksum: int,
@@ -100,7 +101,9 @@ class ObjectReader:
                 del cache[next(iter(cache))]  # the oldest entry
             except (KeyError, StopIteration, RuntimeError):  # another thread got there first
                 pass
-        cache[key] = {"size_bytes": size_bytes, "checksum": checksum, "replicas": replicas}
+        first = replicas[0]
+        cache[key] = _Location(size_bytes, checksum, int(first["version"]), int(first["offset"]),
+                               segment_of(first["segment"]))
 
     def forget(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -113,26 +116,27 @@ class ObjectReader:
     def _cached_read(self, key: str, dest: memoryview, whole: memoryview | None) -> int | None:
         """Read `key` from its remembered location, checked; its size, or None (not
         remembered, or the check failed: the entry is dropped and the caller asks the master)."""
-        meta = self._cache.get(key)
-        if meta is None:
+        where = self._cache.get(key)
+        if where is None:
             return None
-        size = int(meta["size_bytes"])
+        size = where.size_bytes
         if len(dest) < size:
             return None  # the master path raises the error that says so
-        replica = meta["replicas"][0]
         if whole is not None:
             header = whole[:HEADER_BYTES]
-            requests = [TransferRequest(TransferOp.READ, whole, segment_of(replica["segment"]),
-                                        replica["offset"])]
+            requests = [TransferRequest(TransferOp.READ, whole, where.segment, where.offset)]
         else:
             header = memoryview(bytearray(HEADER_BYTES))
-            requests = read_requests(replica, meta, header, dest)
+            requests = [TransferRequest(TransferOp.READ, header, where.segment, where.offset)]
+            if size:
+                requests.append(TransferRequest(TransferOp.READ, dest, where.segment,
+                                                where.offset + HEADER_BYTES, size))
         try:
             self._transfer(requests)
-            ok = _matches(replica, meta, header, dest)
-        except (TransferError, ValueError):
-            ok = False
-        if not ok:
+            verify(header, dest[:size], where.version, where.checksum)
+        except (TransferError, ValueError, CorruptObject):
+            # removed, evicted or reused (not a corruption to report: the master path checks
+            # the replicas it names, and reports those)
             self._cache.pop(key, None)
             return None
         self._touch(key)
@@ -153,7 +157,7 @@ class ObjectReader:
         # whose pages are already mapped; the only copy is the final bytes().
         cached = self._cache.get(key)
         if cached is not None:
-            size = int(cached["size_bytes"])
+            size = cached.size_bytes
             scratch = self._buffer("scratch", HEADER_BYTES + size)
             if self._cached_read(key, scratch[HEADER_BYTES:], scratch) is not None:
                 return bytes(scratch[HEADER_BYTES:])
@@ -339,12 +343,12 @@ class ObjectReader:
         raise TransferFailed(f"no replica of {key!r} could be read intact: {errors[-3:]}")
 
 
-def _matches(replica: dict[str, Any], meta: dict[str, Any], header: memoryview,
-             dest: memoryview) -> bool:
-    """`valid` without its warning: a cached location that no longer holds the object is
-    expected (removed, evicted, reused), not a corruption to report."""
-    try:
-        verify(header, dest[:meta["size_bytes"]], replica["version"], meta["checksum"])
-        return True
-    except CorruptObject:
-        return False
+
+class _Location(NamedTuple):
+    """Where a remembered object lives: its first replica (as the master described it)."""
+
+    size_bytes: int
+    checksum: int
+    version: int
+    offset: int
+    segment: SegmentDesc
