@@ -13,6 +13,12 @@ short prompt, then timed on the long one):
 - `single1`: one prefill engine (`Engine`, prefill-only, chunked prefill at the engine's token
   budget `--single-budget`), 1 thread. TTFT: `add_request` -> the step that samples.
 - `single2`: the same with 2 threads (the same 2 cores as cpp2, in one process).
+- `live_cpp2`: the served path: a cluster as `kvcake serve --prefill 1 --decode 1 --cpp-nodes 2`
+  starts it (worker processes, 1 thread each, the Conductor in this process); the prompt goes
+  to the CPP group (`--cpp-min-tokens` = the warm-up's length), which streams its KV into the
+  decode worker's reserved blocks. TTFT: `generate` -> the first token event (reservation,
+  pipelined prefill, every stage's KV writes, one request of max_tokens 1).
+- `live_single1`: the same cluster without the group: the plain prefill worker (1 thread).
 
 Model: the `small` preset's shape (d 768, 12 layers, GQA 12:4, vocab 32000) with its context
 raised to `--context` (16k tokens do not fit the preset's 8,192), seeded random weights written
@@ -45,8 +51,8 @@ from kvcake.server.worker.cpp_group import CppGroup
 WARMUP_TOKENS = 512
 
 
-def write_model(path: Path, context: int, seed: int) -> None:
-    config = dataclasses.replace(PRESETS["small"], name="small-long",
+def write_model(path: Path, context: int, seed: int, shape: str = "small") -> None:
+    config = dataclasses.replace(PRESETS[shape], name=f"{shape}-long",
                                  max_position_embeddings=context)
     save_hf_dir(config, dummy_weights(config, seed), path)
 
@@ -99,6 +105,41 @@ def run_cpp(model: str, members: int, config: EngineConfig, chunk_tokens: int,
     return out, list(r.compute_s)
 
 
+def run_live(model: str, members: int, config: EngineConfig, chunk_tokens: int,
+             prompts: list[list[int]], profile_dir: str) -> list[tuple[int, float]]:
+    """TTFT of each prompt through a served cluster (worker processes): with a CPP group of
+    `members` stages (every prompt from the first's length up goes to it), or none (0)."""
+    import asyncio
+
+    from kvcake.conductor import ConductorConfig
+    from kvcake.server.cluster.config import ClusterConfig
+    from kvcake.server.cluster.launcher import Cluster
+    from kvcake.server.frontend.backend import GenerateRequest
+    from kvcake.types import RequestId
+
+    cpp = {"cpp_min_tokens": min(map(len, prompts)), "cpp_nodes": members,
+           "cpp_chunk_tokens": chunk_tokens} if members else {}
+    cluster_config = ClusterConfig.simple(
+        1, 1, members, model=model, engine=config, profile_dir=profile_dir,
+        worker={"num_threads": 1}, conductor=ConductorConfig(admission="none", **cpp))
+    out = []
+    with Cluster(cluster_config) as cluster:
+        backend = cluster.backend
+        assert backend is not None
+
+        async def first_token(rid: str, prompt: list[int]) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            stream = await backend.generate(GenerateRequest(RequestId(rid), tuple(prompt), 1,
+                                                            temperature=0.0, ignore_eos=True))
+            async for event in stream:
+                return event.token_ids[0], time.perf_counter() - t0
+            raise RuntimeError(f"{rid}: no token")
+
+        for i, prompt in enumerate(prompts):
+            out.append(asyncio.run(first_token(f"live-{i}", prompt)))
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompt-tokens", type=int, default=16384)
@@ -107,6 +148,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--single-budget", type=int, default=EngineConfig().max_num_batched_tokens,
                    help="the single worker's prefill chunk (engine token budget)")
     p.add_argument("--members", type=int, default=2)
+    p.add_argument("--shape", default="small", choices=("small", "tiny"),
+                   help="the preset whose shape the model has (tiny: a quick check of the code)")
     p.add_argument("--systems", default="single1,cpp2,single2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", type=Path, help="reuse this directory (written if absent)")
@@ -123,9 +166,9 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="kvcake-cpp-"))
         model_dir = tmp / "model"
     if not (model_dir / "config.json").exists():
-        write_model(model_dir, args.context, args.seed)
+        write_model(model_dir, args.context, args.seed, args.shape)
     rng = random.Random(args.seed)
-    vocab = PRESETS["small"].vocab_size
+    vocab = PRESETS[args.shape].vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)]
                for n in (WARMUP_TOKENS, args.prompt_tokens)]
     config = engine_config(args.prompt_tokens, args.single_budget)
@@ -137,11 +180,16 @@ def main() -> int:
             t0 = time.perf_counter()
             if system.startswith("single"):
                 results[system] = run_single(str(model_dir), int(system[6:]), config, prompts)
+            elif system.startswith("live_"):
+                members = args.members if system == "live_cpp2" else 0
+                results[system] = run_live(str(model_dir), members, config, args.chunk_tokens,
+                                           prompts, str(model_dir / "kvcake-profiles"))
             elif system.startswith("cpp"):
                 results[system], compute = run_cpp(str(model_dir), args.members, config,
                                                    args.chunk_tokens, prompts)
             else:
-                sys.exit(f"--systems: unknown {system!r} (single1, single2, cpp2)")
+                sys.exit(f"--systems: unknown {system!r} (single1, single2, cpp2, live_cpp2, "
+                         "live_single1)")
             print(f"# {system}: ttft {results[system][-1][1]:.2f} s "
                   f"(wall {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     finally:
@@ -156,8 +204,10 @@ def main() -> int:
         "chunk_tokens": args.chunk_tokens,
         "single_budget": args.single_budget,
         "ttft_s": {s: round(v, 3) for s, v in ttft.items()},
-        "ratio_vs_single1": {s: round(v / ttft["single1"], 3) for s, v in ttft.items()}
-        if "single1" in ttft else {},
+        # the served path against the served plain worker, the in-process ones against single1
+        "ratio_vs_single1": {s: round(v / ttft[base], 3) for s, v in ttft.items()
+                             if (base := "live_single1" if s.startswith("live_") else "single1")
+                             in ttft},
         "ideal_cpp_ratio": round((j + x - 1) / (j * x), 3),
         "cpp_member_compute_s": [round(c, 3) for c in compute],
         "tokens_equal": len(set(first.values())) == 1,
