@@ -1,4 +1,5 @@
-"""`kvcake worker` (one prefill, decode or colocated worker) and `kvcake profile`.
+"""`kvcake worker` (one prefill, decode, colocated or cpp worker: a CPP group's stage, loading
+only its slice of the layers) and `kvcake profile`.
 
     kvcake worker --role prefill --port 24100 --master 10.0.0.1:24000
     kvcake profile --model tiny --num-threads 1
@@ -43,7 +44,7 @@ from kvcake.server.worker.worker import Worker
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("worker", help="run one prefill / decode / colocated worker",
+    p = subparsers.add_parser("worker", help="run one prefill / decode / colocated / cpp worker",
                               description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     # Settings come from kvcake/server/cluster/settings.py (the launcher's argv is derived from
     # the same models); only what never travels on a command line is declared here.

@@ -135,7 +135,11 @@ class ClusterConfig:
         if self.mode != "disaggregated":
             raise ValueError("[conductor] cpp_min_tokens: chunked pipeline parallelism needs "
                              "mode disaggregated (a CPP group streams its KV to a decode worker)")
-        if not self.etcd_endpoints and members != cpp.cpp_nodes:
+        if self.etcd_endpoints:
+            raise ValueError("[conductor] cpp_min_tokens: a CPP group does not join through etcd "
+                             "yet; serve it without [etcd] / --etcd (stages on other hosts: "
+                             "[[workers]] role = \"cpp\" with launch = false)")
+        if members != cpp.cpp_nodes:
             raise ValueError(f"[conductor] cpp_min_tokens: the CPP group needs cpp_nodes = "
                              f"{cpp.cpp_nodes} workers of role cpp (--cpp-nodes X launches "
                              f"them), this cluster has {members}")

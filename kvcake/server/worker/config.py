@@ -74,6 +74,10 @@ class WorkerConfig:
         elif self.cpp_member is not None:
             raise ValueError(f"cpp_member: only a worker of role cpp is a group stage (this one "
                              f"is {self.role.value})")
+        if self.etcd is not None and self.role is Role.CPP:
+            raise ValueError("etcd: a CPP stage does not join through etcd yet; list it in the "
+                             "frontend's cluster file ([[workers]] role = \"cpp\", launch = "
+                             "false, its host and port)")
         if self.etcd is not None and self.role is Role.COLOCATED:
             raise ValueError("etcd: only prefill and decode workers join a cluster through etcd")
         if not 0 <= self.port <= 65535:

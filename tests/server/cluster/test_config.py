@@ -55,6 +55,8 @@ _PD = '[[workers]]\nrole = "prefill"\n[[workers]]\nrole = "decode"\n'
     (_PD + '[conductor]\ncpp_min_tokens = 4096\ncpp_nodes = 1\n', "cpp_nodes must be >= 2"),
     (_PD + '[conductor]\ncpp_min_tokens = 4096\ncpp_chunk_tokens = 64\n',
      "cpp_chunk_tokens must be >= 1000"),
+    (_PD + '[conductor]\ncpp_min_tokens = 9\n[[workers]]\nrole = "cpp"\ncount = 2\n'
+     '[etcd]\nendpoints = ["127.0.0.1:2379"]\n', "does not join through etcd yet"),
     ('mode = "colocated"\n[[workers]]\nrole = "colocated"\n[conductor]\ncpp_min_tokens = 9\n',
      "needs mode disaggregated"),
     ('mode = "hybrid"\n', "mode: must be disaggregated or colocated"),
