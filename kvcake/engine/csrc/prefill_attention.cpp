@@ -48,8 +48,12 @@ void qk_tile(const float* qp, const float* kt, int64_t rows, int64_t d, float* s
       for (int v = 0; v < 4; ++v) acc[r][v] = vec{} ;
     for (int64_t i = 0; i < d; ++i) {
       const float* k = kt + i * NK;
-      const vec k0 = vload(k), k1 = vload(k + VLEN), k2 = vload(k + 2 * VLEN),
-                k3 = vload(k + 3 * VLEN);
+      vec k0 = vload(k), k1 = vload(k + VLEN), k2 = vload(k + 2 * VLEN), k3 = vload(k + 3 * VLEN);
+      // Keep the K vectors in registers: folded into each FMA as a memory operand they are
+      // loaded RB times, and the loads, not the FMAs, bound the loop.
+#if defined(__x86_64__) && defined(__AVX__)
+      asm("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
+#endif
 #pragma GCC unroll 8
       for (int64_t r = 0; r < RB; ++r) {
         const float q = qp[(m0 + r) * d + i];
