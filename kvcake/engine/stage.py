@@ -6,7 +6,8 @@ and lm_head on the last) and owns a paged KV pool of its layers only (pool layer
 layer `layers[i]`). A prompt is computed chunk by chunk: `begin` allocates the request's blocks,
 `run_chunk(start, n, hidden)` runs one chunk through the slice and returns its hidden states
 (every row, for the next stage) or, on the last stage, the first token once the final chunk is
-in. Chunks must come in order; the attention of chunk i reads the KV chunks 0..i-1 left in this
+in (sampled as `Engine.step` does: min_tokens, penalties, log probabilities if asked; no prompt
+log probabilities). Chunks must come in order; the attention of chunk i reads the KV chunks 0..i-1 left in this
 stage's pool. `layer_view(block, layer)` is the zero-copy bytes of one of its layers of one
 block, for streaming it to a decode engine (`KVPool.layer_offset_bytes` there, with the decoder
 layer index). Single-threaded, like `Engine`; nothing here starts a thread.
@@ -37,7 +38,14 @@ from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.linear import table_path, tune
 from kvcake.engine.loader import resolve
 from kvcake.engine.runner import ModelRunner
-from kvcake.engine.sampling import Sampler, SamplingParams
+from kvcake.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    suppress_tokens,
+    token_logprob,
+)
 from kvcake.engine.sequence import Sequence as Seq
 from kvcake.types import BlockId, RequestId
 
@@ -84,6 +92,7 @@ class StageEngine:
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.sampler = Sampler()
         self._seqs: dict[str, tuple[Seq, SamplingParams]] = {}
+        self._logprobs: dict[str, TokenLogprob] = {}  # first tokens' (requests that asked)
 
     @property
     def is_first(self) -> bool:
@@ -129,6 +138,9 @@ class StageEngine:
             raise ValueError(f"chunk: tokens {start}..{start + num_tokens} outside the prompt "
                              f"of {len(seq.token_ids)}")
         final = start + num_tokens == len(seq.token_ids)
+        if final and self.is_last and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: a pipeline stage computes no prompt log "
+                             "probabilities (they need every prompt row's logits)")
         plan = BatchPlan([ScheduledChunk(request_id, start, num_tokens, final)])
         tables = {request_id: self.block_manager.block_ids(request_id)}
         if hidden is not None:
@@ -139,7 +151,26 @@ class StageEngine:
             return out
         if not final:
             return torch.empty(0)
-        return self.sampler.sample(out, [request_id], [params])[0]
+        return self._sample_first(request_id, seq, params, out)
+
+    def _sample_first(self, request_id: str, seq: Seq, params: SamplingParams,
+                      logits: Tensor) -> int:
+        """The first token as `Engine.step` samples it: min_tokens masks the stop ids (and EOS),
+        penalties over the prompt, then the sampler; its log probabilities if asked."""
+        with torch.inference_mode():
+            if params.min_tokens > 0:
+                eos = () if params.ignore_eos else self.model_config.eos_token_ids
+                suppress_tokens(logits, [0], [params.stop_token_ids + eos])
+            if params.penalized:
+                apply_penalties(logits, 0, list(seq.token_ids), [], params)
+        token = self.sampler.sample(logits, [request_id], [params])[0]
+        if params.logprobs is not None:
+            self._logprobs[request_id] = token_logprob(logits[0], token, params.logprobs)
+        return token
+
+    def first_token_logprobs(self, request_id: str) -> TokenLogprob | None:
+        """The first token's log probabilities (a request that asked, on the last stage)."""
+        return self._logprobs.get(request_id)
 
     def sampler_state(self, request_id: str) -> bytes | None:
         return self.sampler.export_state(request_id)
@@ -159,3 +190,4 @@ class StageEngine:
         if self._seqs.pop(request_id, None) is not None:
             self.block_manager.free(request_id)
             self.sampler.forget(request_id)
+            self._logprobs.pop(request_id, None)

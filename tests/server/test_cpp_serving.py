@@ -17,7 +17,7 @@ from kvcake.conductor import ConductorConfig
 from kvcake.server.cluster.backend import DisaggBackend
 from kvcake.server.cluster.config import ClusterConfig
 from kvcake.server.cluster.launcher import Cluster
-from kvcake.server.frontend.backend import GenerateRequest
+from kvcake.server.frontend.backend import GenerateRequest, TokenEvent
 from kvcake.server.worker.cpp_role import CppRole
 from kvcake.server.worker.worker import Worker
 from kvcake.types import RequestId
@@ -151,9 +151,10 @@ def test_unsupported_sampling_on_the_group_fails_clearly_and_frees_the_blocks(
         cluster: Cluster, backend: DisaggBackend) -> None:
     engine = cluster.workers["decode-1"].engine
     assert engine is not None
-    with pytest.raises(RuntimeError, match="logprobs: not supported on a CPP group yet; send "
-                                           "such a request with a prompt below cpp_min_tokens"):
-        generate(backend, "cpp-logprobs", ids(101, 150), max_tokens=3, logprobs=2)
+    with pytest.raises(RuntimeError, match="prompt_logprobs: not supported on a CPP group yet; "
+                                           "send such a request with a prompt below "
+                                           "cpp_min_tokens"):
+        generate(backend, "cpp-logprobs", ids(101, 150), max_tokens=3, prompt_logprobs=2)
     wait_until(lambda: engine.block_manager.num_free_blocks == engine.pool.num_blocks
                and not backend._flights)
 
@@ -208,3 +209,31 @@ def test_a_restarted_stage_rejoins_and_the_group_serves_again(
         prompt = ids(111, 230)
         assert tokens(run(backend, prompt, 5)) == offline(llm, [prompt], 5)[0]
         assert isinstance(new._role, CppRole) and new._role.num_chunks == 6
+
+
+def test_the_last_stage_samples_the_first_token_as_the_engine(backend: DisaggBackend,
+                                                             llm: LLM) -> None:
+    """min_tokens masks the stop id the greedy first token would be; penalties over the prompt;
+    the first token's log probabilities come back with it."""
+    prompt = ids(104, 160)
+    stop = offline(llm, [prompt], 1)[0][0]
+    extras = {"stop_token_ids": (stop,), "min_tokens": 2, "repetition_penalty": 1.3,
+              "presence_penalty": 0.4}
+
+    async def go() -> list[TokenEvent]:
+        stream = await backend.generate(GenerateRequest(
+            RequestId("cpp-extras"), tuple(prompt), 5, temperature=0.0, logprobs=2, **extras))
+        return [e async for e in stream]
+
+    events = asyncio.run(go())
+    reference = llm.engine
+    reference.add_request("ref-extras", prompt, SamplingParams(max_tokens=5, logprobs=2,
+                                                               **extras))
+    outputs = [o for _ in range(8) for o in reference.step()]
+    assert tokens(events) == [t for o in outputs for t in o.new_token_ids]
+    assert tokens(events)[0] != stop
+    got, want = events[0].logprobs, outputs[0].logprobs
+    assert got is not None and want is not None
+    assert got[0][0] == want[0][0] == tokens(events)[0]
+    assert got[0][1] == pytest.approx(want[0][1], abs=1e-4)
+    assert [t for t, _ in got[0][2]] == [t for t, _ in want[0][2]]

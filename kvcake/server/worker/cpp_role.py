@@ -22,8 +22,8 @@ transfer segment: shared memory on one host, TCP across hosts):
   Abort        drop the request's queued chunks (their inbox slots go back), wait for its KV
                writes, free its blocks, ack with `RequestFailed("aborted")`.
 
-Sampling on the group: the first token is sampled without the engine's extras (min_tokens,
-penalties, log probabilities); an order asking for them is refused with what to change.
+Sampling on the group: the last stage samples the first token as the engine does (min_tokens,
+penalties, seeds, log probabilities); prompt log probabilities are refused with what to change.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from kvcake.server.worker.messages import (
     RequestFailed,
     sampling_from_wire,
 )
-from kvcake.server.worker.role import RoleHost, sampling_params
+from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
 from kvcake.transfer import SegmentDesc, TransferError
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ class CppRole:
     def _finish(self, rid: str, token: int | None) -> None:
         order = self._orders.pop(rid)
         sampler_state = self.stage.sampler_state(rid) if token is not None else None
+        first = self.stage.first_token_logprobs(rid) if token is not None else None
         ended = time.perf_counter()
         try:
             done = self.member.finish(rid)
@@ -210,7 +211,7 @@ class CppRole:
             rid, -1 if token is None else token,
             None if token is None else self._finish_reason(order, token), 0, 0, done.compute_s,
             span_s if done.kv_bytes else 0.0, exposed_s if done.kv_bytes else 0.0,
-            done.kv_bytes, sampler_state))
+            done.kv_bytes, sampler_state, wire_logprobs([first]) if first else None))
 
     def _finish_reason(self, order: CppOrder, token: int) -> str | None:
         """As the engine decides at a first token: a stop id or EOS ends it, else max_tokens 1."""
@@ -237,12 +238,7 @@ class CppRole:
 
 
 def _check_supported(params: SamplingParams) -> None:
-    unsupported = [name for name, on in (
-        ("logprobs", params.logprobs is not None),
-        ("prompt_logprobs", params.prompt_logprobs is not None),
-        ("min_tokens", params.min_tokens > 0),
-        ("repetition/frequency/presence penalties", params.penalized)) if on]
-    if unsupported:
-        raise ValueError(f"{', '.join(unsupported)}: not supported on a CPP group yet; send "
-                         "such a request with a prompt below cpp_min_tokens")
+    if params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs: not supported on a CPP group yet; send such a "
+                         "request with a prompt below cpp_min_tokens")
 
