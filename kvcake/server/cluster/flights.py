@@ -225,8 +225,12 @@ class Flights:
                 return
             inboxes.append(inbox)
         flight.cpp_waiting = set(group)
-        for stage_id, inbox in zip(group, [*inboxes, {}], strict=True):
+        for i, (stage_id, inbox) in enumerate(zip(group, [*inboxes, {}], strict=True)):
             if not self._workers.send(stage_id, flight.cpp_order(dict(inbox))):
+                if i > 0 and flight.reserved:  # stages before it may write: keep the blocks
+                    flight.reserved, flight.kv_kept = False, True
+                    self.kept.setdefault(stage_id, []).append((flight.placement.decode_id,
+                                                               flight.request.request_id))
                 self._fail(flight, RuntimeError(f"cpp stage {stage_id} is gone"))
                 return
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import pytest
 
@@ -19,6 +19,7 @@ from kvcake.server.cluster.worker_set import WorkerSet
 from kvcake.server.frontend.backend import FinishReason, GenerateRequest, TokenEvent
 from kvcake.server.worker.messages import (
     Abort,
+    CppOrder,
     DecodeAdmitted,
     DecodeOrder,
     KvReserved,
@@ -231,4 +232,65 @@ def test_a_prefill_worker_lost_after_its_prefill_cancels_nothing_it_could_write(
     assert bench.workers.mark_lost("prefill-0")
     bench.flights.on_worker_lost("prefill-0")
     assert bench.d.next() == Abort("r")  # the request is stopped; its blocks may be freed
+    assert bench.flights.by_id == {}
+
+
+@pytest.fixture
+def group_bench() -> Iterator[tuple[Bench, FakeWorker, FakeWorker]]:
+    """prefill-0, decode-1 and a CPP group (cpp-2 stage 0, cpp-3 stage 1); 40-token prompts
+    go to the group."""
+    p, d = FakeWorker("prefill-0", "prefill"), FakeWorker("decode-1", "decode")
+    s0, s1 = FakeWorker("cpp-2", "cpp"), FakeWorker("cpp-3", "cpp")
+    s0.hello = replace(s0.hello, cpp_member=0)
+    s1.hello = replace(s1.hello, cpp_member=1, cpp_inbox={"name": "cpp-hidden-cpp-3"})
+    for fake in (p, d, s0, s1):
+        fake.start()
+    workers = WorkerSet()
+    hellos = workers.connect([f.address for f in (p, d, s0, s1)])
+    config = ConductorConfig(cpp_min_tokens=32, cpp_nodes=2, cpp_chunk_tokens=16,
+                             cpp_min_chunk_tokens=16)
+    router = Router.for_workers(config, hellos, PREFILL, DECODE)
+    loop = asyncio.new_event_loop()
+    yield (Bench(p, d, workers, router, Flights(workers, router, ManualClock(), TransferTotals()),
+                 loop), s0, s1)
+    workers.close()
+    for fake in (p, d, s0, s1):
+        fake.close()
+    loop.close()
+
+
+def test_a_cpp_request_moves_on_once_every_stage_is_done(
+        group_bench: tuple[Bench, FakeWorker, FakeWorker]) -> None:
+    bench, s0, s1 = group_bench
+    sink = bench.admit(max_tokens=5)
+    sampling = asdict(sampling_of(GenerateRequest(RequestId("r"), PROMPT, 5)))
+    assert isinstance(bench.d.next(), ReserveKv)
+    bench.flights.on_message("decode-1", KvReserved("r", POOL, 64, [7, 8]))  # block 0 cached
+    assert s0.next() == CppOrder("r", list(PROMPT), sampling, {"name": "cpp-hidden-cpp-3"},
+                                 POOL, [-1, 7, 8], 64)
+    assert s1.next() == CppOrder("r", list(PROMPT), sampling, {}, POOL, [-1, 7, 8], 64)
+    bench.flights.on_message("cpp-3", replace(done(42), num_cached_tokens=0))  # the token
+    assert isinstance(bench.d.probe(bench.workers), Ping)  # stage 0 may still write
+    assert bench.events(sink) == []
+    bench.flights.on_message("cpp-2", replace(done(-1), num_cached_tokens=0))
+    assert bench.d.next() == DecodeOrder("r", list(PROMPT), 42, sampling, None,
+                                         store_prompt=True)
+    assert bench.events(sink) == [TokenEvent((42,), 0, None)]
+    assert bench.flights.totals.transfer_bytes == 2 * 3 * 4096  # both stages' layers
+
+
+def test_a_failed_stage_stops_the_others_and_frees_the_blocks_once_they_ack(
+        group_bench: tuple[Bench, FakeWorker, FakeWorker]) -> None:
+    bench, s0, s1 = group_bench
+    sink = bench.admit()
+    assert isinstance(bench.d.next(), ReserveKv)
+    bench.flights.on_message("decode-1", KvReserved("r", POOL, 64, [1, 2, 3]))
+    assert isinstance(s0.next(), CppOrder) and isinstance(s1.next(), CppOrder)
+    bench.flights.on_message("cpp-3", RequestFailed("r", "no KV room"))
+    [error] = bench.events(sink)
+    assert isinstance(error, RuntimeError) and "cpp-3: no KV room" in str(error)
+    assert s0.next() == Abort("r")
+    assert isinstance(bench.d.probe(bench.workers), Ping)  # stage 0 may still write
+    bench.flights.on_message("cpp-2", RequestFailed("r", "aborted"))  # its ack
+    assert bench.d.next() == Abort("r")
     assert bench.flights.by_id == {}
