@@ -328,7 +328,10 @@ class Conductor:
             group_blocks.append(min(blocks[position[m]] if m in position else 0 for m in group))
             group_queues.append(max(queues[m].queue_s(now_s) for m in group))
         predicted: dict[int, float] = {}  # prefix_len -> pipelined prefill seconds
-        plans = [self._plan_prefill(req, match, n, source, predicted, pipelined=True)
+        # dedicated members read no prefix from others (a stage holds a slice of each block):
+        # their prompt is recomputed, and predicted so
+        fetch_from = None if self._cpp_members else source
+        plans = [self._plan_prefill(req, match, n, fetch_from, predicted, pipelined=True)
                  for n in group_blocks]
         ttfts = [plan[2] + queue_s + plan[3] for plan, queue_s in zip(plans, group_queues,
                                                                      strict=True)]

@@ -190,10 +190,13 @@ def test_cpp_stages_are_placed_only_as_their_group_in_stage_order() -> None:
         return r.place(schedule_request(GenerateRequest(RequestId(rid), tuple(range(n)), 4),
                                         HELLOS[0]), 0.0)
 
+    r.on_store_events(StoreEvents(keys_of(tuple(range(160)))))  # the store holds 10 blocks
     long = place("long", 300)
     assert (long.prefill_id, long.prefill_group) == ("cpp-2", ("cpp-2", "cpp-3"))
+    assert long.fetch is None  # stages read no prefix: the group recomputes, predicted so
     short = place("short", 150)
     assert (short.prefill_id, short.prefill_group) == ("prefill-0", ())
+    assert short.fetch is not None and len(short.fetch.keys) == 9
     r.remove("cpp-2")
     assert r.conductor.cpp_groups == ()
     assert place("long-2", 300).prefill_id == "prefill-0"
