@@ -3,9 +3,11 @@
 // Eager torch runs RMSNorm as six kernels, RoPE and the KV write as eight, SwiGLU's gate as two;
 // each is a dispatch and, on large inputs, a parallel region whose threads must all meet at its
 // end. On a busy 2-core machine a region waits for whichever thread lost its core, so a prefill
-// of ~120 such regions spent seconds waiting. Each op here is one pass over its rows: on the
-// calling thread up to PARALLEL_ROWS rows (a decode step), split over torch's threads beyond
-// (a prompt chunk, where one pass is milliseconds: one region per op instead of 2-8).
+// of ~120 such regions spent seconds waiting. Each op here is one pass over its rows on the
+// calling thread, except silu_mul beyond PARALLEL_ROWS rows (a prompt chunk: its exp and
+// division make it compute-bound, ~9 ms of one core for 2,048 x 1,408), split over torch's
+// threads. The norms and RoPE stay on one thread: memory-bound passes of ~1 ms, which a
+// parallel region made slower on a busy machine (2,048-token prefill profile at load ~5).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,6 +19,11 @@
 namespace {
 
 constexpr int64_t PARALLEL_ROWS = 64;
+
+template <typename F>
+void on_this_thread(int64_t n, const F& f) {
+  f(0, n);
+}
 
 // f(begin, end) over rows [0, n): one call on this thread for small n, else torch's threads.
 template <typename F>
@@ -53,7 +60,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  for_rows(n, [&](int64_t begin, int64_t end) {
+  on_this_thread(n, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm_row(xp + r * xs, wp, eps, d, op + r * d);
   });
   return out;
@@ -75,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   float* sp = sum.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t hs = h.stride(0), ds = delta.stride(0);
-  for_rows(n, [&](int64_t begin, int64_t end) {
+  on_this_thread(n, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* hr = hp + r * hs;
       const float* dr = dp + r * ds;
@@ -154,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_store(
              v = at::empty({n, num_kv_heads, d}, opts);
   float* pool = pool_rows.data_ptr<float>();
   const int64_t kv_row = num_kv_heads * d;
-  for_rows(n, [&](int64_t begin, int64_t end) {
+  on_this_thread(n, [&](int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     const float* src = qkv.data_ptr<float>() + r * qkv.stride(0);
     const float* c = cos.data_ptr<float>() + r * cos.stride(0);
