@@ -147,7 +147,7 @@ class ClusterConfig:
 
         num_layers = resolve(self.model).config.num_layers
         if cpp.cpp_nodes > num_layers:
-            raise ValueError(f"[conductor] cpp_nodes: {cpp.cpp_nodes} stages for a "
+            raise ValueError(f"[conductor] cpp_nodes / --cpp-nodes: {cpp.cpp_nodes} stages for a "
                              f"{num_layers}-layer model; use 2..{num_layers}")
 
     @classmethod

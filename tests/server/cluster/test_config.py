@@ -51,7 +51,7 @@ _PD = '[[workers]]\nrole = "prefill"\n[[workers]]\nrole = "decode"\n'
     (_PD + '[conductor]\ncpp_min_tokens = 4096\n[[workers]]\nrole = "cpp"\ncount = 3\n',
      "needs cpp_nodes = 2 workers of role cpp .* this cluster has 3"),
     (_PD + '[conductor]\ncpp_min_tokens = 4096\ncpp_nodes = 5\n[[workers]]\nrole = "cpp"\n'
-     'count = 5\n', "cpp_nodes: 5 stages for a 4-layer model; use 2..4"),
+     'count = 5\n', "cpp_nodes / --cpp-nodes: 5 stages for a 4-layer model; use 2..4"),
     (_PD + '[conductor]\ncpp_min_tokens = 4096\ncpp_nodes = 1\n', "cpp_nodes must be >= 2"),
     (_PD + '[conductor]\ncpp_min_tokens = 4096\ncpp_chunk_tokens = 64\n',
      "cpp_chunk_tokens must be >= 1000"),
