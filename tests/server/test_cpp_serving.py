@@ -7,6 +7,7 @@ the offline engine's either way."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Iterator
 
@@ -237,3 +238,33 @@ def test_the_last_stage_samples_the_first_token_as_the_engine(backend: DisaggBac
     assert got[0][0] == want[0][0] == tokens(events)[0]
     assert got[0][1] == pytest.approx(want[0][1], abs=1e-4)
     assert [t for t, _ in got[0][2]] == [t for t, _ in want[0][2]]
+
+
+def test_a_stage_without_room_holds_the_next_prompt_until_room_frees(
+        tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> None:
+    """Pools of 26 blocks, two 19-block prompts on two decode workers: stage 0 holds the second
+    (it waits, in order) while the first is in the pipeline, then runs it."""
+    config = ClusterConfig.simple(1, 2, 2, engine=dataclasses.replace(ENGINE, num_blocks=26),
+                                  worker=dict(WORKER), conductor=ConductorConfig.from_dict(CPP),
+                                  profile_dir=profile_dir(tmp_path_factory))
+    with Cluster(config, in_process=True) as running:
+        backend = running.backend
+        assert backend is not None
+        first, second = running.workers["cpp-3"], running.workers["cpp-4"]
+        role = first._role
+        assert isinstance(role, CppRole)
+        second.hold()  # the first prompt cannot leave the pipeline yet
+        prompts = [ids(120, 300), ids(121, 290)]
+        got: dict[int, list[int]] = {}
+
+        def one(i: int) -> None:
+            got[i] = tokens(run(backend, prompts[i], 4))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(role._waiting) == 1)
+        second.release()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert [got.get(0), got.get(1)] == offline(llm, prompts, 4)

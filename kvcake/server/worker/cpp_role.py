@@ -6,7 +6,8 @@ of one request on stage s, on the engine-loop thread (F = the frontend, which re
 stage-to-stage messages; hidden states themselves go straight into the next stage's inbox, a
 transfer segment: shared memory on one host, TCP across hosts):
 
-  CppOrder     (F, to every stage at once) allocate the request's blocks in this stage's pool;
+  CppOrder     (F, to every stage at once) allocate the request's blocks in this stage's pool
+               (no room now: it waits, in order, until the requests before it finish);
                stage 0 queues every chunk of the prompt (it embeds the tokens itself).
   CppHidden    (stage s-1) chunk i's hidden states are in slot k of this stage's inbox: queue it.
   step         run the oldest queued chunk through this stage's layers; from the layer hook
@@ -79,7 +80,9 @@ class CppRole:
         self._ready: deque[CppChunk] = deque()  # chunks whose input is here, in order
         self._parked: _Parked | None = None
         self._free_next = list(range(SLOTS))  # free slots of the next stage's inbox
-        self._orders: dict[str, CppOrder] = {}
+        self._orders: dict[str, CppOrder] = {}  # begun: blocks allocated in this stage
+        # accepted, waiting for room in this stage's pool (in arrival order: the pipeline's)
+        self._waiting: dict[str, tuple[CppOrder, CppBegin, SamplingParams]] = {}
         self._started_s: dict[str, float] = {}
         self.num_chunks = 0  # chunks this stage computed (tests, inspection)
 
@@ -98,10 +101,10 @@ class CppRole:
         """A step can run now: a parked output with a free slot, or a queued chunk."""
         if self._parked is not None:
             return bool(self._free_next)
-        return bool(self._ready)
+        return bool(self._ready) and self._ready[0].request_id not in self._waiting
 
     def num_pending(self) -> int:
-        return len(self._ready) + (self._parked is not None)
+        return len(self._ready) + (self._parked is not None) + len(self._waiting)
 
     def after_step(self) -> None:
         pass
@@ -110,7 +113,8 @@ class CppRole:
         if isinstance(message, CppOrder):
             self._begin(message)
         elif isinstance(message, CppHidden):
-            if not self.member.has(message.request_id):  # aborted or refused here
+            rid = message.request_id
+            if not self.member.has(rid) and rid not in self._waiting:  # aborted or refused
                 self.worker.send(CppSlotFree(message.request_id, message.slot))
                 return
             self._ready.append(CppChunk(message.request_id, message.start, message.num_tokens,
@@ -134,8 +138,8 @@ class CppRole:
                 parked, self._parked = self._parked, None
                 self._send_hidden(parked.chunk, parked.hidden, parked.inbox)
             return
-        if not self._ready:
-            return
+        if not self._ready or self._ready[0].request_id in self._waiting:
+            return  # (a request still waiting for room here is first in line)
         chunk = self._ready.popleft()
         rid = chunk.request_id
         final = self.member.is_final(chunk)
@@ -170,19 +174,32 @@ class CppRole:
                 if order.target_blocks else None
             if not self.stage.is_last and not order.next_inbox:
                 raise ValueError("next_inbox: a stage before the last needs the next one's inbox")
-            if not self.member.begin(CppBegin(rid, tuple(order.prompt_token_ids),
-                                              params.max_tokens, target), params):
-                raise ValueError(f"no KV room in this stage for {len(order.prompt_token_ids)} "
-                                 "tokens now")
+            needed = -(-len(order.prompt_token_ids) // self.stage.block_size)
+            room = self.stage.block_manager.num_blocks
+            if needed > room:
+                raise ValueError(f"the prompt needs {needed} KV blocks, this stage's pool has "
+                                 f"{room}: give the workers more --kv-cache-bytes")
         except ValueError as exc:
             self.worker.send(RequestFailed(rid, f"cpp stage {self.member.member} refused the "
                                                 f"prefill: {exc}"))
             return
-        self._orders[rid] = order
-        if self.stage.is_first:
-            n = len(order.prompt_token_ids)
-            self._ready.extend(CppChunk(rid, s, min(self.chunk_tokens, n - s), -1)
-                               for s in range(0, n, self.chunk_tokens))
+        begin = CppBegin(rid, tuple(order.prompt_token_ids), params.max_tokens, target)
+        self._waiting[rid] = (order, begin, params)
+        self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        """Begin the waiting requests, in order, while this stage's pool has room for them
+        (the requests before them free it as they finish)."""
+        while self._waiting:
+            rid, (order, begin, params) = next(iter(self._waiting.items()))
+            if not self.member.begin(begin, params):
+                return
+            del self._waiting[rid]
+            self._orders[rid] = order
+            if self.stage.is_first:
+                n = len(order.prompt_token_ids)
+                self._ready.extend(CppChunk(rid, s, min(self.chunk_tokens, n - s), -1)
+                                   for s in range(0, n, self.chunk_tokens))
 
     def _send_hidden(self, chunk: CppChunk, hidden: torch.Tensor, inbox: SegmentDesc) -> None:
         slot = self._free_next.pop(0)
@@ -204,7 +221,9 @@ class CppRole:
         except TransferError as exc:
             self.worker.send(RequestFailed(rid, f"KV transfer to the decode worker failed: "
                                                 f"{exc}"))
+            self._admit_waiting()
             return
+        self._admit_waiting()
         exposed_s = time.perf_counter() - ended
         span_s = time.perf_counter() - self._started_s.pop(rid, ended)
         self.worker.send(PrefillDone(
@@ -232,9 +251,12 @@ class CppRole:
         if self._parked is not None and self._parked.chunk.request_id == rid:
             self._parked = None
         self._started_s.pop(rid, None)
-        if self._orders.pop(rid, None) is not None:
+        if self._waiting.pop(rid, None) is not None:
+            self.worker.send(RequestFailed(rid, answer))
+        elif self._orders.pop(rid, None) is not None:
             self.member.abort(rid)  # returns once nothing of it writes the decode pool
             self.worker.send(RequestFailed(rid, answer))
+            self._admit_waiting()
 
 
 def _check_supported(params: SamplingParams) -> None:
