@@ -78,10 +78,40 @@ def transfer_bandwidth(out_dir: Path) -> tuple[float, str]:
     return memcpy_bandwidth(), "memcpy"
 
 
+DECODE_REFIT = "decode_refit.json"
+
+
+def refit_decode(out_dir: Path, model_dir: Path) -> dict[str, Any]:
+    """Decode steps measured again on one 1-thread engine over the batches and contexts the live
+    decode worker runs at (batch 1..48, 512 or 1,536 tokens each; best of 3): `profile.json`'s
+    decode grid (batch <= 16, two points per batch, best of 2) gave a negative context term."""
+    import torch
+
+    from kvcake.conductor import DecodeStepPredictor
+    from kvcake.engine.config import EngineConfig
+    from kvcake.engine.engine import Engine
+    from kvcake.server.cluster.profiler import ProfileGrid, measure_decode
+
+    torch.set_num_threads(1)
+    engine = Engine(str(model_dir), EngineConfig(kv_cache_bytes=KV_POOL_BYTES,
+                                                 max_model_len=cap.MAX_MODEL_LEN))
+    grid = ProfileGrid(decode_batch_sizes=(1, 8, 16, 32, 48), decode_context_lens=(512, 1536),
+                       repeats=3)
+    points = measure_decode(engine, grid)
+    fit = DecodeStepPredictor.fit(points)
+    data = {"decode": json.loads(fit.to_json()),
+            "decode_points": [[p.batch_size, p.context_tokens, p.time_s] for p in points]}
+    (out_dir / DECODE_REFIT).write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
 def live_profile(out_dir: Path, model_config: dict[str, Any], bandwidth: float,
                  dtype_bytes: int = 4) -> dict[str, Any]:
-    """`profile.json` + the `live` object kvcake/sim/live_profile.py reads."""
+    """`profile.json` + the `live` object kvcake/sim/live_profile.py reads; the decode model
+    from `decode_refit.json` when --refit-decode wrote one."""
     data: dict[str, Any] = json.loads((out_dir / "profile.json").read_text())
+    if (out_dir / DECODE_REFIT).is_file():
+        data.update(json.loads((out_dir / DECODE_REFIT).read_text()))
     shape = {k: int(model_config[hf]) for k, hf in SHAPE_KEYS.items()}
     kv_per_token = (2 * shape["num_layers"] * shape["num_kv_heads"]
                     * (shape["hidden_size"] // shape["num_heads"]) * dtype_bytes)
@@ -189,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--sim-only", action="store_true",
                    help="reuse live.json from an earlier run (only the simulator runs)")
+    p.add_argument("--refit-decode", action="store_true",
+                   help="measure the decode step model again (decode_refit.json), then stop")
     args = p.parse_args(argv)
     cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
     regime = cap.load_regime(cap_args)
@@ -198,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                          "--systems colocated-budget first")
     budget = int(json.loads(budget_path.read_text())["chunk_budget"])
     model_config = cap.prepare_model(cap_args)
+    if args.refit_decode:
+        print(json.dumps(refit_decode(args.out_dir, cap_args.model_dir)))
+        return 0
     cap_args.vocab_size = model_config.vocab_size
     rate = args.rate or 0.5 / regime.mean_prefill_s
     records = cap.records_of(cap_args.trace, regime.num_requests)
