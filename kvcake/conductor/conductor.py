@@ -412,7 +412,7 @@ class Conductor:
         forecasts = map(self._load_at(now), loads.values(), repeat(at_s))
         for instance_id, (batch, tokens) in zip(loads, forecasts, strict=True):
             batch, tokens = batch + 1, tokens + context
-            if not fits(req, batch, tokens):
+            if not fits(req, batch, tokens, loads[instance_id]):
                 estimates.append(new(DecodeEstimate, (instance_id, batch, tokens, math.inf)))
                 continue
             estimate = last_estimates.get(instance_id)
@@ -431,16 +431,19 @@ class Conductor:
             return DecodeLoad.batch_now
         return DecodeLoad.batch_at
 
-    def _kv_fits(self, req: ScheduleRequest, batch_size: int, context_tokens: int) -> bool:
+    def _kv_fits(self, req: ScheduleRequest, batch_size: int, context_tokens: int,
+                 load: DecodeLoad | None = None) -> bool:
         """Whether a batch of `batch_size` requests like `req`, holding `context_tokens` on
         average (prompt + max_output_len // 2 each), fits `decode_kv_capacity_tokens` when each
         reserves its prompt plus its whole output. Where it does not, the predicted TBT is +inf:
-        its requests would wait for memory, a gap no step time shows."""
+        its requests would wait for memory, a gap no step time shows. Where the instance reported
+        its KV (`on_decode_kv`), what it holds beyond the book is counted too."""
         capacity = self.config.decode_kv_capacity_tokens
         if capacity is None:
             return True
         rest_of_output = req.max_output_len - req.max_output_len // 2
-        return context_tokens + batch_size * rest_of_output <= capacity
+        extra = 0 if load is None else load.kv_undercount(rest_of_output)
+        return context_tokens + batch_size * rest_of_output + extra <= capacity
 
     def _choose_decode(self, candidates: tuple[DecodeEstimate, ...]) -> DecodeEstimate:
         # Least predicted TBT; among equals (e.g. all idle at the forecast time) the instance with
@@ -568,7 +571,7 @@ class Conductor:
             batch, tokens = load_now(load, now_s)
             batch, tokens = batch + 1, tokens + context
             tbt_s = (self._decode_model.decode_step_time_s(batch, tokens)
-                     if self._kv_fits(as_request, batch, tokens) else math.inf)
+                     if self._kv_fits(as_request, batch, tokens, load) else math.inf)
             estimates.append(DecodeEstimate(instance_id, batch, tokens, tbt_s))
         best = self._choose_decode(tuple(estimates))
         if best.tbt_s <= self.config.tbt_slo_s:
@@ -582,6 +585,20 @@ class Conductor:
                          max(self.config.min_retry_after_s, retry_s), 0.0, best.tbt_s, (),
                          tuple(estimates))
 
+    def move_decode(self, request_id: str, instance_id: str, now_s: float) -> None:
+        """The request admitted after its prefill goes to `instance_id` instead (its decode node
+        had no room for it): its booking, expected to join now, moves there."""
+        placed = self._placed.get(request_id)
+        if placed is None or placed[1] == instance_id:
+            return
+        prefill_id, booked_on = placed
+        expected = self._decode(booked_on).expected(request_id)
+        if expected is None:
+            return
+        self._decodes[booked_on].remove(request_id)
+        self._decode(instance_id).expect(request_id, now_s, *expected)
+        self._placed[request_id] = (prefill_id, instance_id)
+
     def _checks_decode_after_prefill(self) -> bool:
         admission = self.config.admission
         if admission is Admission.DECODE_AFTER_PREFILL:
@@ -592,6 +609,15 @@ class Conductor:
     def on_decode_joined(self, instance_id: str, request_id: str, now_s: float) -> None:
         self._decode(instance_id).join(request_id, now_s, self._decode_model.decode_step_time_s,
                                        self.config.uniform_decode_s)
+
+    def on_decode_kv(self, instance_id: str, reserved_tokens: int) -> None:
+        """The decode instance reports the KV tokens it holds reserved now (its own books: a
+        request's prompt plus its output). The KV checks count what it holds beyond this
+        Conductor's book (`DecodeLoad.kv_undercount`)."""
+        if reserved_tokens < 0:
+            raise ValueError(f"reserved_tokens must be >= 0, got {reserved_tokens}")
+        load = self._decode(instance_id)
+        load.reported_kv_tokens = reserved_tokens
 
     def on_decode_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
         self._decode(instance_id).remove(request_id)

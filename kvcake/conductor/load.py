@@ -137,6 +137,17 @@ class DecodeLoad:
         # changes at a finish or join time, so consecutive decisions (whose forecast times
         # differ by a little) mostly reuse it. Any change to the book clears it.
         self._forecast: tuple[float, float, tuple[int, int]] | None = None
+        self.reported_kv_tokens: int | None = None  # the node's own KV reservation, if reported
+
+    def kv_undercount(self, rest_of_output: int) -> int:
+        """KV tokens the node reports holding beyond what this book counts for its decoding
+        requests (each: context + `rest_of_output`), 0 without a report. The book counts every
+        request at the told output length, but a running batch holds the long outputs longest,
+        so it holds more than the told length per request on average."""
+        if self.reported_kv_tokens is None:
+            return 0
+        booked = self._active.context_sum + len(self._active) * rest_of_output
+        return max(0, self.reported_kv_tokens - booked)
 
     @property
     def batch_size(self) -> int:

@@ -31,6 +31,7 @@ from kvcake.conductor import (
     Conductor,
     ConductorConfig,
     CostModel,
+    DecodeEstimate,
     Placement,
     Policy,
     PrefillModel,
@@ -149,6 +150,9 @@ class Cluster:
         self._next_flow = 0
         self.num_events = 0
         self.local_fetch_tokens = 0
+        # decode_node_guard: KV tokens of the requests sent to each decode node, not joined yet.
+        self._committed = [0] * len(self.decodes)
+        self._commit_of: dict[int, tuple[int, int]] = {}
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -344,6 +348,11 @@ class Cluster:
         if isinstance(admitted, Rejection):  # checked after prefill: the prefill was spent for nothing
             state.rejected = "tbt_slo_after_prefill"
             return events
+        if admitted is not None and self.config.decode_node_guard:
+            admitted = self._guard_decode(state, admitted, now_s)
+            if admitted is None:
+                state.rejected = "tbt_slo_after_prefill"
+                return events
         if admitted is not None and admitted.instance_id != state.decode_instance:
             # Chosen again at the end of the prefill: the KV goes to the new decode node.
             state.decode_instance = admitted.instance_id
@@ -354,8 +363,37 @@ class Cluster:
             events.extend(self._to_decode(state, now_s))
         return events
 
+    def _guard_decode(self, state: RequestState, admitted: DecodeEstimate,
+                      now_s: float) -> DecodeEstimate | None:
+        """`decode_node_guard`: the decode node the Conductor chose must start the request at once
+        (its reserved KV, that of the requests already sent to it and this one's within its
+        memory), else the node with the most room that can, else None (rejected after prefill:
+        the Conductor forgets it). A request that waited for memory would hold its first decode
+        gap for the wait, over the TBT SLO."""
+        need = state.arrival.input_len + state.arrival.output_len
+        room = [self.kv_capacity_tokens - inst.reserved_tokens - self._committed[d]
+                for d, inst in enumerate(self.decodes)]
+        chosen = self._decode_index[admitted.instance_id]
+        d = chosen if room[chosen] >= need else max(range(len(room)), key=room.__getitem__)
+        if room[d] < need:
+            self.conductor.on_request_aborted(state.request_id)
+            return None
+        self._committed[d] += need
+        self._commit_of[state.index] = (d, need)
+        if d == chosen:
+            return admitted
+        self.conductor.move_decode(state.request_id, self.decode_ids[d], now_s)
+        return DecodeEstimate(self.decode_ids[d], admitted.batch_size, admitted.context_tokens,
+                              admitted.tbt_s)
+
+    def _uncommit(self, req: int) -> None:
+        commit = self._commit_of.pop(req, None)
+        if commit is not None:
+            self._committed[commit[0]] -= commit[1]
+
     def _to_decode(self, state: RequestState, now_s: float) -> list[Event]:
         if state.arrival.output_len <= 1:  # the prefill's token was the only one
+            self._uncommit(state.index)
             state.finish_s = now_s
             self.conductor.on_decode_finished(state.decode_instance or "", state.request_id, now_s)
             return []
@@ -371,8 +409,11 @@ class Cluster:
         """Tell the Conductor which requests started decoding on d (had room for their KV)."""
         for seq in self.decodes[d].take_joined():
             state = self.states[seq.req]
+            self._uncommit(seq.req)
             state.decode_join_s = now_s
             self.conductor.on_decode_joined(self.decode_ids[d], state.request_id, now_s)
+        if self.config.decode_node_guard:
+            self.conductor.on_decode_kv(self.decode_ids[d], self.decodes[d].reserved_tokens)
 
     def _on_step_done(self, event: Event) -> list[Event]:
         d, now_s = event.target, event.time_s
@@ -391,6 +432,8 @@ class Cluster:
             state = self.states[seq.req]
             state.finish_s = now_s
             self.conductor.on_decode_finished(name, state.request_id, now_s)
+        if self.config.decode_node_guard and not self.config.colocated:
+            self.conductor.on_decode_kv(name, instance.reserved_tokens)
         return [] if nxt is None else [nxt]
 
     # ---- network -----------------------------------------------------------------------------

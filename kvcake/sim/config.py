@@ -49,6 +49,11 @@ class SimConfig:
     decode_check_after_prefill: admission "slo" / "early" also check the decode side when the
         prefill ends, rejecting there (prefill spent) as "decode_after_prefill" does; False: the
         arrival decision is final and a request waits for decode memory.
+    decode_node_guard: with a decode check after prefill, the decode node itself must be able to
+        start the request at once (its KV reserved beside the batch's and the requests already
+        sent to it), or the request goes to a node that can, or is rejected there: the decode
+        pool keeps its TBT SLO instead of queueing the request for memory (a wait that lands in
+        the request's slowest token gaps). False: the Conductor's forecast alone decides.
     """
 
     num_prefill: int = 8
@@ -78,6 +83,7 @@ class SimConfig:
     cpp_nodes: int = 2
     cpp_chunk_tokens: int = 1024
     decode_check_after_prefill: bool = False
+    decode_node_guard: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -547,3 +547,34 @@ def test_colocated_spreads_equal_ttft_requests_over_the_least_busy_decoders() ->
         c.on_prefill_finished(d.prefill_id, d.request_id, 0.0)  # queues empty again
         chosen.append(d.prefill_id)
     assert chosen == ["p0", "p1", "p2"]
+
+
+def test_a_decode_node_reporting_more_kv_than_the_book_turns_the_request_away() -> None:
+    # The book counts every request at the told output (1,000): a decodes, booked as 200 + 1,000
+    # tokens. The node reports 1,500 held (a batch keeps its long outputs longest); with room for
+    # 2,600, b (1,200 more) no longer fits and is rejected after prefill, where without the
+    # report the book's 2,400 tokens fit.
+    for reported, expected in ((None, DecodeEstimate), (1_500, Rejection)):
+        c = make(admission="decode_after_prefill", num_decode=1, decode_kv_capacity_tokens=2_600)
+        placed(c.schedule(request("a", output_len=1000), 0.0))
+        assert isinstance(c.admit_decode("a", 0.2), DecodeEstimate)
+        c.on_decode_joined("d0", "a", 0.2)
+        if reported is not None:
+            c.on_decode_kv("d0", reported)
+            assert c.decode_load("d0").kv_undercount(500) == 300
+        placed(c.schedule(request("b", first_key=100, output_len=1000), 0.2))
+        assert isinstance(c.admit_decode("b", 0.4), expected)
+    with pytest.raises(ValueError, match="reserved_tokens"):
+        c.on_decode_kv("d0", -1)
+
+
+def test_move_decode_moves_the_booking_to_the_node_that_takes_the_request() -> None:
+    c = make(admission="decode_after_prefill", num_decode=2)
+    a = placed(c.schedule(request("a"), 0.0))
+    admitted = c.admit_decode("a", 0.2)
+    assert isinstance(admitted, DecodeEstimate)
+    other = "d1" if admitted.instance_id == "d0" else "d0"
+    c.move_decode("a", other, 0.2)
+    assert c.decode_load(other).num_booked == 1 and c.decode_load(admitted.instance_id).num_booked == 0
+    c.on_decode_joined(other, "a", 0.2)
+    assert c.decode_load(other).batch_size == 1 and a.request_id == "a"

@@ -65,3 +65,26 @@ def test_noisy_predictions_are_seeded_functions_within_the_stated_error() -> Non
     assert NoisyPrefillModel(cost, 0.2, seed=4).factor(1000, 0) != factors[0]
     with pytest.raises(ValueError, match="error"):
         NoisyPrefillModel(cost, 1.5)
+
+
+def test_the_decode_node_guard_rejects_rather_than_queue_for_memory() -> None:
+    # One decode node with room for 3 of these requests (2,048 + 2,000 tokens each); the
+    # Conductor is told a 20-token output, so its own book lets a fourth in. Without the guard the
+    # fourth waits at the node for memory; with it the node turns it away after its prefill.
+    trace = Trace(tuple(TraceRequest(i, i * 10.0, 2048, 2000, tuple(range(i * 10, i * 10 + 4)))
+                        for i in range(4)), "four")
+    # HBM for the weights plus 12,244 KV tokens (the profile's HBM reserve and KV bytes).
+    base = dict(num_prefill=2, num_decode=1, admission="decode_after_prefill",
+                predicted_output_len=20, tbt_slo_ms=1000.0,
+                hardware_overrides=(("hbm_bytes", 161_243_918_792),))
+    results = {}
+    for guard in (False, True):
+        cluster = Cluster(SimConfig(decode_node_guard=guard, **base), arrivals_of(trace))
+        assert 3 * 4048 <= cluster.kv_capacity_tokens < 4 * 4048
+        summary = cluster.run()
+        waits = [s.decode_join_s - s.first_token_s for s in cluster.states
+                 if s.decode_join_s is not None and s.first_token_s is not None]
+        results[guard] = (summary["rejected_by_reason"], max(waits))
+    unguarded, guarded = results[False], results[True]
+    assert unguarded[0] == {} and unguarded[1] > 1.0  # the fourth waited for a finish
+    assert guarded[0] == {"tbt_slo_after_prefill": 1} and guarded[1] < 1.0
