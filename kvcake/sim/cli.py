@@ -113,6 +113,9 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--decode-check-after-prefill", action="store_true",
                      help="admission slo / early: the decode side also checks its TBT SLO when "
                           "the prefill ends (rejecting there, prefill spent)")
+    sim.add_argument("--decode-node-guard", action="store_true",
+                     help="with a decode check after prefill: a decode node takes a request only "
+                          "if it can start it at once, and reports its KV to the Conductor")
     sim.add_argument("--predicted-output-len", type=_positive_int, default=None,
                      help="output length the Conductor is told (default: the trace's mean)")
     sim.add_argument("--uniform-decode-s", type=_positive_float, default=None,
@@ -193,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_prediction_error=args.prefill_prediction_error,
         hardware_overrides=tuple(args.hardware_override),
         decode_check_after_prefill=args.decode_check_after_prefill,
+        decode_node_guard=args.decode_node_guard,
     )
 
 
