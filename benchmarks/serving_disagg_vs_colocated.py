@@ -71,7 +71,10 @@ capacity is null when even the lowest probed rate fails, or the system was not r
 
 ## `--transport`: the KV hand-off, layer-wise vs after the prefill
 Sequential long prompts (tiny preset, 1,500 tokens) on 1 prefill + 1 decode worker, the KV
-streamed layer by layer during the prefill or after it: mean TTFT, prefill compute and exposed
+streamed layer by layer during the prefill or after it (since the per-request hand-off policy,
+kvcake/server/worker/handoff.py, a `layerwise = true` worker streams only the requests it
+predicts pay for it; on one host over shared memory that is none of these, so the two modes'
+numbers are from before that change): mean TTFT, prefill compute and exposed
 transfer per request (--transport-runs repeats, alternating the modes); then the two same-host
 transports (shared memory vs loopback TCP) per mode, requests alternating between them.
 """

@@ -10,7 +10,9 @@ Lifecycle of one `PrefillOrder` on the engine-loop thread:
      rest, in chunks of max_num_batched_tokens;
   3. during each step, `layer_hook(l)` submits an asynchronous write of layer l of the
      request's blocks straight into the blocks the decode engine reserved (its KV pool
-     segment) while layer l+1 computes; after the step that sampled the first token the loop waits for what is still in
+     segment) while layer l+1 computes (per request, `handoff.py`'s `HandoffPolicy` sends it
+     all after the prefill instead when that takes under 10 ms at the bandwidth measured on
+     earlier hand-offs); after the step that sampled the first token the loop waits for what is still in
      flight (the exposed transfer time), reports `PrefillDone`, frees the blocks, and hands the
      prompt's full blocks to the store-writer thread, which puts them into the store
      asynchronously and reports them (`StoreEvents`).
@@ -29,6 +31,7 @@ from typing import Any
 from kvcake.engine.engine import RequestOutput
 from kvcake.engine.sequence import FinishReason
 from kvcake.hashing import key_hex
+from kvcake.server.worker.handoff import HandoffPolicy
 from kvcake.server.worker.kv_runs import block_runs
 from kvcake.server.worker.messages import (
     Abort,
@@ -79,6 +82,7 @@ class _Prefill:
     compute_s: float = 0.0
     transfer_bytes: int = 0
     first_token_sent: bool = False
+    layerwise: bool = False  # stream during the prefill (else after it): `HandoffPolicy`
 
 
 class PrefillRole:
@@ -88,6 +92,7 @@ class PrefillRole:
         self.engine = worker.engine
         self.transfer = worker.transfer
         self._live: dict[str, _Prefill] = {}
+        self._handoff = HandoffPolicy()  # per request: layer-wise or after the prefill
         self._writer = StoreWriter(worker, self.engine)
         self._in_step: list[_Prefill] = []  # requests in the step now running (set at layer 0)
         self._fetches: queue.Queue[PrefillOrder | None] = queue.Queue()
@@ -172,8 +177,12 @@ class PrefillRole:
             return
         fetch_bytes = sum(size for size in fetched.sizes if size is not None) \
             if fetched is not None else 0
-        self._live[rid] = _Prefill(order, kv_pool, num_fetched, fetch_bytes,
-                                   fetched.seconds if fetched is not None else 0.0)
+        state = _Prefill(order, kv_pool, num_fetched, fetch_bytes,
+                         fetched.seconds if fetched is not None else 0.0)
+        if kv_pool is not None and self.worker.config.layerwise:
+            state.layerwise = self._handoff.layerwise(
+                len(order.target_blocks) * self.engine.pool.block_nbytes)
+        self._live[rid] = state
 
     def _fetch_loop(self) -> None:
         store = self.worker.store
@@ -209,10 +218,8 @@ class PrefillRole:
         """Layer `layer_idx` of every streaming request's blocks is written: ship it now."""
         if layer_idx == 0:
             self._start_step()
-        if not self.worker.config.layerwise:
-            return
         for state in self._in_step:
-            if state.kv_pool is not None and not state.first_token_sent:
+            if state.kv_pool is not None and state.layerwise and not state.first_token_sent:
                 self._submit_layer(state, layer_idx, state.blocks_done, state.step_end_block)
 
     def _start_step(self) -> None:
@@ -276,12 +283,14 @@ class PrefillRole:
             return
         state.first_token_sent = True
         ended = time.perf_counter()
-        if state.kv_pool is not None and not self.worker.config.layerwise:
+        if state.kv_pool is not None and not state.layerwise:
             for layer_idx in range(self.engine.pool.num_layers):
                 self._submit_layer(state, layer_idx, 0, len(state.order.target_blocks))
         had_transfers = bool(state.batches)
         error = self._wait_transfers(state)
         exposed_s = time.perf_counter() - ended
+        if had_transfers and not state.layerwise and error is None:
+            self._handoff.observe(state.transfer_bytes, exposed_s)
         span_s = time.perf_counter() - (state.first_submit_s or ended)
         self._writer.write_prompt(state.order.prompt_token_ids)
         sampler_state = self.engine.sampler_state(rid) if state.kv_pool is not None else None
