@@ -6,6 +6,10 @@ The same layout for every system: one storage process, one client process that p
             row, over the node's shared-memory segment ("ours-shm", same host, no TCP at all)
             and, as a third row, over TCP with `StoreClient(async_seal=True)` ("ours-tcp-seal":
             a small put returns once its one-way seal is sent, not acknowledged; writer.py)
+            and, as a fourth, over TCP with the client's location cache on ("ours-tcp-cache":
+            `location_cache=CACHE_ENTRIES`, as kvcake's workers read KV blocks, whose keys are
+            content hashes; a get of a key this client wrote or read goes straight to the node,
+            still checked by version and xxh3-64; off by default, reader.py)
   redis:    `redis-server` (Debian), this script is the client through redis-py
   mooncake: `mooncake_master` + a Mooncake client process holding a segment (storage) + a second,
             pure Mooncake client process that puts and gets (PyPI
@@ -39,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kvcake.store import StoreClient  # noqa: E402
+from kvcake.store.reader import CACHE_ENTRIES  # noqa: E402
 from kvcake.transfer import TransferConfig  # noqa: E402
 
 MOONCAKE_VENV = Path(os.environ.get("MOONCAKE_VENV", "/tmp/mooncake-venv"))
@@ -100,8 +105,10 @@ for line in sys.stdin:
 
 
 class Ours:
-    def __init__(self, name: str, port: int, shm: bool, async_seal: bool = False) -> None:
+    def __init__(self, name: str, port: int, shm: bool, async_seal: bool = False,
+                 location_cache: int = 0) -> None:
         self.name, self.port, self.shm, self.async_seal = name, port, shm, async_seal
+        self.location_cache = location_cache
         self.procs: list[subprocess.Popen[Any]] = []
         self.client: StoreClient | None = None
         self.address = ""
@@ -125,7 +132,8 @@ class Ours:
             time.sleep(0.5)  # registration follows the segment server's start
         self.address = address
         config = TransferConfig(serve=False, use_shared_memory=self.shm, num_rails=4)
-        self.client = StoreClient(address, transfer_config=config, async_seal=self.async_seal)
+        self.client = StoreClient(address, transfer_config=config, async_seal=self.async_seal,
+                                  location_cache=self.location_cache)
 
     def putget(self, size: int, n: int, prefix: str) -> dict[str, Any]:
         assert self.client is not None
@@ -371,13 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=21100, help="base port (uses 20 ports)")
     parser.add_argument("--transfer-port", type=int, default=21800)
     parser.add_argument("--skip", default="",
-                        help="comma list of: redis, mooncake, transfer, seal")
+                        help="comma list of: redis, mooncake, transfer, seal, cache")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     ours_tcp = Ours("ours-tcp", args.port, shm=False)
     ours_shm = Ours("ours-shm", args.port, shm=True)
     ours_seal = Ours("ours-tcp-seal", args.port, shm=False, async_seal=True)
+    ours_cache = Ours("ours-tcp-cache", args.port, shm=False, location_cache=CACHE_ENTRIES)
     systems: list[Any] = []
     started: list[Any] = []
     try:
@@ -390,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
             ours_seal.start(shared=ours_tcp)
             started.append(ours_seal)
             systems.append(ours_seal)
+        if "cache" not in skip:
+            ours_cache.start(shared=ours_tcp)
+            started.append(ours_cache)
+            systems.append(ours_cache)
         if "redis" not in skip:
             redis = Redis(args.port + 5)
             redis.start()

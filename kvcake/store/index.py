@@ -392,9 +392,14 @@ class StoreIndex:
 
     def stats(self) -> dict[str, Any]:
         capacity = sum(n.allocator.capacity_bytes for n in self.nodes.values())
-        used = sum(n.allocator.used_bytes for n in self.nodes.values())
+        allocated = sum(n.allocator.used_bytes for n in self.nodes.values())
+        # space writers hold for their next puts (slots) is reserved, not used: it holds no object
+        reserved = sum(self.nodes[r.node_id].allocator.aligned(r.alloc_bytes)
+                       for slot in self.slots.values() for r in slot.replicas
+                       if r.tier is Tier.DRAM and r.node_id in self.nodes)
         return {"num_nodes": len(self.nodes), "num_objects": sum(m.committed for m in
-                self.objects.values()), "capacity_bytes": capacity, "used_bytes": used,
+                self.objects.values()), "capacity_bytes": capacity,
+                "used_bytes": allocated - reserved, "slot_bytes": reserved,
                 "disk_used_bytes": sum(n.disk_used_bytes for n in self.nodes.values()),
                 "num_evicted": self.num_evicted, "num_demoted": self.num_demoted,
                 "num_disk_evicted": self.num_disk_evicted}

@@ -2,8 +2,7 @@
 model: a dict of the bytes put, the exact LRU order of accesses, leases and pins.
 
 The model does not re-implement placement; it checks what must hold whatever the placement:
-- a get returns exactly the bytes put, or KeyError for a key removed or evicted (or, for an
-  evicted key the client's location cache still finds intact, exactly the bytes it had);
+- a get returns exactly the bytes put, or KeyError for a key removed or evicted;
 - only unleased objects are ever evicted, and eviction is LRU: an object never goes while an
   older, unleased, unpinned one that was a candidate for the same eviction (a replica on every
   node the evicted one had) stays, and a pinned one never goes while an unpinned candidate stays;
@@ -43,7 +42,6 @@ class StoreMachine(RuleBasedStateMachine):
         self.pinned: set[str] = set()
         self.nodes_of: dict[str, set[str]] = {}
         self.just_put: str | None = None
-        self.evicted: dict[str, bytes] = {}  # what an evicted key held (cached reads may see it)
 
     def teardown(self) -> None:
         self.store.close()
@@ -66,7 +64,6 @@ class StoreMachine(RuleBasedStateMachine):
         assert written == (key not in self.data)
         if written:  # a new object: no lease or pin of an earlier object of this key applies
             self.data[key] = value
-            self.evicted.pop(key, None)
             self.lease_until.pop(key, None)
             self.pinned.discard(key)
             self._touch(key)
@@ -76,11 +73,8 @@ class StoreMachine(RuleBasedStateMachine):
     def get(self, key: str) -> None:
         if key not in self.data:
             try:
-                got = self.client.get(key)
+                self.client.get(key)
             except ObjectNotFound:
-                return
-            if key in self.evicted:  # a cached location still intact: only its own bytes
-                assert got == self.evicted[key]
                 return
             raise AssertionError(f"{key} was never put or was removed, yet it was served")
         assert self.client.get(key) == self.data[key]
@@ -99,7 +93,6 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(key=KEYS)
     def remove(self, key: str) -> None:
-        self.evicted.pop(key, None)  # the client's own remove forgets the location
         if key in self.data:
             self.client.remove(key)
             del self.data[key]
@@ -160,7 +153,7 @@ class StoreMachine(RuleBasedStateMachine):
                             and self.nodes_of.get(other, set()) >= self.nodes_of[gone]):
                         raise AssertionError(f"pinned {gone} was evicted before {other}")
         for gone in vanished:
-            self.evicted[gone] = self.data.pop(gone)
+            del self.data[gone]
             self.lease_until.pop(gone, None)
             self.order.remove(gone)
             self.pinned.discard(gone)

@@ -54,6 +54,7 @@ from kvcake.server.worker.metrics import WorkerCollector, WorkerCounts, serve_me
 from kvcake.server.worker.prefill import PrefillRole
 from kvcake.server.worker.role import WorkerRole
 from kvcake.store import NodeConfig, StoreClient, StoreNode
+from kvcake.store.reader import CACHE_ENTRIES
 from kvcake.transfer import TransferConfig, TransferEngine, TransportWrapper
 
 if TYPE_CHECKING:
@@ -151,7 +152,10 @@ class Worker:
             self.store = StoreClient(master, engine=self.transfer,
                                      transfer_config=TransferConfig(serve=False,
                                                                     secret=cfg.secret),
-                                     local_node=self.store_node.node_id)
+                                     local_node=self.store_node.node_id,
+                                     # block keys are chained hashes of their tokens: a key's
+                                     # bytes never change, so a remembered location is safe
+                                     location_cache=CACHE_ENTRIES)
         if cfg.role is Role.DECODE:
             self._role = DecodeRole(self)
         elif self.stage is not None:
