@@ -245,3 +245,29 @@ def test_fused_ops_split_over_threads_equal_one_thread() -> None:
         finally:
             torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@needs_op
+def test_decode_op_split_over_threads_equals_one_thread_and_the_reference() -> None:
+    """A long context (>= 4,096 positions x KV heads) is split over torch's threads: each
+    (sequence, KV head) item is computed by the same code whichever thread runs it."""
+    assert cpu_ops.load(), cpu_ops.load_error()
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.randn(300, 2, 16, 2, 32, generator=gen)
+    lens = torch.tensor([2100, 3, 1500])  # one long (parallel on its own), a batch mixing lengths
+    tables = torch.stack([torch.randperm(300, generator=gen)[:140] for _ in range(3)])
+    q = torch.randn(3, 8, 32, generator=gen)
+    threads = torch.get_num_threads()
+    results = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        try:
+            results.append([cpu_ops.paged_decode_attention(q[i:i + 1], kv, tables[i:i + 1],
+                                                           lens[i:i + 1], 32**-0.5)
+                            for i in range(3)]
+                           + [cpu_ops.paged_decode_attention(q, kv, tables, lens, 32**-0.5)])
+        finally:
+            torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert torch.equal(torch.cat(results[1][:3]), results[1][3])  # batched = one by one
+    assert (results[1][3] - _reference(q, kv, tables, lens)).abs().max().item() < 1e-5

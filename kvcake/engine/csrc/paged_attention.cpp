@@ -3,7 +3,8 @@
 //
 // Built on first use by kvcake/engine/paged_attention.py with the system C++ compiler against the
 // installed torch headers; registered as torch.ops.kvcake.paged_decode_attention. Work is split
-// over (sequence, KV head) items, on the calling thread (see decode_kernel).
+// over (sequence, KV head) items: on torch's threads for a long context, else on the calling
+// thread (see decode_kernel).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,6 +17,9 @@
 #include "fast_exp.h"
 
 namespace {
+
+// Context positions x KV heads from which a call is split over torch's threads (see below).
+constexpr int64_t kParallelMinWork = 4096;
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -46,9 +50,6 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   // Strides of the layer tensor [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim].
   const int64_t s_tok = num_kv_heads * head_dim, s_kv = block_size * s_tok, s_blk = 2 * s_kv;
 
-  // One thread, the calling one: a parallel version measured slower here (each call waited
-  // ~1-9 ms for the second thread on a busy 2-core machine, against 0.3 ms for a 2,048-token
-  // context on one core).
   auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -95,7 +96,18 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
       }
     }
   };
-  run(0, batch * num_kv_heads);
+  // Split over torch's threads only when the call reads enough KV to pay for waking them: on a
+  // quiet 2-core machine a 2,048-token context with 2 KV heads took 143-214 us on two threads
+  // against 265-268 us on one, 4,096 tokens 329-351 against 563-595 us. A short context stays on
+  // the calling thread (a parallel region costs more than it saves there; under contention a
+  // descheduled second thread delays every region, which the GEMMs pay as well).
+  int64_t work = 0;  // context positions x KV heads: what the call reads
+  for (int64_t b = 0; b < batch; ++b) work += len_ptr[b] * num_kv_heads;
+  const int64_t items = batch * num_kv_heads;
+  if (work >= kParallelMinWork && items > 1)
+    at::parallel_for(0, items, 1, run);
+  else
+    run(0, items);
 }
 
 // q [B, Hq, D]; kv one layer [num_blocks, 2, block_size, Hkv, D]; block_tables [B, max_blocks]
