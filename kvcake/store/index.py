@@ -179,18 +179,8 @@ class StoreIndex:
     def name_slot(self, key: str, slot_id: int, size_bytes: int, checksum: int) -> ObjectMeta:
         """Give slot `slot_id` its key and checksum, still PENDING (its bytes are being written;
         `seal` commits it). The same errors as `commit_slot`, which keep the slot reserved."""
-        self._check_key(key)
-        slot = self.slots.get(slot_id)
-        if slot is None:
-            raise ObjectNotFound(f"slot {slot_id} is not reserved (timed out or released?)")
-        if size_bytes != slot.size_bytes:
-            raise InvalidRequest(f"size_bytes: slot {slot_id} holds {slot.size_bytes} bytes, "
-                                 f"got {size_bytes}")
-        if key in self.objects:
-            raise ObjectExists(f"key {key!r} is already stored or being written")
-        del self.slots[slot_id]
-        slot.key, slot.checksum, slot.sealing = key, checksum, True
-        self.objects[key] = slot
+        slot = self._claim_slot(key, slot_id, size_bytes)
+        slot.checksum, slot.sealing = checksum, True
         return slot
 
     def seal(self, key: str, now_s: float) -> None:
@@ -212,6 +202,12 @@ class StoreIndex:
         """Name slot `slot_id` `key` and commit it (its bytes are written and checked). The slot
         stays reserved when the key exists (ObjectExists) or the size differs (InvalidRequest);
         ObjectNotFound if the slot is unknown (timed out, released, its node gone)."""
+        slot = self._claim_slot(key, slot_id, size_bytes)
+        self.put_commit(key, now_s, checksum)
+        return slot
+
+    def _claim_slot(self, key: str, slot_id: int, size_bytes: int) -> ObjectMeta:
+        """Slot `slot_id` becomes the uncommitted object `key`; on any error it stays a slot."""
         self._check_key(key)
         slot = self.slots.get(slot_id)
         if slot is None:
@@ -224,7 +220,6 @@ class StoreIndex:
         del self.slots[slot_id]
         slot.key = key
         self.objects[key] = slot
-        self.put_commit(key, now_s, checksum)
         return slot
 
     def release_slot(self, slot_id: int) -> None:

@@ -123,14 +123,9 @@ class ObjectWriter:
         else:
             result = self.master.put_slots(commits, reserve, seal_later=True)
             failed = write()
-        self._keep(shape, result["slots"])
-        try:
-            unwrap(result["results"][0])
-        except ObjectExists:
-            self._keep(shape, [slot], slot["_at"])  # still reserved: the next put reuses it
-            return False
-        except ObjectNotFound:  # the slot is gone (its node left): the ordinary way
-            return self.put_batch([key], [view], num_replicas, local_node)[0]
+        refused = self._refused(result, slot, shape, key, view, num_replicas, local_node)
+        if refused is not None:
+            return refused
         if failed is not None:  # named but not written: nobody may read it
             self.revoke(key)
             raise TransferFailed(f"put of {key!r} failed: {failed}") from failed
@@ -152,17 +147,28 @@ class ObjectWriter:
             self._release([slot["slot"]])
             raise TransferFailed(f"put of {key!r} failed: {exc}") from exc
         result = self.master.put_slots([[key, slot["slot"], len(view), checksum]], reserve)
+        refused = self._refused(result, slot, shape, key, view, num_replicas, local_node)
+        if refused is not None:
+            return refused
+        if self._on_written is not None:
+            self._on_written(key, len(view), checksum, slot["replicas"])
+        return True
+
+    def _refused(self, result: dict[str, Any], slot: dict[str, Any],
+                 shape: tuple[int, int | None, str | None], key: str, view: memoryview,
+                 num_replicas: int | None, local_node: str | None) -> bool | None:
+        """Keep the slots a `put_slots` answer reserved; None if it named the key, else what the
+        put returns: False when the key exists (the slot is kept for the next put), the ordinary
+        put's answer when the slot is gone (its node left)."""
         self._keep(shape, result["slots"])
         try:
             unwrap(result["results"][0])
         except ObjectExists:
             self._keep(shape, [slot], slot["_at"])  # still reserved: the next put reuses it
             return False
-        except ObjectNotFound:  # the slot is gone (its node left): the ordinary way
+        except ObjectNotFound:
             return self.put_batch([key], [view], num_replicas, local_node)[0]
-        if self._on_written is not None:
-            self._on_written(key, len(view), checksum, slot["replicas"])
-        return True
+        return None
 
     def close(self) -> None:
         """Release the slots held (one-way; a remote master gets it before the connection
