@@ -179,7 +179,8 @@ def _serve_single(settings: ServeSettings, config: LocalBackendConfig,
                   api_key: str | None = None, limits: HttpLimits | None = None) -> int:
     import uvicorn
 
-    from kvcake.server.frontend.api import create_app, listen_socket
+    from kvcake.server.frontend.api import create_app
+    from kvcake.server.frontend.http_server import listen_socket
     from kvcake.server.frontend.local_backend import LocalBackend
 
     backend = LocalBackend.from_config(config)

@@ -245,7 +245,8 @@ def serve_disaggregated(config: ClusterConfig, api_key: str | None = None,
     import uvicorn
 
     from kvcake.conductor import freeze_heap
-    from kvcake.server.frontend.api import create_app, listen_socket
+    from kvcake.server.frontend.api import create_app
+    from kvcake.server.frontend.http_server import listen_socket
 
     sock = listen_socket(config.host, config.port)
     cluster = Cluster(config)

@@ -20,14 +20,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -35,8 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvcake.ids import RandomIds
 from kvcake.server.frontend.api_key import ApiKeyGuard
-from kvcake.server.frontend.backend import Backend, FinishReason, Rejected, TokenEvent, TokenStream
+from kvcake.server.frontend.backend import Backend, FinishReason, Rejected, TokenEvent
 from kvcake.server.frontend.detokenizer import TextStream
+from kvcake.server.frontend.http_server import ApiServer as ApiServer
+from kvcake.server.frontend.http_server import listen_socket as listen_socket
+from kvcake.server.frontend.job import Job, close_all, merged
 from kvcake.server.frontend.limits import PROMPT_CHARS_PER_TOKEN, HttpLimits, json_depth_exceeds
 from kvcake.server.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvcake.server.frontend.metrics import RequestTimer, ServerMetrics
@@ -62,31 +62,6 @@ from kvcake.server.frontend.protocol import (
     usage_chunk,
 )
 from kvcake.types import RequestId
-
-
-@dataclass
-class _Job:
-    """One admitted request as the API sees it."""
-
-    request_id: str
-    kind: str  # "completion" | "chat"
-    num_prompt_tokens: int
-    stream: TokenStream
-    timer: RequestTimer
-    include_usage: bool
-    return_token_ids: bool
-    created: int
-    text: TextStream
-    num_cached_tokens: int = 0
-    index: int = 0  # the choice's index (n > 1)
-    wants_logprobs: bool = False
-    echo: str = ""  # completions' echo: the prompt's text, before the output
-    logprobs: list[Any] = field(default_factory=list)  # TokenLogprob of every token so far
-    prompt_token_ids: tuple[int, ...] = ()
-    prompt_logprobs: list[Any] = field(default_factory=list)  # echo + logprobs: the prompt's
-    drop_output: bool = False  # max_tokens 0 (echo): the one token the engine samples is dropped
-    text_len: int = 0  # characters sent so far (completions' text_offset)
-    finish_reason: FinishReason = FinishReason.ABORT
 
 
 class ApiFactory:
@@ -260,7 +235,7 @@ class ApiFactory:
         prompt's KV is shared through the prefix cache) and answer them as one response."""
         request_id = self._ids[kind].next_id()
         echo = self.backend.decode(token_ids) if getattr(body, "echo", False) else ""
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         for index in range(body.n):
             seeded = body if body.seed is None or index == 0 else \
                 body.model_copy(update={"seed": body.seed + index})
@@ -271,19 +246,19 @@ class ApiFactory:
             try:
                 stream = await self.backend.generate(gen)
             except Rejected as exc:
-                await _close_all(jobs)
+                await close_all(jobs)
                 self.metrics.on_rejected(exc.kind)
                 retry = str(max(1, math.ceil(exc.retry_after_s)))
                 return self._error(exc.reason, 429, None, "rejected", {"Retry-After": retry})
             except ValueError:
-                await _close_all(jobs)
+                await close_all(jobs)
                 raise  # the backend refuses the request as invalid: the route answers 400
             except Exception as exc:
-                await _close_all(jobs)
+                await close_all(jobs)
                 return self._error(f"the backend failed to admit the request: {exc}", 500)
             self.metrics.on_admitted(len(token_ids))
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            jobs.append(_Job(request_id, kind, len(token_ids), stream, timer, include_usage,
+            jobs.append(Job(request_id, kind, len(token_ids), stream, timer, include_usage,
                              body.return_token_ids, int(self._wall_s()),
                              TextStream(self.backend.decode, stop_strings(body.stop)),
                              index=index, wants_logprobs=gen.logprobs is not None,
@@ -293,10 +268,10 @@ class ApiFactory:
             # The background close covers a client gone before the body is ever iterated.
             return StreamingResponse(self._sse(jobs), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(_close_all, jobs))
+                                     background=BackgroundTask(close_all, jobs))
         return await self._whole(request, jobs)
 
-    async def _events(self, job: _Job) -> AsyncIterator[tuple[TokenEvent, str]]:
+    async def _events(self, job: Job) -> AsyncIterator[tuple[TokenEvent, str]]:
         """The backend's events with their new text; records timing and finishes the job."""
         try:
             async for event in job.stream:
@@ -324,14 +299,14 @@ class ApiFactory:
             self.metrics.on_finished(job.timer, self._now_s(), job.num_cached_tokens,
                                      len(job.text.token_ids), job.finish_reason)
 
-    def _usage(self, jobs: list[_Job]) -> dict[str, Any]:
+    def _usage(self, jobs: list[Job]) -> dict[str, Any]:
         """The prompt counted once (its KV is shared), every choice's tokens."""
         first = jobs[0]
         return usage(first.num_prompt_tokens, sum(len(j.text.token_ids) for j in jobs),
                      first.num_cached_tokens)
 
-    async def _whole(self, request: Request, jobs: list[_Job]) -> Response:
-        async def collect(job: _Job) -> str:
+    async def _whole(self, request: Request, jobs: list[Job]) -> Response:
+        async def collect(job: Job) -> str:
             return "".join([text async for _event, text in self._events(job)])
 
         work = asyncio.ensure_future(asyncio.gather(*(collect(job) for job in jobs)))
@@ -344,12 +319,12 @@ class ApiFactory:
             if not work.done():  # the client left: cancelling aborts the request
                 work.cancel()
         if work.cancelled():
-            await _close_all(jobs)  # idempotent; covers tasks cancelled before they started
+            await close_all(jobs)  # idempotent; covers tasks cancelled before they started
             return Response(status_code=499)
         try:
             texts = work.result()
         except Exception as exc:
-            await _close_all(jobs)
+            await close_all(jobs)
             return self._error(f"generation failed: {exc}", 500)
         name, first = self.backend.model_name, jobs[0]
         choices = []
@@ -364,17 +339,17 @@ class ApiFactory:
                                                        len(job.echo))})
         return JSONResponse({**out, "id": first.request_id, "choices": choices})
 
-    def _logprobs(self, job: _Job, entries: list[Any], offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, job: Job, entries: list[Any], offset: int) -> dict[str, Any] | None:
         if not job.wants_logprobs:
             return None
         if job.kind == "chat":
             return chat_logprobs(entries, self.backend.decode)
         return completion_logprobs(entries, self.backend.decode, offset)
 
-    async def _sse(self, jobs: list[_Job]) -> AsyncIterator[str]:
+    async def _sse(self, jobs: list[Job]) -> AsyncIterator[str]:
         model, first = self.backend.model_name, {job.index: True for job in jobs}
         try:
-            async for job, event, text in _merged(self._events, jobs):
+            async for job, event, text in merged(self._events, jobs):
                 ids = event.token_ids if job.return_token_ids else None
                 if job.kind == "chat":
                     chunk = chat_chunk(job.request_id, job.created, model, text,
@@ -403,46 +378,6 @@ class ApiFactory:
             yield _sse_data(usage_chunk(name, job.request_id, job.created, model,
                                         self._usage(jobs)))
         yield "data: [DONE]\n\n"
-
-
-async def _close_all(jobs: list[_Job]) -> None:
-    for job in jobs:
-        await job.stream.aclose()
-
-
-async def _merged(events: Callable[[_Job], AsyncIterator[tuple[TokenEvent, str]]],
-                  jobs: list[_Job]) -> AsyncIterator[tuple[_Job, TokenEvent, str]]:
-    """The events of every job as they come (one job: its own order, no extra task)."""
-    if len(jobs) == 1:
-        async for event, text in events(jobs[0]):
-            yield jobs[0], event, text
-        return
-    queue: asyncio.Queue[tuple[_Job, TokenEvent, str] | BaseException | None] = asyncio.Queue()
-
-    async def pump(job: _Job) -> None:
-        try:
-            async for event, text in events(job):
-                await queue.put((job, event, text))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put(exc)
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
-    try:
-        done = 0
-        while done < len(jobs):
-            item = await queue.get()
-            if item is None:
-                done += 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await _close_all(jobs)
 
 
 def _package_version() -> str:
@@ -481,65 +416,3 @@ def create_app(backend: Backend, metrics: ServerMetrics | None = None,
     if api_key is not None:
         app.add_middleware(ApiKeyGuard, keys=(api_key,))
     return app
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (0: the OS picks), ready before any URL is printed.
-
-    Raises ValueError naming --port when the address cannot be bound.
-    """
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ValueError(f"--port: cannot listen on {host}:{port} ({exc})") from None
-    sock.listen(2048)
-    return sock
-
-
-class ApiServer:
-    """Runs an app with uvicorn on a background thread: for tests and embedding.
-
-    `start()` returns once the socket listens; `port` is the bound port (pass port=0 to let the
-    OS choose). `close()` stops accepting, finishes in-flight responses and joins the thread.
-    """
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                      lifespan="off")
-        self._server = uvicorn.Server(self._config)
-        self._thread: threading.Thread | None = None
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        self._thread = threading.Thread(target=self._server.run, name="kvcake-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the HTTP server did not start on {self._config.host}:"
-                                   f"{self._config.port}")
-            time.sleep(0.01)  # uvicorn offers no start event to wait on
-
-    @property
-    def port(self) -> int:
-        sockets = self._server.servers[0].sockets
-        return int(sockets[0].getsockname()[1])
-
-    @property
-    def url(self) -> str:
-        return f"http://{self._config.host}:{self.port}"
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self) -> ApiServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
