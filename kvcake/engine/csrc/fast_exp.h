@@ -10,6 +10,22 @@
 
 namespace kvcake {
 
+// exp(r) for r = x - n ln2 (|r| <= ln2/2, ln2 split in two for precision), on a float or a vector
+// of floats alike (`V{} + c` is c, or c in every lane): the part fast_exp and vexp share.
+template <typename V>
+inline V exp_of_reduced(V x, V n) {
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const V z = r * r;
+  V y = V{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  return y * z + r + 1.0f;
+}
+
 inline float fast_exp(float x) {
   x = x < -87.3f ? -87.3f : x;  // 2^n stays a normal float (ternaries and an integer floor:
   x = x > 88.3f ? 88.3f : x;    // std::fmin/fmax/floor keep gcc 12 from vectorising the loop)
@@ -17,16 +33,7 @@ inline float fast_exp(float x) {
   int32_t ni = static_cast<int32_t>(fx);
   ni -= static_cast<float>(ni) > fx ? 1 : 0;
   const float n = static_cast<float>(ni);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
+  const float y = exp_of_reduced(x, n);
   const int32_t bits = (ni + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -59,16 +66,7 @@ inline vfloat vexp(vfloat x) {
   vint ni = __builtin_convertvector(fx, vint);
   ni += (__builtin_convertvector(ni, vfloat) > fx);  // floor: true lanes are -1
   const vfloat n = __builtin_convertvector(ni, vfloat);
-  vfloat r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  const vfloat z = r * r;
-  vfloat y = vfloat{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
+  const vfloat y = exp_of_reduced(x, n);
   const vint bits = (ni + 127) << 23;
   vfloat scale;
   std::memcpy(&scale, &bits, sizeof scale);
