@@ -51,12 +51,14 @@ def plot_bars(path: Path, title: str, groups: Sequence[str], series: Mapping[str
 
 
 def plot_lines(path: Path, title: str, panels: Sequence[tuple[str, str, Mapping[str, tuple[
-        Sequence[float], Sequence[float]]]]], logx: bool = False) -> None:
-    """Side-by-side line panels: each is (xlabel, ylabel, {series: (xs, ys)})."""
+        Sequence[float], Sequence[float]]]]], logx: bool = False,
+               marker: str | None = "o") -> None:
+    """Side-by-side line panels: each is (xlabel, ylabel, {series: (xs, ys)}); `marker` None
+    for long time series."""
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (xlabel, ylabel, series) in zip(axes[0], panels, strict=True):
         for name, (xs, ys) in series.items():
-            ax.plot(xs, ys, marker="o", label=name)
+            ax.plot(xs, ys, marker=marker, label=name)
         if logx:
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)

@@ -50,3 +50,47 @@ def test_t_d_is_the_mean_decode_time_of_finished_requests() -> None:
     states[1].decode_join_s, states[1].finish_s = 2.0, 3.0
     states[2].decode_join_s = 2.0  # still decoding (rejected or cut off): not counted
     assert mean_decode_s(states) == pytest.approx(2.0)
+
+
+def test_pool_loads_spread_queue_busy_and_decode_kv_over_buckets() -> None:
+    from kvcake.sim.overload import BUCKET_S, pool_loads, window_mean
+    from kvcake.sim.records import RequestState
+    from kvcake.sim.run import arrivals_of
+
+    # One request: arrives at 0, waits 5 s, prefills 10 s (5..15), decodes 15..35 holding
+    # 1,000 + 100 KV tokens; a second is rejected at arrival and loads nothing.
+    trace = Trace((TraceRequest(0, 0.0, 1000, 100, (1, 2)),
+                   TraceRequest(1, 0.0, 1000, 100, (3, 4))), "two")
+    states = [RequestState(i, f"r{i}", a) for i, a in enumerate(arrivals_of(trace))]
+    states[0].prefill_start_s, states[0].prefill_s = 5.0, 10.0
+    states[0].decode_join_s, states[0].finish_s = 15.0, 35.0
+    states[1].rejected = "tbt_slo"
+    loads = pool_loads(states, num_prefill=2, num_decode=1, kv_capacity_tokens=2200,
+                       end_s=35.0)
+    assert BUCKET_S == 10.0 and loads.times == [0.0, 10.0, 20.0, 30.0]
+    # In the prefill stage 0..15 (queue counts the wait, busy does not), over 2 nodes.
+    assert loads.prefill_queue == pytest.approx([0.5, 0.25, 0.0, 0.0])
+    assert loads.prefill_busy == pytest.approx([0.25, 0.25, 0.0, 0.0])
+    # Half of the decode pool's KV (1,100 of 2,200) for 15..35.
+    assert loads.decode_kv == pytest.approx([0.0, 0.25, 0.5, 0.25])
+    assert loads.decode_batch == pytest.approx([0.0, 0.5, 1.0, 0.5])
+    assert window_mean(loads.times, loads.decode_kv, 10.0, 30.0) == pytest.approx(0.375)
+
+
+def test_regime_names_the_overloaded_pool() -> None:
+    from kvcake.sim.overload import regime_of
+
+    assert regime_of(0.8, 1.25).startswith("decode-bound")
+    assert regime_of(1.2, 0.9).startswith("prefill-bound")
+    assert regime_of(1.13, 1.19) == "both pools overloaded"
+    assert regime_of(0.5, 0.7) == "no pool overloaded on average"
+
+
+def test_saved_per_turned_away_compares_later_rejections_with_the_baseline() -> None:
+    from kvcake.sim.overload import saved_per_turned_away
+
+    base = {"ttft_slo": 100, "tbt_slo_after_prefill": 80}
+    # Turned 50 away at arrival; 60 fewer later rejections: 1.2 saved each (fewer in all).
+    policy = {"ttft_slo": 70, "tbt_slo": 50, "tbt_slo_after_prefill": 50}
+    assert saved_per_turned_away(base, policy) == pytest.approx(1.2)
+    assert saved_per_turned_away(base, {"ttft_slo": 100}) is None  # none turned away

@@ -65,6 +65,8 @@ def test_overload_json_has_rejections_and_wasted_prefill_per_policy(
         assert set(numbers) == {"rejected", "wasted_prefill_s"}
         assert isinstance(numbers["rejected"], int) and numbers["wasted_prefill_s"] >= 0.0
     report = (tmp_path / "r" / "overload_small_speed8.md").read_text()
-    assert "| policy | rejected | at arrival (TTFT) | at arrival (TBT) | after prefill |" in report
+    assert ("| policy | rejected | at arrival (TTFT) | at arrival (decode load) | after prefill |"
+            in report)
     assert "x the prefill pool's capacity" in report
+    assert "| corr(prefill queue, decode KV) |" in report
     assert (tmp_path / "r" / "overload_small_speed8.png").read_bytes()[:4] == b"\x89PNG"
