@@ -10,7 +10,7 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import repeat
 from operator import itemgetter
 
@@ -53,7 +53,11 @@ class DecodeChoice:
         new = tuple.__new__  # what DecodeEstimate(...) does, without its Python-level __new__
         estimates = []
         now = self.config.admission is not Admission.EARLY
-        forecasts = map(self.load_at(now), loads.values(), repeat(at_s))
+        forecasts: Iterable[tuple[int, int]]
+        if not now and self.config.uniform_decode_s is not None:
+            forecasts = (load.batch_ahead(now_s, at_s) for load in loads.values())
+        else:
+            forecasts = map(self.load_at(now), loads.values(), repeat(at_s))
         for instance_id, (batch, tokens) in zip(loads, forecasts, strict=True):
             batch, tokens = batch + 1, tokens + context
             if not fits(req.max_output_len, batch, tokens, loads[instance_id]):
@@ -84,7 +88,9 @@ class DecodeChoice:
         """How a decode instance's batch is read: at a later moment, the forecast (requests
         predicted to have finished by then left out); now, under a uniform decode time t_d, the
         reported batch (a request that outlives t_d still decodes: the paper's t_d forecasts
-        the future, the load of the moment is known)."""
+        the future, the load of the moment is known). (A later moment under t_d is read by
+        `DecodeLoad.batch_ahead` in `estimate`: the reported batch, less what t_d predicts to
+        finish before then.)"""
         if now and self.config.uniform_decode_s is not None:
             return DecodeLoad.batch_now
         return DecodeLoad.batch_at

@@ -50,6 +50,25 @@ def test_decode_forecast_drops_finished_and_adds_joined() -> None:
     assert d.batch_at(100.0) == (0, 0) and "a" not in d and d.num_booked == 0
 
 
+def test_decode_forecast_ahead_starts_from_the_reported_batch() -> None:
+    # Uniform t_d = 2 s: a joined at 0 (predicted finish 2), b at 3 (finish 5); c joins at 4.
+    d = DecodeLoad()
+    for rid, context in (("a", 100), ("b", 200)):
+        d.expect(rid, join_s=0.0, context_tokens=context, output_len=10)
+    d.expect("c", join_s=4.0, context_tokens=400, output_len=10)
+    d.join("a", now_s=0.0, step_time_s=lambda b, c: 1.0, decode_s=2.0)
+    d.join("b", now_s=3.0, step_time_s=lambda b, c: 1.0, decode_s=2.0)
+    # At 3.5 a still decodes (reported), past its predicted finish: it stays in every forecast
+    # from now on, while the bare forecast drops it.
+    assert d.batch_now(3.5) == (2, 300)
+    assert d.batch_ahead(3.5, 3.5) == (2, 300)
+    assert d.batch_ahead(3.5, 4.0) == (3, 700)  # c joined
+    assert d.batch_ahead(3.5, 5.0) == (2, 500)  # b predicted to finish at 5
+    assert d.batch_at(5.0) == (1, 400)  # the bare forecast: a left out too
+    with pytest.raises(ValueError, match="before now_s"):
+        d.batch_ahead(3.5, 3.0)
+
+
 def test_decode_forecast_is_exact_after_every_change_and_at_every_boundary() -> None:
     """The forecast is reused between changes; it must answer as a fresh count would: at the
     finish and join times themselves, just before and after them, and after every report."""
