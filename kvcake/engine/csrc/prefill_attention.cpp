@@ -3,12 +3,18 @@
 //
 // A chunk of q_len query tokens at positions ctx_len - q_len .. ctx_len - 1 attends to positions
 // 0 .. its own of one sequence, whose K/V (the chunk's own included: the layer wrote them before
-// attending) sit in the pool layer [num_blocks, 2 (K, V), block_size, Hkv, D]. Flash-style: per
-// work item (one KV head, a tile of query positions with the `group` query heads that share that
-// KV head stacked as rows) the scores of a tile of KV positions are one register-blocked
-// micro-GEMM against a transposed copy of that K tile, then an online softmax, then P x V straight
-// from the pool rows. Work items go to torch's threads through a shared counter, heaviest (latest
-// query tile) first, so a thread that lost its core takes fewer of them.
+// attending) sit in the pool layer [num_blocks, 2 (K, V), block_size, Hkv, D].
+//
+// Flash-style, in two passes over torch's threads:
+// 1. K of every KV head is packed once per call into transposed tiles of NK positions
+//    ([Hkv][tile][D][NK]), read through the block table; every query tile of the head shares them.
+// 2. Work items (one KV head x a tile of query positions, the `group` query heads that share the
+//    KV head stacked as rows) go to the threads through a shared counter, heaviest (latest query
+//    tile) first. Per KV tile and per block of RB rows, in registers: the RB x NK scores (a
+//    micro-GEMM against the packed tile), the online softmax in the exp2 domain (scale * log2(e)
+//    folded into Q once), then P x V (a micro-GEMM over the tile's V rows, straight from the
+//    pool) into the block's output rows. A row block stops at its own last position (the causal
+//    diagonal); only a tile that crosses it is masked, and P x V skips its masked tail.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,94 +26,246 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "fast_exp.h"
 
 namespace {
 
 using kvcake::VLEN;
-using kvcake::vexp;
 using kvcake::vload;
 using kvcake::vstore;
 typedef kvcake::vfloat vec;
+typedef kvcake::vint vint;
 #if defined(__AVX512F__)
-constexpr int64_t RB = 4;  // rows per register block (RB x 4 accumulators)
+constexpr int64_t RB = 4;  // rows per register block (RB x 4 score accumulators)
 #else
 constexpr int64_t RB = 2;
 #endif
 constexpr int64_t NK = 4 * VLEN;  // KV positions per tile (4 vectors of scores per row)
 constexpr int64_t ROWS = 128;     // target query rows (positions x group) per work item
+constexpr float LOG2E = 1.44269504088896341f;
 
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 
-// s[m][0..NK) = qp[m][0..d) . kt[0..d)[0..NK) for m in [0, rows), rows a multiple of RB.
-void qk_tile(const float* qp, const float* kt, int64_t rows, int64_t d, float* s) {
-  for (int64_t m0 = 0; m0 < rows; m0 += RB) {
-    vec acc[RB][4];
+inline float hmax(vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#elif defined(__AVX2__)
+  __m256 x = (__m256)v;
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+#else
+  float r = v[0];
+  for (int64_t x = 1; x < VLEN; ++x) r = std::max(r, v[x]);
+  return r;
+#endif
+}
+
+inline float hsum(vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX2__)
+  __m256 x = (__m256)v;
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+#else
+  float r = 0.f;
+  for (int64_t x = 0; x < VLEN; ++x) r += v[x];
+  return r;
+#endif
+}
+
+inline bool any_above(vec v, float t) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#elif defined(__AVX2__)
+  return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_set1_ps(t), _CMP_GT_OQ)) != 0;
+#else
+  return hmax(v) > t;
+#endif
+}
+
+// 2^x for x <= 0 (scores minus their running maximum) as 2^n * 2^f, n = round(x), |f| <= 1/2,
+// 2^f from Cephes' exp2f polynomial (relative error ~2e-7). AVX-512 rounds and scales in one
+// instruction each (scalef: 2^n of a very negative n is exactly 0); elsewhere x is clamped at
+// -126 first (2^-126 for anything below; a masked score's lane is zeroed by the caller).
+inline vec vexp2(vec x) {
+#if defined(__AVX512F__)
+  const vec n = (vec)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vec lo = vec{} - 126.f;
+  x = x < lo ? lo : x;
+#if defined(__AVX2__)
+  const vec n = (vec)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vec fx = x + 0.5f;
+  vint fl = __builtin_convertvector(fx, vint);
+  fl += (__builtin_convertvector(fl, vec) > fx);  // floor: true lanes are -1
+  const vec n = __builtin_convertvector(fl, vec);
+#endif
+#endif
+  const vec f = x - n;
+  vec y = vec{} + 1.535336188319500e-4f;
+  y = y * f + 1.339887440266574e-3f;
+  y = y * f + 9.618437357674640e-3f;
+  y = y * f + 5.550332471162809e-2f;
+  y = y * f + 2.402264791363012e-1f;
+  y = y * f + 6.931472028550421e-1f;
+  y = y * f + 1.f;
+#if defined(__AVX512F__)
+  return (vec)_mm512_scalef_ps((__m512)y, (__m512)n);
+#else
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+#endif
+}
+
+inline float exp2_scalar(float x) {
+  const vec v = vexp2(vec{} + x);
+  return v[0];
+}
+
+// A row's running maximum moves only when a tile's scores exceed it by more than this (log2
+// domain): until then the terms are at most 2^LAZY_MAX and the row's sum and output need no
+// rescaling, which most tiles after the first few never do.
+constexpr float LAZY_MAX = 8.f;
+// The running maximum before any score: finite, so that 2^(start - m) is 0, not NaN.
+constexpr float NO_MAX = -1e30f;
+
+// Per-thread state of one work item: its rows' scaled queries, running maxima, lane-wise partial
+// sums (VLEN per row, added up at the end) and output accumulators; P of the current row block.
+struct Item {
+  std::vector<float> qp, o, mx, l, p;
+  std::vector<int64_t> limit;
+  explicit Item(int64_t m_pad, int64_t d)
+      : qp(m_pad * d), o(m_pad * d), mx(m_pad), l(m_pad * VLEN), p(RB * NK), limit(m_pad) {}
+};
+
+// o[r][c .. c + NV VLEN) = o[r][..] (* alpha[r] if RESCALE) + sum_{j < cnt} p[r][j] *
+// vrows[j][c ..], r < RB.
+template <int NV, bool RESCALE>
+inline void pv_block(const float* p, const float* const* vrows, int64_t cnt, const float* alpha,
+                     int64_t d, int64_t c, float* o) {
+  vec acc[RB][NV];
 #pragma GCC unroll 8
-    for (int64_t r = 0; r < RB; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = vec{} ;
-    for (int64_t i = 0; i < d; ++i) {
-      const float* k = kt + i * NK;
-      vec k0 = vload(k), k1 = vload(k + VLEN), k2 = vload(k + 2 * VLEN), k3 = vload(k + 3 * VLEN);
-      // Keep the K vectors in registers: folded into each FMA as a memory operand they are
-      // loaded RB times, and the loads, not the FMAs, bound the loop.
+  for (int64_t r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      acc[r][v] = vload(o + r * d + c + v * VLEN);
+      if (RESCALE) acc[r][v] *= alpha[r];
+    }
+  for (int64_t j = 0; j < cnt; ++j) {
+    const float* vr = vrows[j] + c;
+    vec vv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vv[v] = vload(vr + v * VLEN);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < RB; ++r) {
+      const float w = p[r * NK + j];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += vv[v] * w;
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vstore(o + r * d + c + v * VLEN, acc[r][v]);
+}
+
+template <bool RESCALE>
+inline void pv(const float* p, const float* const* vrows, int64_t cnt, const float* alpha,
+               int64_t d, float* o) {
+  int64_t c = 0;
+  for (; c + 4 * VLEN <= d; c += 4 * VLEN) pv_block<4, RESCALE>(p, vrows, cnt, alpha, d, c, o);
+  switch ((d - c) / VLEN) {
+    case 3: pv_block<3, RESCALE>(p, vrows, cnt, alpha, d, c, o); break;
+    case 2: pv_block<2, RESCALE>(p, vrows, cnt, alpha, d, c, o); break;
+    case 1: pv_block<1, RESCALE>(p, vrows, cnt, alpha, d, c, o); break;
+    default: break;
+  }
+}
+
+// One row block (RB rows from `qp`, `o`, `mx`, `l`, `limit`) against one KV tile at j0 of which
+// cnt positions exist: scores, online softmax, P x V.
+inline void row_block_tile(const float* qp, const float* kt, const float* const* vrows,
+                           int64_t j0, int64_t cnt, int64_t d, const int64_t* limit, float* mx,
+                           float* l, float* o, float* p) {
+  vec acc[RB][4];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < RB; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = vec{};
+  for (int64_t i = 0; i < d; ++i) {
+    const float* k = kt + i * NK;
+    vec k0 = vload(k), k1 = vload(k + VLEN), k2 = vload(k + 2 * VLEN), k3 = vload(k + 3 * VLEN);
+    // Keep the K vectors in registers: folded into each FMA as a memory operand they are
+    // loaded RB times, and the loads, not the FMAs, bound the loop.
 #if defined(__x86_64__) && defined(__AVX__)
-      asm("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
+    asm("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
 #endif
 #pragma GCC unroll 8
-      for (int64_t r = 0; r < RB; ++r) {
-        const float q = qp[(m0 + r) * d + i];
-        acc[r][0] += k0 * q;
-        acc[r][1] += k1 * q;
-        acc[r][2] += k2 * q;
-        acc[r][3] += k3 * q;
+    for (int64_t r = 0; r < RB; ++r) {
+      const float q = qp[r * d + i];
+      acc[r][0] += k0 * q;
+      acc[r][1] += k1 * q;
+      acc[r][2] += k2 * q;
+      acc[r][3] += k3 * q;
+    }
+  }
+  int64_t lim_min = limit[0], lim_max = limit[0];
+  for (int64_t r = 1; r < RB; ++r) {
+    lim_min = std::min(lim_min, limit[r]);
+    lim_max = std::max(lim_max, limit[r]);
+  }
+  // Some row of the block ends inside the tile (lanes past cnt are past every row's end).
+  const bool masked = j0 + NK - 1 > lim_min;
+  const int64_t used = std::min(cnt, lim_max - j0 + 1);  // columns any row of the block needs
+  vint iota;
+  for (int64_t x = 0; x < VLEN; ++x) iota[x] = static_cast<int32_t>(x);
+  float alpha[RB];
+  bool rescale = false;
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < RB; ++r) {
+    vec s[4] = {acc[r][0], acc[r][1], acc[r][2], acc[r][3]};
+    vint keep[4];
+    if (masked) {
+      const int32_t last = static_cast<int32_t>(std::min(limit[r], j0 + NK) - j0);
+      for (int v = 0; v < 4; ++v) {
+        keep[v] = (iota + static_cast<int32_t>(v * VLEN)) <= last;
+        s[v] = keep[v] ? s[v] : vec{} + NO_MAX;
       }
     }
-#pragma GCC unroll 8
-    for (int64_t r = 0; r < RB; ++r)
-      for (int v = 0; v < 4; ++v) vstore(s + (m0 + r) * NK + v * VLEN, acc[r][v]);
-  }
-}
-
-// o[m][c..c + NV VLEN) += sum_j p[m][j] * vrows[j][c..], j < cnt, m in [0, rows).
-template <int NV>
-void pv_chunk(const float* p, const float* const* vrows, int64_t cnt, int64_t rows, int64_t d,
-              int64_t c, float* o) {
-  for (int64_t m0 = 0; m0 < rows; m0 += RB) {
-    vec acc[RB][NV];
-#pragma GCC unroll 8
-    for (int64_t r = 0; r < RB; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = vload(o + (m0 + r) * d + c + v * VLEN);
-    for (int64_t j = 0; j < cnt; ++j) {
-      const float* vr = vrows[j] + c;
-      vec vv[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) vv[v] = vload(vr + v * VLEN);
-#pragma GCC unroll 8
-      for (int64_t r = 0; r < RB; ++r) {
-        const float w = p[(m0 + r) * NK + j];
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[r][v] += vv[v] * w;
-      }
+    const vec vm = vmax(vmax(s[0], s[1]), vmax(s[2], s[3]));
+    float m = mx[r];
+    alpha[r] = 1.f;
+    vec lv = vload(l + r * VLEN);
+    if (__builtin_expect(any_above(vm, m + LAZY_MAX), 0)) {
+      const float m_new = hmax(vm);
+      alpha[r] = exp2_scalar(m - m_new);  // 0 on the first tile
+      lv *= alpha[r];
+      mx[r] = m = m_new;
+      rescale = true;
     }
-#pragma GCC unroll 8
-    for (int64_t r = 0; r < RB; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) vstore(o + (m0 + r) * d + c + v * VLEN, acc[r][v]);
+    vec e[4];
+    for (int v = 0; v < 4; ++v) {
+      e[v] = vexp2(s[v] - m);
+      if (masked) e[v] = keep[v] ? e[v] : vec{};
+      vstore(p + r * NK + v * VLEN, e[v]);
+    }
+    vstore(l + r * VLEN, lv + ((e[0] + e[1]) + (e[2] + e[3])));
   }
-}
-
-// o[m][0..d) += sum_j p[m][j] * vrows[j][0..d) for j < cnt, m in [0, rows); d % VLEN == 0.
-void pv_tile(const float* p, const float* const* vrows, int64_t cnt, int64_t rows, int64_t d,
-             float* o) {
-  int64_t c = 0;
-  for (; c + 4 * VLEN <= d; c += 4 * VLEN) pv_chunk<4>(p, vrows, cnt, rows, d, c, o);
-  switch ((d - c) / VLEN) {
-    case 3: pv_chunk<3>(p, vrows, cnt, rows, d, c, o); break;
-    case 2: pv_chunk<2>(p, vrows, cnt, rows, d, c, o); break;
-    case 1: pv_chunk<1>(p, vrows, cnt, rows, d, c, o); break;
-    default: break;
+  if (rescale) {
+    pv<true>(p, vrows, used, alpha, d, o);
+  } else {
+    pv<false>(p, vrows, used, alpha, d, o);
   }
 }
 
@@ -137,8 +295,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv,
                 "paged_prefill_attention: block id out of range of the pool");
 
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t qt = std::max<int64_t>(1, ROWS / group);   // query positions per item
-  const int64_t m_pad = (qt * group + RB - 1) / RB * RB;   // rows per item, padded
+  const int64_t qt = std::max<int64_t>(1, ROWS / group);  // query positions per item
+  const int64_t m_pad = (qt * group + RB - 1) / RB * RB;  // rows per item, padded
   const int64_t num_tiles = (q_len + qt - 1) / qt;
   const int64_t num_items = num_tiles * num_kv_heads;
   const int64_t first_pos = ctx_len - q_len;
@@ -148,12 +306,40 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv,
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
   at::Tensor out = at::empty({q_len, num_heads, d}, q.options());
   float* obase = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  std::atomic<int64_t> next{0};
+  const float qscale = static_cast<float>(scale) * LOG2E;  // scores in the exp2 domain
+  auto row_of = [&](int64_t pos) { return pool + tab[pos / block_size] * s_blk +
+                                          (pos % block_size) * s_tok; };
 
+  // Pass 1: K^T tiles of every KV head, zero past ctx_len.
+  const int64_t num_kv_tiles = (ctx_len + NK - 1) / NK;
+  std::vector<float> kt_all(num_kv_heads * num_kv_tiles * d * NK);
+  const int64_t tile_floats = d * NK;
+  auto pack = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t h = t % num_kv_heads, jt = t / num_kv_heads;
+      float* kt = kt_all.data() + (h * num_kv_tiles + jt) * tile_floats;
+      for (int64_t j = 0; j < NK; ++j) {
+        const int64_t pos = jt * NK + j;
+        if (pos < ctx_len) {
+          const float* row = row_of(pos) + h * d;
+          for (int64_t x = 0; x < d; ++x) kt[x * NK + j] = row[x];
+        } else {
+          for (int64_t x = 0; x < d; ++x) kt[x * NK + j] = 0.f;
+        }
+      }
+    }
+  };
+  const int64_t pack_jobs = num_kv_heads * num_kv_tiles;
+  if (at::get_num_threads() <= 1 || pack_jobs < 8) {
+    pack(0, pack_jobs);
+  } else {
+    at::parallel_for(0, pack_jobs, 4, pack);
+  }
+
+  // Pass 2: the work items.
+  std::atomic<int64_t> next{0};
   auto worker = [&]() {
-    std::vector<float> qp(m_pad * d), kt(d * NK), s(m_pad * NK), o(m_pad * d), mx(m_pad), l(m_pad);
-    std::vector<int64_t> limit(m_pad);
+    Item it(m_pad, d);
     std::vector<const float*> vrows(NK);
     for (int64_t item = next++; item < num_items; item = next++) {
       const int64_t tile = num_tiles - 1 - item / num_kv_heads;  // heaviest first
@@ -161,77 +347,42 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv,
       const int64_t i0 = tile * qt, i1 = std::min(q_len, i0 + qt);
       const int64_t rows = (i1 - i0) * group;
       const int64_t m_rows = (rows + RB - 1) / RB * RB;
-      std::fill(qp.begin(), qp.begin() + m_rows * d, 0.f);
       for (int64_t i = i0; i < i1; ++i)
         for (int64_t g = 0; g < group; ++g) {
           const float* src = qbase + i * q_s0 + (h * group + g) * q_s1;
-          float* dst = qp.data() + ((i - i0) * group + g) * d;
+          float* dst = it.qp.data() + ((i - i0) * group + g) * d;
 #pragma omp simd
-          for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * fscale;
+          for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * qscale;
         }
-      for (int64_t m = 0; m < m_rows; ++m) limit[m] = m < rows ? first_pos + i0 + m / group : -1;
-      std::fill(o.begin(), o.begin() + m_rows * d, 0.f);
-      std::fill(mx.begin(), mx.begin() + m_rows, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + m_rows, 0.f);
+      // Padding rows (zero queries) see what the item's last row sees: finite, discarded.
+      std::fill(it.qp.begin() + rows * d, it.qp.begin() + m_rows * d, 0.f);
+      for (int64_t m = 0; m < m_rows; ++m)
+        it.limit[m] = first_pos + i0 + std::min(m, rows - 1) / group;
+      std::fill(it.o.begin(), it.o.begin() + m_rows * d, 0.f);
+      std::fill(it.mx.begin(), it.mx.begin() + m_rows, NO_MAX);
+      std::fill(it.l.begin(), it.l.begin() + m_rows * VLEN, 0.f);
       const int64_t kv_end = first_pos + i1;  // positions [0, kv_end) are seen by some row
+      const float* kt_head = kt_all.data() + h * num_kv_tiles * tile_floats;
       for (int64_t j0 = 0; j0 < kv_end; j0 += NK) {
         const int64_t cnt = std::min(NK, kv_end - j0);
-        for (int64_t j = 0; j < NK; ++j) {  // pack K^T of the tile, point at its V rows
-          if (j < cnt) {
-            const int64_t pos = j0 + j;
-            const float* row = pool + tab[pos / block_size] * s_blk + (pos % block_size) * s_tok +
-                               h * d;
-            for (int64_t x = 0; x < d; ++x) kt[x * NK + j] = row[x];
-            vrows[j] = row + s_kv;
-          } else {
-            for (int64_t x = 0; x < d; ++x) kt[x * NK + j] = 0.f;
-          }
+        for (int64_t j = 0; j < cnt; ++j) vrows[j] = row_of(j0 + j) + h * d + s_kv;
+        const float* kt = kt_head + (j0 / NK) * tile_floats;
+        // Row blocks in order of position: the first whose rows all end before j0 ends it.
+        for (int64_t m0 = 0; m0 < m_rows; m0 += RB) {
+          const int64_t* lim = it.limit.data() + m0;
+          int64_t lim_max = lim[0];
+          for (int64_t r = 1; r < RB; ++r) lim_max = std::max(lim_max, lim[r]);
+          if (lim_max < j0) continue;
+          row_block_tile(it.qp.data() + m0 * d, kt, vrows.data(), j0, cnt, d, lim,
+                         it.mx.data() + m0, it.l.data() + m0 * VLEN, it.o.data() + m0 * d,
+                         it.p.data());
         }
-        qk_tile(qp.data(), kt.data(), m_rows, d, s.data());
-        for (int64_t m = 0; m < m_rows; ++m) {  // online softmax, row by row
-          float* sr = s.data() + m * NK;
-          const int64_t valid = std::min(cnt, limit[m] - j0 + 1);
-          if (valid <= 0) {
-            std::fill(sr, sr + NK, 0.f);
-            continue;
-          }
-          for (int64_t j = valid; j < NK; ++j) sr[j] = -std::numeric_limits<float>::infinity();
-          const vec s0 = vload(sr), s1 = vload(sr + VLEN), s2 = vload(sr + 2 * VLEN),
-                    s3 = vload(sr + 3 * VLEN);
-          const vec vm = vmax(vmax(s0, s1), vmax(s2, s3));
-          float tile_max = vm[0];
-          for (int64_t x = 1; x < VLEN; ++x) tile_max = std::max(tile_max, vm[x]);
-          const float m_new = std::max(mx[m], tile_max);
-          const float alpha = mx[m] == -std::numeric_limits<float>::infinity()
-                                  ? 0.f
-                                  : kvcake::fast_exp(mx[m] - m_new);
-          const vec e0 = vexp(s0 - m_new), e1 = vexp(s1 - m_new), e2 = vexp(s2 - m_new),
-                    e3 = vexp(s3 - m_new);
-          vstore(sr, e0);
-          vstore(sr + VLEN, e1);
-          vstore(sr + 2 * VLEN, e2);
-          vstore(sr + 3 * VLEN, e3);
-          for (int64_t j = valid; j < NK; ++j) sr[j] = 0.f;  // masked: exactly nothing
-          const vec es = valid == NK ? (e0 + e1) + (e2 + e3)
-                                     : (vload(sr) + vload(sr + VLEN)) +
-                                           (vload(sr + 2 * VLEN) + vload(sr + 3 * VLEN));
-          float sum = 0.f;
-          for (int64_t x = 0; x < VLEN; ++x) sum += es[x];
-          mx[m] = m_new;
-          l[m] = l[m] * alpha + sum;
-          if (alpha != 1.f) {
-            float* orow = o.data() + m * d;
-#pragma omp simd
-            for (int64_t x = 0; x < d; ++x) orow[x] *= alpha;
-          }
-        }
-        pv_tile(s.data(), vrows.data(), cnt, m_rows, d, o.data());
       }
       for (int64_t m = 0; m < rows; ++m) {
         const int64_t i = i0 + m / group, g = m % group;
-        const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;
+        const float inv = 1.f / hsum(vload(it.l.data() + m * VLEN));
         float* dst = obase + (i * num_heads + h * group + g) * d;
-        const float* src = o.data() + m * d;
+        const float* src = it.o.data() + m * d;
 #pragma omp simd
         for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * inv;
       }
