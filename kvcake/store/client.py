@@ -26,7 +26,7 @@ from kvcake.clock import Clock
 from kvcake.store.direct import DirectPath
 from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
 from kvcake.store.master_api import Master, unwrap
-from kvcake.store.reader import ObjectReader
+from kvcake.store.reader import CACHE_ENTRIES, ObjectReader
 from kvcake.store.remote import RemoteMaster
 from kvcake.store.replica_io import write_requests
 from kvcake.store.tensors import pack_tensor, unpack_tensor
@@ -55,11 +55,11 @@ class StoreClient:
     `transfer_config.use_shared_memory=False` to force TCP even to nodes on this host. A client
     with its own engine moves batches of up to `slice_bytes` on the calling thread (`DirectPath`);
     `wrap_transport` wraps every endpoint of both (tests inject faults with it).
-    `location_cache`: how many keys' locations the reader remembers (reader.py; 0, the default:
-    none). A remembered location is read without asking the master, checked by the replica's
-    version and xxh3-64; it suits content-addressed keys (a key's bytes never change, as the KV
-    blocks' chained hashes): after another client removes a key, or the master evicts it, a
-    remembered location may still serve that key's own intact bytes until its space is reused;
+    `location_cache`: how many keys' locations the reader remembers (reader.py; default
+    `CACHE_ENTRIES`, 0: none). A remembered location is read without asking the master, checked
+    by the replica's version, xxh3-64 and that its node has not revoked it: the master has a
+    node revoke every replica it drops before it acknowledges the drop, so such reads stay
+    linearizable with removes, evictions and overwrites by any client (master.py);
     `clock`: how old the writer's reserved slots are; `async_seal`: a small put returns once its
     one-way seal is sent, not acknowledged (writer.py; off by default).
     """
@@ -68,7 +68,7 @@ class StoreClient:
                  transfer_config: TransferConfig | None = None, num_replicas: int | None = None,
                  local_node: str | None = None,
                  wrap_transport: TransportWrapper | None = None,
-                 location_cache: int = 0, clock: Clock | None = None,
+                 location_cache: int = CACHE_ENTRIES, clock: Clock | None = None,
                  async_seal: bool = False) -> None:
         if isinstance(master, str):  # proves transfer_config.secret to the master, if set
             master = RemoteMaster(master, secret=transfer_config.secret if transfer_config

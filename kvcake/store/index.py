@@ -95,8 +95,12 @@ class StoreIndex:
 
     def remove_node(self, node_id: str) -> list[str]:
         """Forget a node and every replica on it; returns the keys lost entirely."""
-        if self.nodes.pop(node_id, None) is None:
+        if node_id not in self.nodes:
             return []
+        self.space.revoked.extend(  # best effort: a gone node may not be reachable any more
+            (node_id, r.offset, r.version) for meta in self.objects.values()
+            for r in meta.replicas if r.node_id == node_id and r.tier is Tier.DRAM and r.complete)
+        del self.nodes[node_id]
         self.space.forget_node(node_id)
         for slot_id, slot in list(self.slots.items()):
             if any(r.node_id == node_id for r in slot.replicas):
@@ -379,6 +383,13 @@ class StoreIndex:
         for node_id in dead:
             self.remove_node(node_id)
         return dead
+
+    def take_revoked(self) -> list[tuple[str, int, int]]:
+        """The committed DRAM replicas dropped since the last call: (node_id, offset, version),
+        for the master to have their nodes revoke (layout.revoke)."""
+        revoked = list(self.space.revoked)
+        self.space.revoked.clear()
+        return revoked
 
     def take_actions(self) -> list[TierAction]:
         actions = list(self.actions)

@@ -1,8 +1,18 @@
 """The store master: a thread-safe service around the pure `StoreIndex`, and its TCP server.
 
 The master holds metadata only. Replica descriptors it hands out name a node's segment, an offset
-and a version; clients move the bytes themselves through the transfer engine. The only work the
-master asks of nodes is moving an object between that node's DRAM and its disk (`NodeHandle`).
+and a version; clients move the bytes themselves through the transfer engine. The work the master
+asks of nodes is moving an object between that node's DRAM and its disk, and revoking the
+replicas it drops (`NodeHandle`).
+
+Revocation is what lets a client remember where an object lives and read it later without asking
+(reader.py's location cache) while staying linearizable with removes, evictions and overwrites:
+every request that drops a committed DRAM replica has its node mark that replica's header revoked
+(layout.revoke) before the request is answered, and a remembered location is read only if its
+header is not revoked. A descriptor says `"revocable": true` only for nodes the master can ask
+(a control handle with `revoke`); clients remember no other. A node the master cannot reach for a
+revoke (it is declared dead, or its control port fails) is logged: until that node is gone, a
+client that remembered one of its objects may still read it (the object's own checked bytes).
 """
 
 from __future__ import annotations
@@ -40,6 +50,14 @@ class NodeHandle(Protocol):
 
     def drop_disk(self, key: str, disk_version: int) -> None: ...
 
+    def revoke(self, entries: list[list[int]]) -> int:
+        """Mark the replicas [[offset, version], ...] revoked (those still holding that
+        version); returns how many were."""
+        ...
+
+
+_REVOKE_TIMEOUT_S = 5.0  # a revoke is a few header writes: a node slower than this is stuck
+
 
 class RemoteNode:
     """A node reached through its control server (proving `secret` to it, if given)."""
@@ -48,6 +66,7 @@ class RemoteNode:
         self._address = address
         self._secret = secret
         self._conn: RpcConnection | None = None
+        self._revoke_conn: RpcConnection | None = None  # short timeout: it runs under the lock
 
     def _call(self, op: str, **args: Any) -> None:
         if self._conn is None:
@@ -67,6 +86,18 @@ class RemoteNode:
     def drop_disk(self, key: str, disk_version: int) -> None:
         self._call("drop_disk", key=key, disk_version=disk_version)
 
+    def revoke(self, entries: list[list[int]]) -> int:
+        try:
+            if self._revoke_conn is None:
+                self._revoke_conn = RpcConnection(self._address, timeout_s=_REVOKE_TIMEOUT_S,
+                                                  secret=self._secret)
+            return int(self._revoke_conn.call("revoke", entries=entries))
+        except (StoreError, OSError):
+            conn, self._revoke_conn = self._revoke_conn, None  # reconnect next time
+            if conn is not None:
+                conn.close()
+            raise
+
     def tell(self, op: str, objects: list[list[Any]]) -> None:
         """One-way `hold` / `forget` of catalogue entries (failover on); a node that cannot be
         reached misses them (it re-registers, or is declared dead, anyway)."""
@@ -79,15 +110,18 @@ class RemoteNode:
                         len(objects), exc)
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        for conn in (self._conn, self._revoke_conn):
+            if conn is not None:
+                conn.close()
 
 
-def replica_desc(index: StoreIndex, replica: Replica) -> dict[str, Any]:
+def replica_desc(index: StoreIndex, replica: Replica, revocable: bool = False) -> dict[str, Any]:
+    """A replica as clients see it; `revocable`: its node revokes what the master drops, so a
+    client may remember this location (reader.py)."""
     node = index.nodes[replica.node_id]
     return {"node_id": replica.node_id, "segment": node.endpoint.get("segment"),
             "offset": replica.offset, "alloc_bytes": replica.alloc_bytes,
-            "version": replica.version}
+            "version": replica.version, "revocable": revocable}
 
 
 class MasterService:
@@ -118,6 +152,12 @@ class MasterService:
             if handle is not None:
                 self._handles[node_id] = handle
             adopted = adopt(self.index, node_id, objects, self.clock.now_s()) if objects else 0
+            # A node registering again: what it held is forgotten (revoked below, so no client
+            # reads it from a remembered location) except what was just adopted, live again.
+            live = {(node_id, r.offset, r.version) for meta in self.index.objects.values()
+                    for r in meta.replicas if r.node_id == node_id}
+            self.index.space.revoked[:] = [e for e in self.index.space.revoked if e not in live]
+            self._run_actions()
             log.info("node %s registered: %d DRAM bytes, %d disk bytes%s", node_id, dram_bytes,
                      disk_bytes, f", {adopted} of its {len(objects or [])} objects adopted"
                      if objects else "")
@@ -163,7 +203,7 @@ class MasterService:
                                             num_replicas or self.config.default_replicas,
                                             local_node, self.clock.now_s())
             self._run_actions()
-            return [replica_desc(self.index, r) for r in replicas]
+            return [self._desc(r) for r in replicas]
 
     def put_commit(self, key: str, checksum: int | None = None) -> None:
         """Make the object readable; `checksum` (of the payload) if put_start did not have it."""
@@ -211,7 +251,7 @@ class MasterService:
                 except NoSpace:
                     reserved = []
                 slots = [{"slot": slot_id, "ttl_s": self.config.put_timeout_s,
-                          "replicas": [replica_desc(self.index, r) for r in meta.replicas]}
+                          "replicas": [self._desc(r) for r in meta.replicas]}
                          for slot_id, meta in reserved]
             self._run_actions()
             return {"results": results, "slots": slots}
@@ -317,7 +357,7 @@ class MasterService:
             source = {**self._describe(meta), "lease_id": lease_id}
             source["replicas"] = [d for d in source["replicas"]
                                   if d["version"] not in {r.version for r in new}]
-            return {"source": source, "targets": [replica_desc(self.index, r) for r in new]}
+            return {"source": source, "targets": [self._desc(r) for r in new]}
 
     def replicas_done(self, key: str, versions: list[int], ok: bool) -> None:
         with self._lock:
@@ -360,7 +400,11 @@ class MasterService:
     # ---- internals -----------------------------------------------------------------------------
     def _describe(self, meta: ObjectMeta) -> dict[str, Any]:
         return {"size_bytes": meta.size_bytes, "checksum": meta.checksum,
-                "replicas": [replica_desc(self.index, r) for r in meta.dram()]}
+                "replicas": [self._desc(r) for r in meta.dram()]}
+
+    def _desc(self, replica: Replica) -> dict[str, Any]:
+        handle = self._handles.get(replica.node_id)
+        return replica_desc(self.index, replica, hasattr(handle, "revoke"))
 
     def _tell_nodes(self, op: str, key: str) -> None:
         """Mirror one object's DRAM replicas to the catalogues of the nodes holding them."""
@@ -375,8 +419,11 @@ class MasterService:
                             else [[key, replica.version]])
 
     def _run_actions(self) -> None:
-        """Carry out the DRAM<->disk copies the index asked for. Runs under the lock, before any
-        freed range can be handed to a writer, so a demote always reads the evicted bytes."""
+        """Revoke the replicas the index dropped, then carry out the DRAM<->disk copies it asked
+        for. Runs under the lock, before the request is answered (so before any freed range is
+        handed to a writer): a remove is acknowledged only once its replicas are revoked, and a
+        demote always reads the evicted bytes."""
+        self._revoke(self.index.take_revoked())
         for action in self.index.take_actions():
             handle = self._handles.get(action.node_id)
             ok = handle is not None and self._run_one(handle, action)
@@ -384,6 +431,22 @@ class MasterService:
                 self.index.promote_done(action.key, action.version, ok, self.clock.now_s())
             elif action.kind is ActionKind.DEMOTE:
                 self.index.demote_done(action.key, action.disk_version, ok)
+
+    def _revoke(self, revoked: list[tuple[str, int, int]]) -> None:
+        """Have each node revoke its dropped replicas (one call per node)."""
+        by_node: dict[str, list[list[int]]] = {}
+        for node_id, offset, version in revoked:
+            by_node.setdefault(node_id, []).append([offset, version])
+        for node_id, entries in by_node.items():
+            handle = self._handles.get(node_id)
+            if not hasattr(handle, "revoke"):
+                continue  # its replicas were never described as revocable
+            try:
+                handle.revoke(entries)  # type: ignore[union-attr]
+            except (StoreError, OSError, ValueError) as exc:
+                log.warning("node %s could not revoke %d dropped replicas (a client that "
+                            "remembered one may still read it there): %s", node_id,
+                            len(entries), exc)
 
     def _run_one(self, handle: NodeHandle, action: TierAction) -> bool:
         try:
@@ -508,7 +571,7 @@ class MasterServer:
             return None
         if op == "unregister_node":
             session.pop("node_id", None)
-        if op in ("demote", "promote", "drop_disk", "hold", "forget"):
+        if op in ("demote", "promote", "drop_disk", "revoke", "hold", "forget"):
             raise InvalidRequest(f"op: {op!r} is a node operation, not a master one")
         if self._ready is not None and op not in ("heartbeat", "unregister_node"):
             self._ready.wait(self._ready_wait_s)

@@ -2,7 +2,8 @@
 tier to the pool, registers with the master and keeps heartbeating.
 
 Clients read and write the segment directly through the transfer engine; the master only asks the
-node to move objects between its DRAM and its disk (demote / promote / drop_disk).
+node to move objects between its DRAM and its disk (demote / promote / drop_disk) and to revoke
+the replicas it dropped (`revoke`: their headers marked, so no remembered location serves them).
 
     node = StoreNode(NodeConfig(dram_bytes=4 << 30), "127.0.0.1:21000")
     node.start() ... node.close()    # close() unregisters: the master drops this node's replicas
@@ -21,6 +22,7 @@ from kvcake.store.config import NodeConfig
 from kvcake.store.disk import DiskTier
 from kvcake.store.errors import InvalidRequest, StoreError
 from kvcake.store.layout import HEADER_BYTES, CorruptObject, verify
+from kvcake.store.layout import revoke as revoke_header
 from kvcake.store.master import MasterService
 from kvcake.store.rebuild import parse_entry
 from kvcake.store.remote import RemoteMaster
@@ -135,6 +137,18 @@ class StoreNode:
     def drop_disk(self, key: str, disk_version: int) -> None:
         self._require_disk().drop(disk_version)
 
+    def revoke(self, entries: list[list[int]]) -> int:
+        """Mark the replicas [[offset, version], ...] revoked where their header still holds
+        that version (layout.revoke); returns how many were."""
+        view = self._view()
+        done = 0
+        for entry in entries:
+            if not (isinstance(entry, list | tuple) and len(entry) == 2
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
+                raise InvalidRequest("entries: each must be [offset, version]")
+            done += int(revoke_header(view, entry[0], entry[1]))
+        return done
+
     # ---- internals ---------------------------------------------------------------------------------
     def _view(self) -> memoryview:
         return self.engine.segment(self._segment_name).view
@@ -157,9 +171,9 @@ class StoreNode:
                             and self._held.get(item[0], [None] * 4)[3] == item[1]:
                         del self._held[item[0]]
             return None
-        if op not in ("demote", "promote", "drop_disk"):
-            raise InvalidRequest(f"op: a node serves only demote/promote/drop_disk/hold/forget, "
-                                 f"not {op!r}")
+        if op not in ("demote", "promote", "drop_disk", "revoke"):
+            raise InvalidRequest(f"op: a node serves only demote/promote/drop_disk/revoke/hold/"
+                                 f"forget, not {op!r}")
         return getattr(self, op)(**args)
 
     def held_objects(self) -> list[list[int | str]]:

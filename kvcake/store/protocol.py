@@ -66,6 +66,8 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
     "promote": {"key": (_STR, True), "offset": (_INT, True), "alloc_bytes": (_INT, True),
                 "version": (_INT, True), "disk_version": (_INT, True)},
     "drop_disk": {"key": (_STR, True), "disk_version": (_INT, True)},
+    # master -> node: mark dropped replicas [[offset, version], ...] revoked (layout.revoke)
+    "revoke": {"entries": (_LIST, True)},
     # master -> node, one-way, with failover on: the node's catalogue of its committed objects
     # ([key, offset, alloc_bytes, version, size_bytes, checksum] / [key, version]), which it
     # re-registers with a new master (rebuild.py)

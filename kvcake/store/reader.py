@@ -13,17 +13,19 @@ no system call or master wake-up of its own), so a client that goes quiet holds 
 until then or `lease_s`; holding a lease longer is always safe, it only delays eviction.
 
 Location cache: the reader remembers where each object it wrote or read lives (size, checksum,
-replica versions and offsets; up to `cache_entries` keys), and `get` / `get_into` of a remembered
-key read its replica straight away, without asking the master: one round trip instead of two. The
-read is checked exactly like any other (the header must carry the remembered version, the payload
-the remembered checksum), so a stale entry can never return wrong bytes: if the range was freed
-and reused, or is being rewritten while it is read, the check fails, the entry is dropped and the
-get goes to the master as usual. Such a read takes no lease (a concurrent eviction makes it fail
-its check and fall back); the keys read this way are told to the master (one-way `touch`, merged
-and sent before this client's next request) so that its LRU order still sees them. What a cached read may still return
-is the object's own bytes after the master forgot it (another client removed it, it was evicted,
-its node was declared dead) until its range is reused: correct bytes for the key (keys name
-content). This client's own `remove` forgets the entry first. `cache_entries=0` turns it off.
+replica version and offset; up to `cache_entries` keys), and `get` / `get_into` of a remembered
+key read its replica straight away, without asking the master: one round trip instead of two.
+Only replicas the master describes as `revocable` are remembered: their node marks a replica's
+header revoked before the master answers the request that dropped it (a remove, an eviction, a
+drop to fewer replicas, the node leaving; master.py). A remembered read is checked like any other
+(the header must carry the remembered version, the payload the remembered checksum) and, since it
+holds no lease, also that its header is not revoked (`verify(live=True)`); any failure drops the
+entry and the get goes to the master as usual. So a read served from a remembered location is
+linearizable with removes and overwrites by any client: once a remove is acknowledged, no
+remembered location serves the removed object; a range reused by a new object carries a new
+version. A location whose header a read through the master found revoked is not remembered.
+Cached reads are told to the master (one-way `touch`, merged and sent before this client's next
+request) so that its LRU order still sees them. `cache_entries=0` turns the cache off.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from kvcake.store.errors import (
     StoreError,
     TransferFailed,
 )
-from kvcake.store.layout import HEADER_BYTES, CorruptObject, verify
+from kvcake.store.layout import HEADER_BYTES, CorruptObject, is_revoked, verify
 from kvcake.store.master_api import Master, unwrap
 from kvcake.store.replica_io import check_room, read_requests, segment_of, valid
 from kvcake.transfer import (
@@ -92,8 +94,12 @@ class ObjectReader:
     # ---- location cache ------------------------------------------------------------------------
     def remember(self, key: str, size_bytes: int, checksum: int,
                  replicas: list[dict[str, Any]]) -> None:
-        """Where object `key` lives (after this client wrote or read it)."""
+        """Where object `key` lives (after this client wrote or read it): its first revocable
+        replica; nothing if none is."""
         if self._cache_entries == 0:
+            return
+        first = next((r for r in replicas if r.get("revocable")), None)
+        if first is None:
             return
         cache = self._cache
         if key not in cache and len(cache) >= self._cache_entries:
@@ -101,7 +107,6 @@ class ObjectReader:
                 del cache[next(iter(cache))]  # the oldest entry
             except (KeyError, StopIteration, RuntimeError):  # another thread got there first
                 pass
-        first = replicas[0]
         cache[key] = _Location(size_bytes, checksum, int(first["version"]), int(first["offset"]),
                                segment_of(first["segment"]))
 
@@ -109,8 +114,12 @@ class ObjectReader:
         for key in keys:
             self._cache.pop(key, None)
 
-    def _remember_meta(self, key: str, meta: dict[str, Any]) -> None:
-        if meta.get("checksum") is not None and meta.get("replicas"):
+    def _remember_meta(self, key: str, meta: dict[str, Any],
+                       header: bytes | bytearray | memoryview) -> None:
+        """Remember `meta`'s first replica, whose `header` a read just brought back intact,
+        unless that header says the replica is revoked already (it would only fail later)."""
+        if self._cache_entries and meta.get("checksum") is not None and meta.get("replicas") \
+                and not is_revoked(header):
             self.remember(key, int(meta["size_bytes"]), int(meta["checksum"]), meta["replicas"])
 
     def _cached_read(self, key: str, dest: memoryview, whole: memoryview | None) -> int | None:
@@ -133,10 +142,10 @@ class ObjectReader:
                                                 where.offset + HEADER_BYTES, size))
         try:
             self._transfer(requests)
-            verify(header, dest[:size], where.version, where.checksum)
+            verify(header, dest[:size], where.version, where.checksum, live=True)
         except (TransferError, ValueError, CorruptObject):
-            # removed, evicted or reused (not a corruption to report: the master path checks
-            # the replicas it names, and reports those)
+            # revoked (removed, evicted), reused or unreachable (not a corruption to report: the
+            # master path checks the replicas it names, and reports those)
             self._cache.pop(key, None)
             return None
         self._touch(key)
@@ -229,7 +238,7 @@ class ObjectReader:
                 if not batch_ok or not valid(meta["replicas"][0], meta, header, payload):
                     self.read(key, meta, payload)  # replica by replica, asking the master again
                 else:
-                    self._remember_meta(key, meta)
+                    self._remember_meta(key, meta, header)
                 values.append(bytes(payload))
         finally:
             self.release(jobs)
@@ -294,13 +303,14 @@ class ObjectReader:
             if not batch_ok or not valid(meta["replicas"][0], meta, header, dest):
                 self.read(key, meta, dest)  # replica by replica, asking the master again
             else:
-                self._remember_meta(key, meta)
+                self._remember_meta(key, meta, header)
 
-    def _remember_good(self, key: str, meta: dict[str, Any], replica: dict[str, Any]) -> None:
-        """Remember `meta`'s location with the replica that just read intact first."""
+    def _remember_good(self, key: str, meta: dict[str, Any], replica: dict[str, Any],
+                       header: bytes | bytearray | memoryview) -> None:
+        """Remember `meta`'s location with the replica that just read intact (`header`) first."""
         if self._cache_entries:
             replicas = [replica] + [r for r in meta["replicas"] if r is not replica]
-            self._remember_meta(key, {**meta, "replicas": replicas})
+            self._remember_meta(key, {**meta, "replicas": replicas}, header)
 
     def _read_replicas(self, key: str, meta: dict[str, Any], dest: memoryview,
                        whole: memoryview | None, leased: Leased) -> int:
@@ -319,7 +329,7 @@ class ObjectReader:
                 try:
                     self._transfer(requests)
                     if valid(replica, meta, header, dest):
-                        self._remember_good(key, meta, replica)
+                        self._remember_good(key, meta, replica, header)
                         return int(meta["size_bytes"])
                     if self._recheck is not None:
                         # The direct path reads without a transport checksum (the check above
@@ -327,7 +337,7 @@ class ObjectReader:
                         # this replica is called corrupt.
                         self._recheck(requests)
                         if valid(replica, meta, header, dest):
-                            self._remember_good(key, meta, replica)
+                            self._remember_good(key, meta, replica, header)
                             return int(meta["size_bytes"])
                 except (TransferError, ValueError) as exc:
                     errors.append(f"{replica['node_id']}: {exc}")

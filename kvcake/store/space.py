@@ -3,7 +3,10 @@
 Pure bookkeeping for `StoreIndex` (times are passed in). A DRAM range of a replica removed while
 readers hold leases on it is not freed at once but when the last of those readers releases its
 lease or `release_s` passes, whichever comes first: a read in flight never sees its range reused.
-Freeing a disk replica queues the DROP_DISK action that only its node can carry out.
+Freeing a disk replica queues the DROP_DISK action that only its node can carry out; dropping
+a committed DRAM replica queues its revocation (`revoked`: node, offset, version), which the
+master has the node carry out (layout.revoke) before it answers the request that dropped it, so
+no client's remembered location serves it afterwards.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class NodeSpace:
         self.actions = actions
         self._deferred: list[_Deferred] = []
         self._next_version = 1
+        self.revoked: list[tuple[str, int, int]] = []  # (node_id, offset, version) to revoke
 
     def new_version(self) -> int:
         """A version no allocation had before: a reused range never matches an old descriptor."""
@@ -65,6 +69,8 @@ class NodeSpace:
         node = self.nodes.get(replica.node_id)
         if node is None:
             return
+        if replica.tier is Tier.DRAM and replica.complete:  # readable until now: revoke it
+            self.revoked.append((node.node_id, replica.offset, replica.version))
         if replica.tier is Tier.DISK:
             node.disk_used_bytes -= replica.alloc_bytes
             self.actions.append(TierAction(ActionKind.DROP_DISK, node.node_id, key,
