@@ -33,11 +33,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvcake.ids import RandomIds
 from kvcake.server.frontend.api_key import ApiKeyGuard
 from kvcake.server.frontend.backend import Backend, FinishReason, Rejected, TokenEvent
+from kvcake.server.frontend.body_reader import check_prompt_chars, read_body
 from kvcake.server.frontend.detokenizer import TextStream
 from kvcake.server.frontend.http_server import ApiServer as ApiServer
 from kvcake.server.frontend.http_server import listen_socket as listen_socket
 from kvcake.server.frontend.job import Job, close_all, merged
-from kvcake.server.frontend.limits import PROMPT_CHARS_PER_TOKEN, HttpLimits, json_depth_exceeds
+from kvcake.server.frontend.limits import HttpLimits
 from kvcake.server.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvcake.server.frontend.metrics import RequestTimer, ServerMetrics
 from kvcake.server.frontend.openapi import request_body
@@ -48,16 +49,19 @@ from kvcake.server.frontend.protocol import (
     InvalidRequest,
     TokenizeRequest,
     build_generate_request,
+    parse_request,
+    prompt_token_ids,
+    stop_strings,
+)
+from kvcake.server.frontend.responses import (
+    ResponseHead,
     chat_body,
     chat_chunk,
     chat_logprobs,
     completion_body,
     completion_logprobs,
     error_body,
-    parse_request,
     prompt_entries,
-    prompt_token_ids,
-    stop_strings,
     usage,
     usage_chunk,
 )
@@ -181,36 +185,10 @@ class ApiFactory:
             return self._invalid(exc)
 
     async def _body(self, request: Request) -> bytes:
-        """The request body, refused (413) past `max_request_bytes` before it is all read, and
-        (400) when its JSON nests deeper than `max_json_depth`, before it is parsed."""
-        cap = self.limits.max_request_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > cap:
-            raise _too_large(f"{int(declared)} bytes", cap)
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise _too_large(f"more than {cap} bytes", cap)
-            chunks.append(chunk)
-        body = b"".join(chunks)
-        if json_depth_exceeds(body, self.limits.max_json_depth):
-            raise InvalidRequest(f"the request body nests JSON arrays/objects deeper than "
-                                 f"{self.limits.max_json_depth} levels; flatten it",
-                                 code="json_too_deep")
-        return body
+        return await read_body(request, self.limits)
 
     def _check_prompt_chars(self, texts: list[str]) -> None:
-        """A text prompt too long to fit is refused before the tokenizer spends time on it."""
-        cap = self.limits.prompt_chars(self.backend.max_model_len)
-        chars = sum(len(text) for text in texts)
-        if chars > cap:
-            raise InvalidRequest(
-                f"prompt: {chars} characters, more than this server tokenizes ({cap}: "
-                f"max_prompt_chars, by default {PROMPT_CHARS_PER_TOKEN} per token of the "
-                f"maximum model length {self.backend.max_model_len}); shorten the prompt",
-                "prompt", code="prompt_too_long")
+        check_prompt_chars(self.limits, self.backend.max_model_len, texts)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self._served_names():
@@ -331,8 +309,8 @@ class ApiFactory:
         for job, text in zip(jobs, texts, strict=True):
             ids = job.text.token_ids if job.return_token_ids else None
             make = chat_body if job.kind == "chat" else completion_body
-            out = make(job.request_id, job.created, name, job.echo + text, job.finish_reason,
-                       self._usage(jobs), ids)
+            out = make(ResponseHead(job.request_id, job.created, name), job.echo + text,
+                       job.finish_reason, self._usage(jobs), ids)
             choices.append({**out["choices"][0], "index": job.index,
                             "logprobs": self._logprobs(job, job.prompt_logprobs + job.logprobs,
                                                        0 if job.prompt_logprobs else
@@ -351,15 +329,14 @@ class ApiFactory:
         try:
             async for job, event, text in merged(self._events, jobs):
                 ids = event.token_ids if job.return_token_ids else None
+                head = ResponseHead(job.request_id, job.created, model)
                 if job.kind == "chat":
-                    chunk = chat_chunk(job.request_id, job.created, model, text,
-                                       event.finish_reason, first[job.index], ids)
+                    chunk = chat_chunk(head, text, event.finish_reason, first[job.index], ids)
                 else:
                     if first[job.index]:  # echo: the prompt's text leads the first chunk
                         text = job.echo + text
                         job.text_len = len(job.echo)
-                    chunk = completion_body(job.request_id, job.created, model, text,
-                                            event.finish_reason, None, ids)
+                    chunk = completion_body(head, text, event.finish_reason, None, ids)
                 chunk["choices"][0]["index"] = job.index
                 entries, offset = list(event.logprobs or ()), job.text_len
                 if first[job.index] and job.prompt_logprobs:  # echo: the prompt's lead
@@ -375,7 +352,7 @@ class ApiFactory:
         job = jobs[0]
         if job.include_usage:
             name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-            yield _sse_data(usage_chunk(name, job.request_id, job.created, model,
+            yield _sse_data(usage_chunk(name, ResponseHead(job.request_id, job.created, model),
                                         self._usage(jobs)))
         yield "data: [DONE]\n\n"
 
@@ -390,12 +367,6 @@ def _package_version() -> str:
 
 
 _VERSION = _package_version()
-
-
-def _too_large(size: str, cap: int) -> InvalidRequest:
-    return InvalidRequest(f"the request body ({size}) exceeds this server's limit of {cap} "
-                          f"bytes (max_request_bytes); send a shorter request", status=413,
-                          code="request_too_large")
 
 
 def _sse_data(payload: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from kvcake.server.frontend.protocol import error_body
+from kvcake.server.frontend.responses import error_body
 
 ENV_VAR = "KVCAKE_API_KEY"
 PROTECTED_PREFIX = "/v1"

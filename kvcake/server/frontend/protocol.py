@@ -1,4 +1,5 @@
-"""OpenAI request models, their validation, and the response bodies we send back.
+"""OpenAI request models, their validation, and the backend request made from them (the
+response bodies: responses.py).
 
 Every request field OpenAI (or vLLM, for `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`)
 defines is either supported or accepted only at the value that means "off" (for example `n=1`,
@@ -21,7 +22,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvcake.server.frontend.backend import FinishReason, GenerateRequest
+from kvcake.server.frontend.backend import GenerateRequest
 from kvcake.types import RequestId
 
 
@@ -254,49 +255,6 @@ def _prompt_logprobs_wanted(body: _SamplingFields) -> int | None:
     return None
 
 
-def completion_logprobs(entries: Sequence[Any], decode: Any,
-                        offset: int) -> dict[str, Any]:
-    """OpenAI's completions `logprobs` object for generated tokens (and, with echo, the
-    prompt's first); text offsets from `offset` (the length of the text before them). An
-    entry's logprob and top may be None (the first prompt token: nothing predicts it)."""
-    tokens, offsets = [], []
-    for token, _lp, _top in entries:
-        offsets.append(offset)
-        text = decode([token])
-        tokens.append(text)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp for _t, lp, _top in entries],
-            "top_logprobs": [_top_map(top, decode) for _t, _lp, top in entries],
-            "text_offset": offsets}
-
-
-def prompt_entries(token_ids: Sequence[int], logprobs: Sequence[Any]) -> list[Any]:
-    """The prompt's (token, logprob, top) entries for `completion_logprobs` from the engine's
-    prompt log probabilities (None for the first token: logprob and top None)."""
-    return [(t, None, None) if entry is None else entry
-            for t, entry in zip(token_ids, logprobs, strict=True)]
-
-
-def _top_map(top: Sequence[tuple[int, float]] | None, decode: Any) -> dict[str, float] | None:
-    """token text -> logprob, most likely first; tokens that decode alike keep the best."""
-    if top is None:
-        return None
-    out: dict[str, float] = {}
-    for token_id, value in top:
-        out.setdefault(decode([token_id]), value)
-    return out
-
-
-def chat_logprobs(entries: Sequence[Any], decode: Any) -> dict[str, Any]:
-    """OpenAI's chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    def item(token_id: int, lp: float) -> dict[str, Any]:
-        text = decode([token_id])
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-    return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
-                        for t, lp, top in entries]}
-
-
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     """The request's `stop` strings (empty ones mean nothing)."""
     if stop is None:
@@ -374,72 +332,3 @@ def render_chat_text(messages: Sequence[tuple[str, str]]) -> str:
     """
     parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
     return "".join(parts) + "<|assistant|>\n"
-
-
-# ---- response bodies -------------------------------------------------------------------------
-
-
-def error_body(message: str, status: int, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    kinds = {404: "not_found_error", 429: "rate_limit_error"}
-    kind = kinds.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int,
-          num_cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
-    }
-
-
-def completion_body(request_id: str, created: int, model: str, text: str,
-                    finish_reason: FinishReason | None, usage_: dict[str, Any] | None,
-                    token_ids: Sequence[int] | None = None) -> dict[str, Any]:
-    """A /v1/completions response (with usage) or stream chunk (usage None)."""
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                              "finish_reason": _reason(finish_reason)}
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage_}
-
-
-def chat_body(request_id: str, created: int, model: str, text: str,
-              finish_reason: FinishReason | None, usage_: dict[str, Any],
-              token_ids: Sequence[int] | None = None) -> dict[str, Any]:
-    """A non-streaming /v1/chat/completions response."""
-    message = {"role": "assistant", "content": text}
-    choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
-                              "finish_reason": _reason(finish_reason)}
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage_}
-
-
-def chat_chunk(request_id: str, created: int, model: str, text: str,
-               finish_reason: FinishReason | None, first: bool,
-               token_ids: Sequence[int] | None = None) -> dict[str, Any]:
-    """One /v1/chat/completions stream chunk; the first one also carries the role."""
-    delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                              "finish_reason": _reason(finish_reason)}
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": model, "choices": [choice], "usage": None}
-
-
-def usage_chunk(object_name: str, request_id: str, created: int, model: str,
-                usage_: dict[str, Any]) -> dict[str, Any]:
-    """The final stream chunk when `stream_options.include_usage` is set: no choices."""
-    return {"id": request_id, "object": object_name, "created": created, "model": model,
-            "choices": [], "usage": usage_}
-
-
-def _reason(reason: FinishReason | None) -> str | None:
-    return None if reason is None else reason.value

@@ -12,12 +12,11 @@ from kvcake.server.frontend.protocol import (
     CompletionRequest,
     InvalidRequest,
     build_generate_request,
-    completion_body,
     parse_request,
     prompt_token_ids,
     render_chat_text,
-    usage,
 )
+from kvcake.server.frontend.responses import ResponseHead, completion_body, usage
 from kvcake.types import RequestId
 
 
@@ -87,7 +86,8 @@ def test_chat_message_parts_and_template() -> None:
 
 
 def test_bodies() -> None:
-    body = completion_body("cmpl-1", 7, "tiny", "hi", FinishReason.LENGTH, usage(3, 2, 1), [4, 5])
+    body = completion_body(ResponseHead("cmpl-1", 7, "tiny"), "hi", FinishReason.LENGTH,
+                           usage(3, 2, 1), [4, 5])
     assert body["choices"] == [{"index": 0, "text": "hi", "logprobs": None,
                                 "finish_reason": "length", "token_ids": [4, 5]}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
