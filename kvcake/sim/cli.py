@@ -96,6 +96,13 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
+    """`kvcake simulate`, `kvcake reproduce` and `kvcake trace {stats,gen}`."""
+    _register_simulate(subparsers)
+    _register_reproduce(subparsers)
+    _register_trace(subparsers)
+
+
+def _register_simulate(subparsers: Any) -> None:
     sim = _one_line_errors(subparsers.add_parser(
         "simulate", help="run a trace on a simulated cluster driven by the Conductor"), "simulate")
     add_cluster_flags(sim)
@@ -149,6 +156,8 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=_simulate)
 
+
+def _register_reproduce(subparsers: Any) -> None:
     from kvcake.sim.reproduce import EXPERIMENTS
 
     rep = _one_line_errors(subparsers.add_parser(
@@ -161,6 +170,8 @@ def register(subparsers: Any) -> None:
                      help="print the experiment's numbers as one JSON object (not the path)")
     rep.set_defaults(func=_reproduce)
 
+
+def _register_trace(subparsers: Any) -> None:
     trace = _one_line_errors(subparsers.add_parser("trace", help="Mooncake trace tools"), "trace")
     sub = trace.add_subparsers(dest="trace_command", metavar="{stats,gen}")
     sub.required = True
@@ -238,11 +249,11 @@ def format_summary(summary: dict[str, Any]) -> str:
 def _reproduce(args: argparse.Namespace) -> int:
     from kvcake.sim.reproduce import run_experiment
 
-    report = run_experiment(args.experiment, args.trace, args.out, speed=args.speed,
-                            max_requests=args.max_requests, profile=args.profile, seed=args.seed,
-                            ttft_slo_s=args.ttft_slo_s, tbt_slo_ms=args.tbt_slo_ms,
-                            cpp_min_tokens=args.cpp_min_tokens, cpp_nodes=args.cpp_nodes,
-                            cpp_chunk_tokens=args.cpp_chunk_tokens)
+    base = SimConfig(speed=args.speed, max_requests=args.max_requests, profile=args.profile,
+                     seed=args.seed, ttft_slo_s=args.ttft_slo_s, tbt_slo_ms=args.tbt_slo_ms,
+                     cpp_min_tokens=args.cpp_min_tokens, cpp_nodes=args.cpp_nodes,
+                     cpp_chunk_tokens=args.cpp_chunk_tokens)
+    report = run_experiment(args.experiment, args.trace, args.out, base)
     print(json.dumps(report.data, sort_keys=True) if args.json else report.path)
     return 0
 

@@ -292,26 +292,17 @@ class Report:
     data: dict[str, Any]
 
 
-def run_experiment(name: str, trace_path: Path, out: Path, speed: float = 1.0,
-                   max_requests: int | None = None, profile: str = SimConfig.profile,
-                   seed: int = 0, ttft_slo_s: float = SimConfig.ttft_slo_s,
-                   tbt_slo_ms: float = SimConfig.tbt_slo_ms,
-                   cpp_min_tokens: int | None = None, cpp_nodes: int = SimConfig.cpp_nodes,
-                   cpp_chunk_tokens: int = SimConfig.cpp_chunk_tokens) -> Report:
-    """Run experiment `name` on the trace; write its markdown and PNG into `out`."""
+def run_experiment(name: str, trace_path: Path, out: Path,
+                   base: SimConfig | None = None) -> Report:
+    """Run experiment `name` on the trace from the settings of `base` (the experiment varies
+    the rest; default `SimConfig()`: speed, max_requests, profile, seed, SLOs and CPP are what
+    `kvcake reproduce` sets); write its markdown and PNG into `out`."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(sorted(EXPERIMENTS))}")
-    base = SimConfig(speed=speed, max_requests=max_requests, profile=profile, seed=seed,
-                     ttft_slo_s=ttft_slo_s, tbt_slo_ms=tbt_slo_ms, cpp_min_tokens=cpp_min_tokens,
-                     cpp_nodes=cpp_nodes, cpp_chunk_tokens=cpp_chunk_tokens)
+    base = SimConfig() if base is None else base
     trace = load_trace(trace_path)
     out.mkdir(parents=True, exist_ok=True)
-    command = (f"kvcake reproduce {name} --trace {trace_path} --out {out} --speed {speed:g}"
-               + ("" if max_requests is None else f" --max-requests {max_requests}")
-               + ("" if ttft_slo_s == SimConfig.ttft_slo_s else f" --ttft-slo-s {ttft_slo_s:g}")
-               + ("" if tbt_slo_ms == SimConfig.tbt_slo_ms else f" --tbt-slo-ms {tbt_slo_ms:g}")
-               + ("" if cpp_min_tokens is None else
-                  f" --cpp-min-tokens {cpp_min_tokens} --cpp-nodes {cpp_nodes}"))
+    command = _command(name, trace_path, out, base)
     ctx = Context(trace, trace_path, base, out, command, paper.workload_of(trace_path.name))
     ctx.started_s = time.perf_counter()
     lines = EXPERIMENTS[name](ctx)
@@ -321,6 +312,18 @@ def run_experiment(name: str, trace_path: Path, out: Path, speed: float = 1.0,
     path = out / f"{name}_{ctx.stem}.md"
     path.write_text("\n".join(lines))
     return Report(path, ctx.data)
+
+
+def _command(name: str, trace_path: Path, out: Path, base: SimConfig) -> str:
+    """The `kvcake reproduce` command line the report names."""
+    return (f"kvcake reproduce {name} --trace {trace_path} --out {out} --speed {base.speed:g}"
+            + ("" if base.max_requests is None else f" --max-requests {base.max_requests}")
+            + ("" if base.ttft_slo_s == SimConfig.ttft_slo_s else
+               f" --ttft-slo-s {base.ttft_slo_s:g}")
+            + ("" if base.tbt_slo_ms == SimConfig.tbt_slo_ms else
+               f" --tbt-slo-ms {base.tbt_slo_ms:g}")
+            + ("" if base.cpp_min_tokens is None else
+               f" --cpp-min-tokens {base.cpp_min_tokens} --cpp-nodes {base.cpp_nodes}"))
 
 
 def effective_share(result: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> float:
