@@ -6,10 +6,11 @@ The same layout for every system: one storage process, one client process that p
             row, over the node's shared-memory segment ("ours-shm", same host, no TCP at all)
             and, as a third row, over TCP with `StoreClient(async_seal=True)` ("ours-tcp-seal":
             a small put returns once its one-way seal is sent, not acknowledged; writer.py)
-            and, as a fourth, over TCP with the client's location cache on ("ours-tcp-cache":
-            `location_cache=CACHE_ENTRIES`, as kvcake's workers read KV blocks, whose keys are
-            content hashes; a get of a key this client wrote or read goes straight to the node,
-            still checked by version and xxh3-64; off by default, reader.py)
+            and, as a fourth, over TCP with the client's location cache off ("ours-tcp-nocache":
+            `location_cache=0`; every get asks the master first). The default client
+            ("ours-tcp") remembers where the objects it wrote or read live and reads them
+            without asking the master, still checked by version, xxh3-64 and the node's
+            revocation mark (reader.py, master.py: linearizable with removes and evictions)
   redis:    `redis-server` (Debian), this script is the client through redis-py
   mooncake: `mooncake_master` + a Mooncake client process holding a segment (storage) + a second,
             pure Mooncake client process that puts and gets (PyPI
@@ -43,7 +44,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kvcake.store import StoreClient  # noqa: E402
-from kvcake.store.reader import CACHE_ENTRIES  # noqa: E402
 from kvcake.transfer import TransferConfig  # noqa: E402
 
 MOONCAKE_VENV = Path(os.environ.get("MOONCAKE_VENV", "/tmp/mooncake-venv"))
@@ -106,7 +106,7 @@ for line in sys.stdin:
 
 class Ours:
     def __init__(self, name: str, port: int, shm: bool, async_seal: bool = False,
-                 location_cache: int = 0) -> None:
+                 location_cache: int | None = None) -> None:
         self.name, self.port, self.shm, self.async_seal = name, port, shm, async_seal
         self.location_cache = location_cache
         self.procs: list[subprocess.Popen[Any]] = []
@@ -132,8 +132,10 @@ class Ours:
             time.sleep(0.5)  # registration follows the segment server's start
         self.address = address
         config = TransferConfig(serve=False, use_shared_memory=self.shm, num_rails=4)
-        self.client = StoreClient(address, transfer_config=config, async_seal=self.async_seal,
-                                  location_cache=self.location_cache)
+        options: dict[str, Any] = {"async_seal": self.async_seal}
+        if self.location_cache is not None:  # None: the client's default
+            options["location_cache"] = self.location_cache
+        self.client = StoreClient(address, transfer_config=config, **options)
 
     def putget(self, size: int, n: int, prefix: str) -> dict[str, Any]:
         assert self.client is not None
@@ -379,14 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=21100, help="base port (uses 20 ports)")
     parser.add_argument("--transfer-port", type=int, default=21800)
     parser.add_argument("--skip", default="",
-                        help="comma list of: redis, mooncake, transfer, seal, cache")
+                        help="comma list of: redis, mooncake, transfer, seal, nocache")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     ours_tcp = Ours("ours-tcp", args.port, shm=False)
     ours_shm = Ours("ours-shm", args.port, shm=True)
     ours_seal = Ours("ours-tcp-seal", args.port, shm=False, async_seal=True)
-    ours_cache = Ours("ours-tcp-cache", args.port, shm=False, location_cache=CACHE_ENTRIES)
+    ours_nocache = Ours("ours-tcp-nocache", args.port, shm=False, location_cache=0)
     systems: list[Any] = []
     started: list[Any] = []
     try:
@@ -399,10 +401,10 @@ def main(argv: list[str] | None = None) -> int:
             ours_seal.start(shared=ours_tcp)
             started.append(ours_seal)
             systems.append(ours_seal)
-        if "cache" not in skip:
-            ours_cache.start(shared=ours_tcp)
-            started.append(ours_cache)
-            systems.append(ours_cache)
+        if "nocache" not in skip:
+            ours_nocache.start(shared=ours_tcp)
+            started.append(ours_nocache)
+            systems.append(ours_nocache)
         if "redis" not in skip:
             redis = Redis(args.port + 5)
             redis.start()

@@ -443,7 +443,7 @@ class MasterService:
                 continue  # its replicas were never described as revocable
             try:
                 handle.revoke(entries)  # type: ignore[union-attr]
-            except (StoreError, OSError, ValueError) as exc:
+            except (StoreError, OSError, ValueError, LookupError) as exc:
                 log.warning("node %s could not revoke %d dropped replicas (a client that "
                             "remembered one may still read it there): %s", node_id,
                             len(entries), exc)
