@@ -224,6 +224,7 @@ class CppOrder:
     kv_pool: dict[str, Any]
     target_blocks: list[int]
     num_pool_blocks: int
+    fetch_keys: list[int] = field(default_factory=list)  # the prefix to read from the store
 
 
 @dataclass(frozen=True)
