@@ -55,7 +55,7 @@ class DecodeChoice:
         now = self.config.admission is not Admission.EARLY
         forecasts: Iterable[tuple[int, int]]
         if not now and self.config.uniform_decode_s is not None:
-            forecasts = (load.batch_ahead(now_s, at_s) for load in loads.values())
+            forecasts = (load.batch_window(now_s, at_s) for load in loads.values())
         else:
             forecasts = map(self.load_at(now), loads.values(), repeat(at_s))
         for instance_id, (batch, tokens) in zip(loads, forecasts, strict=True):
@@ -89,8 +89,8 @@ class DecodeChoice:
         predicted to have finished by then left out); now, under a uniform decode time t_d, the
         reported batch (a request that outlives t_d still decodes: the paper's t_d forecasts
         the future, the load of the moment is known). (A later moment under t_d is read by
-        `DecodeLoad.batch_ahead` in `estimate`: the reported batch, less what t_d predicts to
-        finish before then.)"""
+        `DecodeLoad.batch_window` in `estimate`: the requests whose decode window [join,
+        join + t_d) holds it.)"""
         if now and self.config.uniform_decode_s is not None:
             return DecodeLoad.batch_now
         return DecodeLoad.batch_at

@@ -116,6 +116,14 @@ class _TimedBag:
             return idx, self.context_sum
         return idx, sum(self._contexts[:idx])
 
+    def drop_until(self, time_s: float) -> None:
+        """Forget the requests whose time is <= time_s."""
+        idx = bisect_right(self._times, time_s)
+        if idx:
+            del self._times[:idx], self._ids[:idx]
+            self.context_sum -= sum(self._contexts[:idx])
+            del self._contexts[:idx]
+
     def first_after(self, time_s: float) -> float | None:
         idx = bisect_right(self._times, time_s)
         return self._times[idx] if idx < len(self._times) else None
@@ -133,6 +141,9 @@ class DecodeLoad:
         self._finish_s: dict[str, float] = {}
         self._pending = _TimedBag()  # keyed by predicted join time
         self._pending_info: dict[str, _Pending] = {}
+        # Under a uniform decode time t_d: every request that joined, keyed by join + t_d, kept
+        # to then whether reported finished or not (`batch_window`).
+        self._windows = _TimedBag()
         # The last forecast and the times [lo, hi) over which it holds: the forecast only
         # changes at a finish or join time, so consecutive decisions (whose forecast times
         # differ by a little) mostly reuse it. Any change to the book clears it.
@@ -189,6 +200,9 @@ class DecodeLoad:
         if decode_s is None:
             batch, tokens = self.batch_at(now_s)
             decode_s = info.output_len * step_time_s(batch + 1, tokens + info.context_tokens)
+        else:
+            self._windows.drop_until(now_s)
+            self._windows.insert(now_s + decode_s, request_id, info.context_tokens)
         finish_s = now_s + decode_s
         self._finish_s[request_id] = finish_s
         self._active.insert(finish_s, request_id, info.context_tokens)
@@ -234,23 +248,25 @@ class DecodeLoad:
         joined, joined_ctx = pending.until(now_s) if pending._times else (0, 0)
         return len(self._active._times) + joined, self._active.context_sum + joined_ctx
 
-    def batch_ahead(self, now_s: float, at_s: float) -> tuple[int, int]:
-        """(batch size, context tokens) forecast for `at_s` >= `now_s` from the reported batch
-        of now (`batch_now`): less the decoding requests predicted to finish in (now_s, at_s],
-        plus the expected ones predicted to join by at_s. Under a uniform decode time t_d a
-        request still reported decoding past its predicted finish stays in: the forecast does
-        not know when it ends (leaving it out, as `batch_at` does, would drop the ~30% of a
-        running batch that outlives t_d when decode times spread, the longest ones)."""
+    def batch_window(self, now_s: float, at_s: float) -> tuple[int, int]:
+        """(batch size, context tokens) at `at_s` >= `now_s` under the uniform decode time t_d
+        of `join(..., decode_s=t_d)`, as the paper's system-level forecast has it: the requests
+        whose decode window [join, join + t_d) holds at_s (those that joined, by their actual
+        join, whether reported finished or not) plus the expected ones predicted to join by
+        at_s. A request that finished early still counts to join + t_d, one that outlives t_d
+        no longer does: with t_d the mean decode time the two balance (Little's law). Counting
+        one side only biases the forecast: leaving out the requests past t_d but keeping the
+        reports of early finishes (`batch_at`) sees ~31% of a running batch too few when decode
+        times spread; keeping the reported batch whole (`batch_now`) for a later moment counts
+        those that finish in between."""
         if at_s < now_s:
             raise ValueError(f"at_s ({at_s}) must not be before now_s ({now_s})")
-        active = self._active
-        batch, tokens = self.batch_now(at_s)  # every reported request + joins by at_s
-        if active._times:
-            gone_at, gone_at_ctx = active.until(at_s)
-            gone_now, gone_now_ctx = active.until(now_s)
-            batch -= gone_at - gone_now
-            tokens -= gone_at_ctx - gone_now_ctx
-        return batch, tokens
+        windows, pending = self._windows, self._pending
+        windows.drop_until(now_s)
+        ended, ended_ctx = windows.until(at_s) if windows._times else (0, 0)
+        joined, joined_ctx = pending.until(at_s) if pending._times else (0, 0)
+        return (len(windows._times) - ended + joined,
+                windows.context_sum - ended_ctx + joined_ctx)
 
     def next_finish_after(self, time_s: float) -> float | None:
         return self._active.first_after(time_s)

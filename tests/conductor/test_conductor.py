@@ -478,25 +478,26 @@ def test_uniform_decode_time_forecasts_every_request_to_finish_after_t_d() -> No
 
 def test_with_t_d_the_load_of_the_moment_counts_requests_that_outlive_it() -> None:
     # a joined at 1 s with t_d = 2 s and is not reported finished at 5 s: it still decodes.
-    # Early rejection on the load of the moment ("slo"), the prediction for b's join at 5.2 s
-    # ("early": the reported batch less what t_d predicts to finish by then) and the check after
-    # prefill all count it (a second request would make the step 0.012 s > 0.0115).
-    for admission in ("slo", "early"):
+    # Early rejection on the load of the moment ("slo") and the check after prefill count it
+    # (a second request would make the step 0.012 s > 0.0115); the prediction for a later
+    # moment ("early") follows t_d, whose window for a ended at 3 s, and leaves it out.
+    for admission, rejected in (("slo", True), ("early", False)):
         c = make(admission=admission, num_decode=1, tbt_slo_s=0.0115, uniform_decode_s=2.0)
         placed(c.schedule(request("a"), 0.0))
         c.on_decode_joined("d0", "a", 1.0)
         assert c.decode_load("d0").batch_now(5.0)[0] == 1
-        assert c.decode_load("d0").batch_at(5.0)[0] == 0  # the bare t_d forecast drops it
-        assert c.decode_load("d0").batch_ahead(5.0, 5.2)[0] == 1
-        assert isinstance(c.schedule(request("b", first_key=100), 5.0), Rejection)
-    # a joined at 4.8 s with t_d = 0.3 s: predicted to finish at 5.1 s, after b arrives (5.0 s)
-    # and before b joins (5.2 s, its 0.2 s prefill later). The load of the moment counts a; the
-    # prediction does not.
-    for admission, rejected in (("slo", True), ("early", False)):
-        c = make(admission=admission, num_decode=1, tbt_slo_s=0.0115, uniform_decode_s=0.3)
-        placed(c.schedule(request("a"), 0.0))
-        c.on_decode_joined("d0", "a", 4.8)
+        assert c.decode_load("d0").batch_window(5.0, 5.2)[0] == 0
         decision = c.schedule(request("b", first_key=100), 5.0)
+        assert isinstance(decision, Rejection) is rejected
+    # a joined at 1 s and was reported finished at 1.5 s, early: the load of the moment (2 s)
+    # has room, while the prediction for b's join at 2.2 s still counts a (its window runs to
+    # 3 s): t_d's early finishers balance its late ones.
+    for admission, rejected in (("slo", False), ("early", True)):
+        c = make(admission=admission, num_decode=1, tbt_slo_s=0.0115, uniform_decode_s=2.0)
+        placed(c.schedule(request("a"), 0.0))
+        c.on_decode_joined("d0", "a", 1.0)
+        c.on_decode_finished("d0", "a", 1.5)
+        decision = c.schedule(request("b", first_key=100), 2.0)
         assert isinstance(decision, Rejection) is rejected
     c = make(admission="decode_after_prefill", num_decode=1, tbt_slo_s=0.0115,
              uniform_decode_s=2.0)

@@ -50,23 +50,23 @@ def test_decode_forecast_drops_finished_and_adds_joined() -> None:
     assert d.batch_at(100.0) == (0, 0) and "a" not in d and d.num_booked == 0
 
 
-def test_decode_forecast_ahead_starts_from_the_reported_batch() -> None:
-    # Uniform t_d = 2 s: a joined at 0 (predicted finish 2), b at 3 (finish 5); c joins at 4.
+def test_decode_forecast_under_t_d_counts_each_request_for_its_window() -> None:
+    # Uniform t_d = 2 s: a joins at 0 (window to 2), b at 3 (to 5); c is due to join at 4.
     d = DecodeLoad()
-    for rid, context in (("a", 100), ("b", 200)):
-        d.expect(rid, join_s=0.0, context_tokens=context, output_len=10)
-    d.expect("c", join_s=4.0, context_tokens=400, output_len=10)
+    for rid, join_s, context in (("a", 0.0, 100), ("b", 3.0, 200), ("c", 4.0, 400)):
+        d.expect(rid, join_s=join_s, context_tokens=context, output_len=10)
     d.join("a", now_s=0.0, step_time_s=lambda b, c: 1.0, decode_s=2.0)
+    assert d.batch_window(0.0, 1.9) == (1, 100)
     d.join("b", now_s=3.0, step_time_s=lambda b, c: 1.0, decode_s=2.0)
-    # At 3.5 a still decodes (reported), past its predicted finish: it stays in every forecast
-    # from now on, while the bare forecast drops it.
+    # At 3.5 a is reported decoding past its window: the forecast leaves it out.
     assert d.batch_now(3.5) == (2, 300)
-    assert d.batch_ahead(3.5, 3.5) == (2, 300)
-    assert d.batch_ahead(3.5, 4.0) == (3, 700)  # c joined
-    assert d.batch_ahead(3.5, 5.0) == (2, 500)  # b predicted to finish at 5
-    assert d.batch_at(5.0) == (1, 400)  # the bare forecast: a left out too
+    assert d.batch_window(3.5, 3.5) == (1, 200)
+    assert d.batch_window(3.5, 4.0) == (2, 600)  # c joined
+    d.remove("b")  # b reported finished early, at 3.6: it still counts to its window's end
+    assert d.batch_window(3.6, 4.9) == (2, 600)
+    assert d.batch_window(3.6, 5.0) == (1, 400)
     with pytest.raises(ValueError, match="before now_s"):
-        d.batch_ahead(3.5, 3.0)
+        d.batch_window(3.5, 3.0)
 
 
 def test_decode_forecast_is_exact_after_every_change_and_at_every_boundary() -> None:
