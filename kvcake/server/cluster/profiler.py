@@ -123,24 +123,38 @@ def _prefill_s(engine: Engine, ids: CountingIds, prompt: list[int]) -> tuple[flo
 
 
 def measure_decode(engine: Engine, grid: ProfileGrid, seed: int = 1) -> list[DecodePoint]:
-    """Seconds of one decode step of `b` sequences of `c` context tokens each."""
+    """Seconds of one decode step of `b` sequences of `c` context tokens each.
+
+    Every one of the `b` requests is still running in each timed step: a prompt set larger than
+    the step's token budget prefills over several steps, while the requests prefilled first
+    already decode, so each asks for enough tokens to outlive the prefill of the last one (a
+    request that finished early would make the point a smaller batch than it says); they are
+    aborted after the timing."""
     rng = np.random.default_rng(seed)
     ids = CountingIds("profile-decode")
     vocab = min(engine.model_config.vocab_size, 256)
-    params = SamplingParams(max_tokens=2 + grid.repeats, ignore_eos=True)
     points = []
     for b in grid.decode_batch_sizes:
         for c in grid.decode_context_lens:
-            for _ in range(b):
-                engine.add_request(ids.next_id(), rng.integers(0, vocab, c).tolist(), params)
+            prefill_steps = -(-b * c // engine.config.max_num_batched_tokens) + b
+            params = SamplingParams(max_tokens=prefill_steps + grid.repeats + 2, ignore_eos=True)
+            rids = [ids.next_id() for _ in range(b)]
+            for rid in rids:
+                engine.add_request(rid, rng.integers(0, vocab, c).tolist(), params)
             while any(s.num_computed_tokens < s.num_prompt_tokens
                       for s in [*engine.batcher.waiting, *engine.batcher.running]):
                 engine.step()
             best = float("inf")
             for _ in range(grid.repeats):
+                if len(engine.batcher.running) != b:
+                    raise RuntimeError(f"profile: a decode step of batch {b} ran "
+                                       f"{len(engine.batcher.running)} sequences; raise "
+                                       f"max_num_seqs or the KV pool for this grid")
                 start = time.perf_counter()
                 engine.step()
                 best = min(best, time.perf_counter() - start)
+            for rid in rids:
+                engine.abort(rid)
             while engine.has_unfinished():
                 engine.step()
             points.append(DecodePoint(b, b * c, best))
