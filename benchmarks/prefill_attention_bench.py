@@ -36,25 +36,27 @@ SHAPES = {  # name: (heads, kv_heads, head_size, ctx_len, q_len)
 
 
 def build_base(rev: str, out: Path) -> None:
-    """Compile the op of `rev` (a git revision, or a .cpp file: an experiment) as library
-    `kvcake_base` and load it."""
+    """Compile the ops of `rev` (a git revision; or a prefill_attention.cpp file, an experiment,
+    with the rest from the working tree) as library `kvcake_base` and load it."""
     from torch.utils import cpp_extension
 
     root = Path(__file__).resolve().parent.parent
-    for name in ("prefill_attention.cpp", "fast_exp.h"):
-        if Path(rev).is_file():  # a source file: the header from the working tree
-            text = (Path(rev) if name.endswith(".cpp") else root / CSRC / name).read_text()
+    names = [s.name for s in cpu_ops.SOURCES]
+    for name in (*names, "fast_exp.h"):
+        if Path(rev).is_file():
+            path = Path(rev) if name == "prefill_attention.cpp" else root / CSRC / name
+            text = path.read_text()
         else:
             text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=root,
                                   check=True, capture_output=True, text=True).stdout
-        text = text.replace("TORCH_LIBRARY_FRAGMENT(kvcake,", "TORCH_LIBRARY_FRAGMENT(kvcake_base,")
-        text = text.replace("TORCH_LIBRARY_IMPL(kvcake,", "TORCH_LIBRARY_IMPL(kvcake_base,")
+        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+            text = text.replace(f"{macro}(kvcake,", f"{macro}(kvcake_base,")
         (out / name).write_text(text)
     lib = out / "base.so"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     dirs = cpp_extension.library_paths()
     cmd = [os.environ.get("CXX") or "c++", *cpu_ops.FLAGS, abi, f"-I{out}",
-           *[f"-I{p}" for p in cpp_extension.include_paths()], str(out / "prefill_attention.cpp"),
+           *[f"-I{p}" for p in cpp_extension.include_paths()], *[str(out / n) for n in names],
            *[f"-L{d}" for d in dirs], *[f"-Wl,-rpath,{d}" for d in dirs], "-lc10", "-ltorch_cpu",
            "-o", str(lib)]
     subprocess.run(cmd, check=True)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcake.clock import Clock, SystemClock
-from kvcake.engine import cpu_ops
+from kvcake.engine import cpu_ops, heap
 from kvcake.engine.batcher import Batcher, BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager, KvEvent
 from kvcake.engine.config import EngineConfig, ModelConfig
@@ -103,6 +103,8 @@ class Engine:
         self.model_config: ModelConfig = source.config
         self.tokenizer: Tokenizer | None = source.tokenizer
         self.device = _pick_device(self.config.device)
+        if self.device.type == "cpu":
+            heap.keep_freed_memory()  # a step's activations: no page faults on the next step
         self.dtype = _DTYPES[self.config.dtype]
         self.block_size = self.config.block_size
         mc = self.model_config

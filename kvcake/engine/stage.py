@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from kvcake.clock import Clock, SystemClock
-from kvcake.engine import cpu_ops
+from kvcake.engine import cpu_ops, heap
 from kvcake.engine.batcher import BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager
 from kvcake.engine.config import EngineConfig, ModelConfig
@@ -74,6 +74,8 @@ class StageEngine:
         source = resolve(model)
         self.model_config: ModelConfig = source.config
         self.device = _pick_device(self.config.device)
+        if self.device.type == "cpu":
+            heap.keep_freed_memory()  # as Engine: no page faults on the next chunk
         self.dtype = _DTYPES[self.config.dtype]
         self.block_size = self.config.block_size
         mc = self.model_config

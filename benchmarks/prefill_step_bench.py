@@ -1,0 +1,94 @@
+r"""A prefill step of the engine with the ops of an earlier revision vs the working tree's,
+interleaved in one process (the machine is shared: wall times swing between runs).
+
+    .venv/bin/python benchmarks/prefill_step_bench.py [--base REV] [--threads 1] [--reps 5]
+
+The serving model's shape (`step_profile.PEER_SHAPE`: Llama, hidden 512, 4 layers, 8 heads / 2
+KV heads, fp32, seeded random weights). Two steps: a cold 2,048-token prompt, and a 300-token
+chunk after a cached 2,048-token prefix (the agent trace's follow-ups). The C++ ops of `--base`
+(default HEAD; see `prefill_attention_bench.build_base`) are swapped in for the working tree's
+by rebinding `cpu_ops.fused_ops()`; every repetition runs base then new on fresh prompts. With
+one thread the clock is the thread's CPU time (immune to other processes), else wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvcake.engine import cpu_ops
+from kvcake.engine.config import EngineConfig
+from kvcake.engine.engine import Engine
+from kvcake.engine.loader import dummy_weights, save_hf_dir
+from kvcake.engine.sampling import SamplingParams
+
+from prefill_attention_bench import build_base
+from step_profile import PEER_SHAPE, _prompt
+
+OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_store", "paged_decode_attention",
+       "paged_prefill_attention")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="HEAD")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    assert cpu_ops.load(), cpu_ops.load_error()
+    with tempfile.TemporaryDirectory() as tmp:
+        build_base(args.base, Path(tmp))
+        save_hf_dir(PEER_SHAPE, dummy_weights(PEER_SHAPE, 0), Path(tmp))
+        engine = Engine(tmp, EngineConfig(dtype="float32", device="cpu",
+                                          max_num_batched_tokens=2048))
+    ns = cpu_ops.fused_ops()
+    ops = {"new": {k: getattr(ns, k) for k in OPS},
+           "base": {k: getattr(torch.ops.kvcake_base, k).default for k in OPS}}
+    vocab = PEER_SHAPE.vocab_size
+    prefix = _prompt(2048, 7, vocab)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    counter = iter(range(10**6))
+
+    def step(tokens: list[int]) -> float:
+        engine.add_request(f"r{next(counter)}", tokens, one)
+        clock = time.thread_time if args.threads == 1 else time.perf_counter
+        t0 = clock()
+        engine.step()
+        elapsed = clock() - t0
+        while engine.has_unfinished():
+            engine.step()
+        return 1e3 * elapsed
+
+    cases = {"cold 2,048": lambda i: _prompt(2048, 1000 + i, vocab),
+             "2,048 cached + 300": lambda i: prefix + _prompt(300, 5000 + i, vocab)}
+    step(prefix)  # caches the prefix; warms both paths
+    for variant in ops.values():
+        vars(ns).update(variant)
+        step(_prompt(2048, 3, vocab))
+    times = {(c, v): [] for c in cases for v in ops}
+    for i in range(args.reps):
+        for case, make in cases.items():
+            for variant in ("base", "new"):
+                vars(ns).update(ops[variant])
+                times[case, variant].append(step(make(2 * i + (variant == "new"))))
+    what = "thread CPU ms" if args.threads == 1 else "wall ms"
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
+          f"{os.getloadavg()[0]:.2f}, {args.threads} thread(s), {what} of the prefill step, "
+          f"min / median of {args.reps}, base {args.base}")
+    print("| step | base | new | new/base (min, median) |\n|---|---|---|---|")
+    for case in cases:
+        b, n = times[case, "base"], times[case, "new"]
+        print(f"| {case} | {min(b):.1f} / {statistics.median(b):.1f} | {min(n):.1f} / "
+              f"{statistics.median(n):.1f} | {min(n) / min(b):.3f}, "
+              f"{statistics.median(n) / statistics.median(b):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
