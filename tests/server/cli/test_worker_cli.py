@@ -14,7 +14,7 @@ from kvcake.server.cluster.profiler import Profile, cache_path
 def test_profile_measures_fits_and_caches(tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["profile", "--cache-dir", str(tmp_path), "--input-lens", "16,48,96",
-            "--kv-cache-bytes", "4MiB"]
+            "--kv-cache-bytes", "8MiB"]  # batch 8 x 256 fits whole
     assert main(argv) == 0
     out = capsys.readouterr().out
     path = cache_path(tmp_path, "tiny", "float32", 1)
