@@ -264,13 +264,14 @@ class Conductor:
         pools = self._pools
         group_blocks, group_queues = pools.group_blocks(blocks), pools.group_queue_s(now_s)
         predicted: dict[int, float] = {}  # prefix_len -> pipelined prefill seconds
-        # dedicated members read no prefix from others (a stage holds a slice of each block):
-        # their prompt is recomputed, and predicted so
-        fetch_from = None if pools.cpp_members else source
-        plans = [self._plan_prefill(req, match, n, fetch_from, predicted, pipelined=True)
+        # Dedicated members hold no prefix (a stage holds a slice of each block): each reads its
+        # layers of the fetched prefix, so the group fetches it and pipelines the new tokens.
+        plans = [self._plan_prefill(req, match, n, source, predicted, pipelined=True)
                  for n in group_blocks]
         ttfts = [plan[2] + queue_s + plan[3] for plan, queue_s in zip(plans, group_queues,
                                                                      strict=True)]
+        if self.config.fetch_only_if_faster:
+            turn_down_slow_fetches(plans, group_queues, ttfts)
         leads = tuple(group[0] for group in pools.cpp_groups)
         return LazyPrefillCandidates(leads, tuple(plans), tuple(group_queues)), ttfts, group_blocks
 

@@ -268,3 +268,37 @@ def test_a_stage_without_room_holds_the_next_prompt_until_room_frees(
         for thread in threads:
             thread.join(timeout=30)
         assert [got.get(0), got.get(1)] == offline(llm, prompts, 4)
+
+
+def test_a_group_reuses_a_stored_prefix_and_pipelines_only_the_new_tokens(
+        tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> None:
+    """The first long prompt reaches the store (written by its decode worker); a second one
+    sharing its first 160 tokens goes to the other decode worker (empty cache): the Conductor
+    plans the fetch, each stage reads its layers of the 10 stored blocks, writes them into the
+    decode worker's blocks and computes only the 70 new tokens (2 chunks, not 6)."""
+    config = ClusterConfig.simple(1, 2, 2, engine=ENGINE, worker=dict(WORKER),
+                                  conductor=ConductorConfig.from_dict(CPP),
+                                  profile_dir=profile_dir(tmp_path_factory))
+    with Cluster(config, in_process=True) as running:
+        backend = running.backend
+        assert backend is not None
+        roles = [running.workers[w]._role for w in ("cpp-3", "cpp-4")]
+        assert all(isinstance(r, CppRole) for r in roles)
+        shared = ids(130, 160)
+        first, second = shared + ids(131, 70), shared + ids(132, 70)
+        backend.set_draining("decode-2", True)
+        assert tokens(run(backend, first, 5)) == offline(llm, [first], 5)[0]
+        wait_until(lambda: store_blocks(backend, first) == 230 // 16)
+        backend.set_draining("decode-2", False)
+        backend.set_draining("decode-1", True)
+        computed = [r.num_tokens for r in roles]  # type: ignore[union-attr]
+        bytes_before = backend.totals.transfer_bytes
+        events = run(backend, second, 9)
+        assert tokens(events) == offline(llm, [second], 9)[0]
+        assert events[0].num_cached_tokens == 160
+        assert [r.num_tokens - c  # type: ignore[union-attr]
+                for r, c in zip(roles, computed, strict=True)] == [70, 70]
+        # Each stage wrote its 2 layers of the 10 prefix blocks and of the blocks its 2 chunks
+        # (160..199, 200..229) touched: 3 each (block 12 twice, left partial by the first).
+        layer_nbytes = backend._hello().layer_nbytes
+        assert backend.totals.transfer_bytes - bytes_before == (10 + 3 + 3) * 4 * layer_nbytes

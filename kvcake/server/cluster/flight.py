@@ -74,9 +74,10 @@ class Flight:
     def cpp_order(self, next_inbox: dict[str, Any]) -> CppOrder:
         """The order for one stage of the request's CPP group (`next_inbox`: the next stage's
         inbox segment, {} for the last)."""
-        request = self.request
+        request, fetch = self.request, self.placement.fetch
         return CppOrder(request.request_id, list(request.prompt_token_ids), asdict(self.sampling),
-                        next_inbox, self.kv_pool, self.targets, self.num_pool_blocks)
+                        next_inbox, self.kv_pool, self.targets, self.num_pool_blocks,
+                        [cast(int, k) for k in fetch.keys] if fetch is not None else [])
 
     def decode_order(self, first_token_id: int,
                      sampler_state: bytes | None = None) -> DecodeOrder:

@@ -6,10 +6,17 @@ of one request on stage s, on the engine-loop thread (F = the frontend, which re
 stage-to-stage messages; hidden states themselves go straight into the next stage's inbox, a
 transfer segment: shared memory on one host, TCP across hosts):
 
-  CppOrder     (F, to every stage at once) allocate the request's blocks in this stage's pool
-               (no room now: it waits, in order, until the requests before it finish);
-               stage 0 queues every chunk of the prompt (it embeds the tokens itself).
+  CppOrder     (F, to every stage at once) with `fetch_keys` (the Conductor planned a prefix
+               from the store): the fetcher thread reads those blocks whole while the stage
+               keeps computing; then (or at once) allocate the request's blocks in this
+               stage's pool (no room now: it waits, in order, until the requests before it
+               finish) and import this stage's layers of the fetched prefix (the longest run
+               read intact). Stage 0 queues the chunks of the prompt after its prefix (it
+               embeds the tokens itself).
   CppHidden    (stage s-1) chunk i's hidden states are in slot k of this stage's inbox: queue it.
+  first chunk  its start is the prefix the group reuses (stage 0's): this stage writes its
+               layers of the prefix blocks into the decode worker's reserved blocks (a stage
+               that fetched less than that fails the request, saying so).
   step         run the oldest queued chunk through this stage's layers; from the layer hook
                each layer's KV of the chunk is written straight into the decode worker's
                reserved blocks (as the prefill role does). Then `CppSlotFree(k)` back to s-1,
@@ -18,9 +25,10 @@ transfer segment: shared memory on one host, TCP across hosts):
                s+1 frees one (back-pressure; `SLOTS` = 2 is double buffering).
   last chunk   wait for this stage's KV writes, free its blocks, `PrefillDone`: the last stage
                with the first token it sampled (and the seeded sampler's state), the others
-               with first_token_id -1. The frontend sends `DecodeOrder` once every stage is done.
+               with first_token_id -1, each with the prefix reused (num_cached_tokens) and
+               its fetch figures. The frontend sends `DecodeOrder` once every stage is done.
   CppSlotFree(-1)  (F) the next stage (re)joined with an empty inbox: every slot is free.
-  Abort        drop the request's queued chunks (their inbox slots go back), wait for its KV
+  Abort        drop the request's fetch result, queued chunks (their inbox slots go back), wait for its KV
                writes, free its blocks, ack with `RequestFailed("aborted")`.
 
 Sampling on the group: the last stage samples the first token as the engine does (min_tokens,
@@ -30,6 +38,8 @@ penalties, seeds, log probabilities); prompt log probabilities are refused with 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -38,6 +48,7 @@ import torch
 
 from kvcake.engine.sampling import SamplingParams
 from kvcake.engine.stage import StageEngine
+from kvcake.hashing import key_hex
 from kvcake.server.worker.cpp_stage import CppBegin, CppChunk, CppMember, KvTarget
 from kvcake.server.worker.messages import (
     NEXT_STAGE_NEW,
@@ -51,7 +62,9 @@ from kvcake.server.worker.messages import (
     sampling_from_wire,
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
+from kvcake.store import StoreError
 from kvcake.transfer import SegmentDesc, TransferError
+from kvcake.types import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +78,27 @@ class _Parked:
     chunk: CppChunk
     hidden: torch.Tensor
     inbox: SegmentDesc
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """What the fetcher thread read of an order's prefix (size None: not in the store)."""
+
+    request_id: str
+    sizes: list[int | None]
+    buffers: list[bytearray]
+    seconds: float
+
+
+@dataclass
+class _Prefix:
+    """The prefix a request reuses on this stage: the tokens its imported blocks cover, the
+    tokens the group reuses (the first chunk's start; None until it arrives), the fetch."""
+
+    usable_tokens: int = 0
+    reused_tokens: int | None = None
+    fetch_bytes: int = 0
+    fetch_s: float = 0.0
 
 
 class CppRole:
@@ -84,7 +118,13 @@ class CppRole:
         # accepted, waiting for room in this stage's pool (in arrival order: the pipeline's)
         self._waiting: dict[str, tuple[CppOrder, CppBegin, SamplingParams]] = {}
         self._started_s: dict[str, float] = {}
+        self._fetches: queue.Queue[CppOrder | None] = queue.Queue()
+        self._fetcher: threading.Thread | None = None
+        self._fetching: set[str] = set()  # waiting for the fetcher's answer
+        self._fetched: dict[str, _Fetched] = {}  # answered, not begun yet
+        self._prefix: dict[str, _Prefix] = {}  # begun
         self.num_chunks = 0  # chunks this stage computed (tests, inspection)
+        self.num_tokens = 0  # prompt tokens this stage computed (tests, inspection)
 
     @property
     def inbox(self) -> SegmentDesc | None:
@@ -92,10 +132,15 @@ class CppRole:
 
     # -- the role contract (role.py) -----------------------------------------------------------
     def start(self) -> None:
-        pass
+        if self.worker.store is not None:
+            self._fetcher = threading.Thread(target=self._fetch_loop, daemon=True,
+                                             name=f"{self.worker.worker_id}-fetcher")
+            self._fetcher.start()
 
     def close(self) -> None:
-        pass
+        if self._fetcher is not None:
+            self._fetches.put(None)
+            self._fetcher.join(timeout=10)
 
     def has_pending(self) -> bool:
         """A step can run now: a parked output with a free slot, or a queued chunk."""
@@ -131,6 +176,11 @@ class CppRole:
             self._free_next.append(message.slot)
         elif isinstance(message, Abort):
             self._abort(message.request_id)
+        elif isinstance(message, _Fetched):
+            if message.request_id in self._fetching:
+                self._fetching.discard(message.request_id)
+                self._fetched[message.request_id] = message
+                self._admit_waiting()
 
     def step(self) -> None:
         if self._parked is not None:
@@ -145,6 +195,7 @@ class CppRole:
         final = self.member.is_final(chunk)
         self._started_s.setdefault(rid, time.perf_counter())
         try:
+            self._reuse_prefix(chunk)
             out = self.member.compute(chunk)
         except Exception as exc:  # one bad request must not stop the stage
             log.exception("%s: chunk %d of %s failed", self.worker.worker_id, chunk.start, rid)
@@ -153,6 +204,7 @@ class CppRole:
             self._abort(rid, f"cpp stage {self.member.member} failed: {exc}")
             return
         self.num_chunks += 1
+        self.num_tokens += chunk.num_tokens
         if chunk.slot >= 0:  # its hidden states are read: the stage before may write it again
             self.worker.send(CppSlotFree(rid, chunk.slot))
         if isinstance(out, torch.Tensor):
@@ -185,6 +237,10 @@ class CppRole:
             return
         begin = CppBegin(rid, tuple(order.prompt_token_ids), params.max_tokens, target)
         self._waiting[rid] = (order, begin, params)
+        if order.fetch_keys and self.worker.store is not None:
+            # The store read runs on the fetcher thread, so the stage keeps computing.
+            self._fetching.add(rid)
+            self._fetches.put(order)
         self._admit_waiting()
 
     def _admit_waiting(self) -> None:
@@ -192,14 +248,66 @@ class CppRole:
         (the requests before them free it as they finish)."""
         while self._waiting:
             rid, (order, begin, params) = next(iter(self._waiting.items()))
-            if not self.member.begin(begin, params):
+            if rid in self._fetching or not self.member.begin(begin, params):
                 return
             del self._waiting[rid]
             self._orders[rid] = order
+            prefix = self._import_prefix(rid, order, self._fetched.pop(rid, None))
+            self._prefix[rid] = prefix
             if self.stage.is_first:
                 n = len(order.prompt_token_ids)
                 self._ready.extend(CppChunk(rid, s, min(self.chunk_tokens, n - s), -1)
-                                   for s in range(0, n, self.chunk_tokens))
+                                   for s in range(prefix.usable_tokens, n, self.chunk_tokens))
+
+    # -- prefix reuse --------------------------------------------------------------------------
+    def _fetch_loop(self) -> None:
+        store = self.worker.store
+        assert store is not None
+        ns = self.stage.namespace
+        nbytes = self.stage.pool.layer_nbytes * self.stage.model_config.num_layers
+        while (order := self._fetches.get()) is not None:
+            keys = order.fetch_keys
+            buffers = [bytearray(nbytes) for _ in keys]  # whole blocks: the store's objects
+            start = time.perf_counter()
+            try:
+                sizes = store.get_batch_into([f"{ns}:{key_hex(BlockKey(k))}" for k in keys],
+                                             buffers)
+            except (StoreError, TransferError, OSError, ValueError) as exc:
+                log.warning("%s: fetch of %d blocks failed, recomputing: %s",
+                            self.worker.worker_id, len(keys), exc)
+                sizes = [None] * len(keys)
+            self.worker.post(_Fetched(order.request_id, sizes, buffers,
+                                      time.perf_counter() - start))
+
+    def _import_prefix(self, rid: str, order: CppOrder, fetched: _Fetched | None) -> _Prefix:
+        """This stage's layers of the longest run of prefix blocks read intact, into its pool
+        (the request's blocks are allocated). The last prompt token is always computed: its
+        hidden state gives the first token."""
+        if fetched is None:
+            return _Prefix()
+        nbytes = self.stage.pool.layer_nbytes * self.stage.model_config.num_layers
+        usable = 0
+        for size in fetched.sizes:
+            if size != nbytes:
+                break  # later blocks are useless without this one
+            usable += 1
+        usable = min(usable, len(order.prompt_token_ids) // self.stage.block_size)
+        self.member.import_prefix(rid, fetched.buffers[:usable])
+        return _Prefix(min(usable * self.stage.block_size, len(order.prompt_token_ids) - 1),
+                       None, sum(s for s in fetched.sizes if s is not None), fetched.seconds)
+
+    def _reuse_prefix(self, chunk: CppChunk) -> None:
+        """At a request's first chunk: the group reuses the prefix before it (stage 0's). Write
+        this stage's layers of those blocks into the decode worker's; ValueError when this
+        stage imported less of it."""
+        prefix = self._prefix[chunk.request_id]
+        if prefix.reused_tokens is not None:
+            return
+        if chunk.start > prefix.usable_tokens:
+            raise ValueError(f"the group reuses a prefix of {chunk.start} tokens, this stage "
+                             f"read only {prefix.usable_tokens} of it from the store")
+        prefix.reused_tokens = chunk.start
+        self.member.stream_prefix(chunk.request_id, chunk.start // self.stage.block_size)
 
     def _send_hidden(self, chunk: CppChunk, hidden: torch.Tensor, inbox: SegmentDesc) -> None:
         slot = self._free_next.pop(0)
@@ -213,6 +321,7 @@ class CppRole:
 
     def _finish(self, rid: str, token: int | None) -> None:
         order = self._orders.pop(rid)
+        prefix = self._prefix.pop(rid, _Prefix())
         sampler_state = self.stage.sampler_state(rid) if token is not None else None
         first = self.stage.first_token_logprobs(rid) if token is not None else None
         ended = time.perf_counter()
@@ -226,11 +335,15 @@ class CppRole:
         self._admit_waiting()
         exposed_s = time.perf_counter() - ended
         span_s = time.perf_counter() - self._started_s.pop(rid, ended)
+        reused = prefix.reused_tokens or 0
+        bs = self.stage.block_size
         self.worker.send(PrefillDone(
             rid, -1 if token is None else token,
-            None if token is None else self._finish_reason(order, token), 0, 0, done.compute_s,
-            span_s if done.kv_bytes else 0.0, exposed_s if done.kv_bytes else 0.0,
-            done.kv_bytes, sampler_state, wire_logprobs([first]) if first else None))
+            None if token is None else self._finish_reason(order, token), reused,
+            -(-reused // bs) * bs,  # the blocks read for it (the last one maybe recomputed)
+            done.compute_s, span_s if done.kv_bytes else 0.0,
+            exposed_s if done.kv_bytes else 0.0, done.kv_bytes, sampler_state,
+            wire_logprobs([first]) if first else None, prefix.fetch_bytes, prefix.fetch_s))
 
     def _finish_reason(self, order: CppOrder, token: int) -> str | None:
         """As the engine decides at a first token: a stop id or EOS ends it, else max_tokens 1."""
@@ -251,8 +364,12 @@ class CppRole:
         if self._parked is not None and self._parked.chunk.request_id == rid:
             self._parked = None
         self._started_s.pop(rid, None)
+        self._fetching.discard(rid)
+        self._fetched.pop(rid, None)
+        self._prefix.pop(rid, None)
         if self._waiting.pop(rid, None) is not None:
             self.worker.send(RequestFailed(rid, answer))
+            self._admit_waiting()  # it may have held the line (its fetch)
         elif self._orders.pop(rid, None) is not None:
             self.member.abort(rid)  # returns once nothing of it writes the decode pool
             self.worker.send(RequestFailed(rid, answer))

@@ -21,12 +21,15 @@ each member forwards `CppBegin` and its chunks down; the last member answers `Cp
 KV: each member streams its own layers' KV of each chunk, layer by layer from the layer hook,
 straight into the decode engine's reserved blocks (`CppBegin.kv_target`, the decode pool's
 segment, `KVPool.layer_offset_bytes` with the decoder layer index), and waits for its writes
-before it reports the request done.
+before it reports the request done. A prefix reused from the store: `import_prefix` puts this
+member's layers of its whole stored blocks into its pool, `stream_prefix` writes them to the
+decode engine's blocks, and the chunks start after it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -191,6 +194,33 @@ class CppMember:
             return out if isinstance(out, int) else None
         assert isinstance(out, torch.Tensor)
         return out
+
+    def import_prefix(self, request_id: str, blocks: Sequence[bytes | bytearray]) -> None:
+        """Put this stage's layers of the request's first `len(blocks)` prompt blocks into its
+        pool, from whole blocks as the store holds them (every layer's K|V, layer order): a
+        prefix reused from the store, so the chunks start after it."""
+        pool, layers = self.stage.pool, self.stage.layers
+        whole = pool.layer_nbytes * self.stage.model_config.num_layers
+        block_ids = self.stage.block_ids(request_id)
+        if len(blocks) > len(block_ids):
+            raise ValueError(f"prefix: {len(blocks)} blocks for a prompt of {len(block_ids)}")
+        for block_id, data in zip(block_ids, blocks, strict=False):
+            if len(data) != whole:
+                raise ValueError(f"prefix: a block is {whole} bytes, got {len(data)}")
+            for local, layer in enumerate(layers):
+                src = torch.frombuffer(data, dtype=self.stage.dtype,
+                                       count=pool.layer_nbytes // pool.kv.element_size(),
+                                       offset=layer * pool.layer_nbytes)
+                pool.kv[local, block_id].copy_(src.view(pool.layer_shape))
+
+    def stream_prefix(self, request_id: str, end_block: int) -> None:
+        """This stage's layers of the request's first `end_block` blocks (a reused prefix: no
+        chunk computes them here) into the decode pool's reserved blocks."""
+        req = self._requests[request_id]
+        if req.kv_pool is None or end_block <= 0:
+            return
+        for layer in self.stage.layers:
+            self._stream_layer(req, layer, 0, end_block)
 
     def is_final(self, msg: CppChunk) -> bool:
         return msg.start + msg.num_tokens == len(self._requests[msg.request_id].begin.prompt)

@@ -193,7 +193,11 @@ def test_cpp_stages_are_placed_only_as_their_group_in_stage_order() -> None:
     r.on_store_events(StoreEvents(keys_of(tuple(range(160)))))  # the store holds 10 blocks
     long = place("long", 300)
     assert (long.prefill_id, long.prefill_group) == ("cpp-2", ("cpp-2", "cpp-3"))
-    assert long.fetch is None  # stages read no prefix: the group recomputes, predicted so
+    # each stage reads its layers of the stored prefix: the group fetches it
+    assert long.fetch is not None and len(long.fetch.keys) == 10
+    # predicted as a pipeline of the 140 new tokens only (3 chunks of 64 on 2 stages)
+    assert long.prefix_len == 160
+    assert long.chosen.prefill_s == pytest.approx(PREFILL.predict(300, 160) * 4 / 6)
     short = place("short", 150)
     assert (short.prefill_id, short.prefill_group) == ("prefill-0", ())
     assert short.fetch is not None and len(short.fetch.keys) == 9
