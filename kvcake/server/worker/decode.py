@@ -122,14 +122,17 @@ class DecodeRole:
                 self.engine.abort(rid)
 
     def step(self) -> None:
+        """One engine step; its new tokens for every live request go out as one write."""
+        tokens: list[Message] = []
         for output in self.engine.step():
             if output.request_id not in self._live:
                 continue
             reason = output.finish_reason.value if output.finish_reason else None
-            self.worker.send(Tokens(output.request_id, list(output.new_token_ids), reason,
-                                    wire_logprobs(output.logprobs)))
+            tokens.append(Tokens(output.request_id, list(output.new_token_ids), reason,
+                                 wire_logprobs(output.logprobs)))
             if output.finished:
                 self._live.discard(output.request_id)
+        self.worker.send_many(tokens)
 
     def after_step(self) -> None:
         self._admit_pending()

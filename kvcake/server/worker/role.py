@@ -32,6 +32,9 @@ class RoleHost(Protocol):
     def send(self, message: Message) -> None:
         """To the connected frontend; dropped when there is none."""
 
+    def send_many(self, messages: list[Message]) -> None:
+        """`send` of each, in order, as one write to the link."""
+
     def post(self, item: object) -> None:
         """Hand a role-internal item to the engine-loop thread (it comes back to `handle`)."""
 

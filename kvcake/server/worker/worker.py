@@ -261,6 +261,16 @@ class Worker:
         except OSError as exc:
             log.warning("%s: frontend link lost (%s)", self.worker_id, exc)
 
+    def send_many(self, messages: list[Message]) -> None:
+        """`send` of each, in order, as one write (one system call, one TCP segment)."""
+        link = self._link
+        if not messages or link is None or link.closed:
+            return
+        try:
+            link.send_many(messages)
+        except OSError as exc:
+            log.warning("%s: frontend link lost (%s)", self.worker_id, exc)
+
     def _model(self) -> Engine | StageEngine:
         """The engine, or a CPP stage's slice of it: what identity and layout are read from."""
         model = self.engine or self.stage
