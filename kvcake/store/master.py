@@ -157,6 +157,8 @@ class MasterService:
             live = {(node_id, r.offset, r.version) for meta in self.index.objects.values()
                     for r in meta.replicas if r.node_id == node_id}
             self.index.space.revoked[:] = [e for e in self.index.space.revoked if e not in live]
+            offered = {(node_id, int(item[1]), int(item[3])) for item in objects or []}
+            self.index.space.revoked.extend(sorted(offered - live))  # held, not adopted
             self._run_actions()
             log.info("node %s registered: %d DRAM bytes, %d disk bytes%s", node_id, dram_bytes,
                      disk_bytes, f", {adopted} of its {len(objects or [])} objects adopted"

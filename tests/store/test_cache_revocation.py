@@ -232,3 +232,27 @@ def test_over_tcp_a_remove_and_a_dead_node_revoke_through_the_control_port(
     finally:
         for node in nodes:
             node.close()
+
+
+@pytest.mark.parametrize("adopted", [True, False])
+def test_a_node_registering_again_keeps_what_is_adopted_and_revokes_the_rest(
+        adopted: bool) -> None:
+    clock = ManualClock(0.0)
+    with _store(clock) as store:
+        reader = store.client()
+        assert reader.put("a", b"a" * 1000)
+        meta = store.master.get("a")
+        replica = meta["replicas"][0]
+        entry = ["a", replica["offset"], replica["alloc_bytes"], replica["version"], 1000,
+                 meta["checksum"]]
+        node = store.nodes[0]
+        endpoint = store.master.index.nodes["node-0"].endpoint
+        store.master.register_node("node-0", 1 << 20, 0, endpoint, handle=node,
+                                   objects=[entry] if adopted else [])
+        if adopted:  # the same object, same version: still served from where it was
+            assert not is_revoked(_header_at(store, replica))
+            assert reader.get("a") == b"a" * 1000
+        else:  # forgotten by the master: no remembered location may serve it
+            assert is_revoked(_header_at(store, replica))
+            with pytest.raises(ObjectNotFound):
+                reader.get("a")
