@@ -9,13 +9,21 @@ alone does not:
              "shape": {"num_layers": 4, "hidden_size": 512, "num_heads": 8,
                        "num_kv_heads": 2, "intermediate_size": 1408, "vocab_size": 32000},
              "dtype_bytes": 4,
-             "topology": {"num_prefill": 1, "num_decode": 1}}   # optional, informational
+             "topology": {"num_prefill": 1, "num_decode": 1},   # optional, informational
+             "contention": {"decode": 1.6, "prefill": 1.3}}     # optional, default 1.0 each
 
 `LiveCost` answers what the simulator asks of a `CostModel` from those fits instead of FLOPs:
 a prefill is `prefill.predict(input, prefix)` (a chunk of it inside a larger forward: its
 share by tokens), a decode step `decode.decode_step_time_s(batch, context)`, a transfer the
 measured bandwidth; a decode node holds `kv_pool_tokens` of KV and a prefill node caches as
 many (the live worker's prefix cache is its KV pool).
+
+`contention`: the fits are measured on one engine alone; live, a worker shares the host's cores
+and memory with the cluster's other processes (on one 2-core host: the prefill and decode
+workers, the frontend, the client, and anything else running), and its steps take longer than
+the isolated fit says. `decode` multiplies every decode step, `prefill` every prefill (and
+prefill chunk): one factor each per host, fitted from a live run at one rate
+(`benchmarks/sim_vs_live.py --fit-rate`) and checked at another.
 
 Pure: no torch, no clock; `load_live_profile` reads one file.
 """
@@ -46,13 +54,22 @@ class LiveCost:
     decode: DecodeStepPredictor
     kv_pool_tokens: int
     topology: tuple[tuple[str, int], ...] = ()
+    decode_contention: float = 1.0  # live step / isolated fit, decode steps
+    prefill_contention: float = 1.0  # the same for prefills
+
+    def __post_init__(self) -> None:
+        for name in ("decode_contention", "prefill_contention"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"live.contention: {name.split('_')[0]} must be a positive "
+                                 f"finite factor (1.0: no contention), got {value!r}")
 
     def prefill_time_s(self, input_len: int, prefix_len: int = 0) -> float:
         if not 0 <= prefix_len <= input_len:
             raise ValueError(f"prefix_len must be in [0, input_len={input_len}], got {prefix_len}")
         if input_len - prefix_len <= 0:
             return 0.0
-        return max(0.0, self.prefill.predict(input_len, prefix_len))
+        return max(0.0, self.prefill.predict(input_len, prefix_len)) * self.prefill_contention
 
     def chunk_compute_s(self, input_len: int, prefix_len: int, num_tokens: int,
                         forward_tokens: int) -> float:
@@ -82,7 +99,7 @@ class LiveCost:
         return num_tokens * self.model.kv_bytes_per_token
 
     def decode_step_time_s(self, batch_size: int, context_tokens: int) -> float:
-        return self.decode.decode_step_time_s(batch_size, context_tokens)
+        return self.decode.decode_step_time_s(batch_size, context_tokens) * self.decode_contention
 
     def as_cost_model(self) -> CostModel:
         """Itself, typed as what `simulate(cost=...)` takes (it answers the same calls)."""
@@ -106,6 +123,12 @@ def live_cost_from_dict(data: dict[str, Any], source: str = "live profile") -> L
         shape = {k: int(live["shape"][k]) for k in _SHAPE_KEYS}
         dtype_bytes = int(live.get("dtype_bytes", 4))
         topology = tuple(sorted((str(k), int(v)) for k, v in live.get("topology", {}).items()))
+        contention = live.get("contention", {})
+        if not isinstance(contention, dict) or set(contention) - {"decode", "prefill"}:
+            raise ValueError("live.contention: expected {\"decode\": x, \"prefill\": y} "
+                             f"(positive factors, both optional), got {contention!r}")
+        decode_factor = float(contention.get("decode", 1.0))
+        prefill_factor = float(contention.get("prefill", 1.0))
     except KeyError as exc:
         raise ValueError(f"{source}: missing {exc}; a live profile is `kvcake profile`'s JSON "
                          "plus a \"live\" object (kvcake/sim/live_profile.py)") from None
@@ -123,7 +146,8 @@ def live_cost_from_dict(data: dict[str, Any], source: str = "live profile") -> L
         hbm_bytes=math.ceil((pool_bytes + model.weight_bytes + model.kv_bytes_per_token / 2)
                             / _HBM_RESERVE),
         dram_bytes=pool_bytes)
-    return LiveCost(model, hardware, prefill, decode, pool_tokens, topology)
+    return LiveCost(model, hardware, prefill, decode, pool_tokens, topology,
+                    decode_contention=decode_factor, prefill_contention=prefill_factor)
 
 
 def load_live_profile(path: str | Path) -> LiveCost:
