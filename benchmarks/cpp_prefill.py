@@ -19,6 +19,12 @@ short prompt, then timed on the long one):
   decode worker's reserved blocks. TTFT: `generate` -> the first token event (reservation,
   pipelined prefill, every stage's KV writes, one request of max_tokens 1).
 - `live_single1`: the same cluster without the group: the plain prefill worker (1 thread).
+- `--cached-prefix-tokens P` (live systems): after the long prompt (then max_tokens 2, so the
+  group's prompt reaches the store through its decode worker), wait until the store holds its
+  first P tokens, then time a prompt of the same length sharing them (fresh tokens after): the
+  group fetches the prefix (each stage its layers) and pipelines only the new tokens; the plain
+  worker reuses its own cache. Reported under `cached_prefix` (TTFT, cached tokens, ratio to
+  the cold prompt of the same system, first tokens equal across systems).
 
 Model: the `small` preset's shape (d 768, 12 layers, GQA 12:4, vocab 32000) with its context
 raised to `--context` (16k tokens do not fit the preset's 8,192), seeded random weights written
@@ -106,38 +112,67 @@ def run_cpp(model: str, members: int, config: EngineConfig, chunk_tokens: int,
 
 
 def run_live(model: str, members: int, config: EngineConfig, chunk_tokens: int,
-             prompts: list[list[int]], profile_dir: str) -> list[tuple[int, float]]:
+             prompts: list[list[int]], profile_dir: str,
+             cached: list[int] | None = None, prefix_tokens: int = 0,
+             ) -> tuple[list[tuple[int, float]], tuple[int, float, int] | None]:
     """TTFT of each prompt through a served cluster (worker processes): with a CPP group of
-    `members` stages (every prompt from the first's length up goes to it), or none (0)."""
+    `members` stages (every prompt from the first's length up goes to it), or none (0). With
+    `cached`: then (first token, TTFT, cached tokens) of that prompt, sent once the store holds
+    the last prompt's first `prefix_tokens`."""
     import asyncio
 
     from kvcake.conductor import ConductorConfig
+    from kvcake.hashing import block_keys
     from kvcake.server.cluster.config import ClusterConfig
     from kvcake.server.cluster.launcher import Cluster
+    from kvcake.server.cluster.router import STORE_HOLDER
     from kvcake.server.frontend.backend import GenerateRequest
     from kvcake.types import RequestId
 
     cpp = {"cpp_min_tokens": min(map(len, prompts)), "cpp_nodes": members,
-           "cpp_chunk_tokens": chunk_tokens} if members else {}
+           "cpp_chunk_tokens": chunk_tokens,
+           "cpp_min_chunk_tokens": min(1000, chunk_tokens)} if members else {}  # --shape tiny
+    worker: dict[str, Any] = {"num_threads": 1}
+    if cached is not None:  # room in the store for the long prompt's KV (24 KiB a token)
+        worker["store_dram_bytes"] = 2 * len(prompts[-1]) * 24576
     cluster_config = ClusterConfig.simple(
         1, 1, members, model=model, engine=config, profile_dir=profile_dir,
-        worker={"num_threads": 1}, conductor=ConductorConfig(admission="none", **cpp))
+        worker=worker, conductor=ConductorConfig.from_dict({"admission": "none", **cpp}))
     out = []
     with Cluster(cluster_config) as cluster:
         backend = cluster.backend
-        assert backend is not None
+        assert backend is not None and backend.conductor is not None
 
-        async def first_token(rid: str, prompt: list[int]) -> tuple[int, float]:
+        async def first_token(rid: str, prompt: list[int],
+                              max_tokens: int = 1) -> tuple[int, float, int]:
             t0 = time.perf_counter()
-            stream = await backend.generate(GenerateRequest(RequestId(rid), tuple(prompt), 1,
-                                                            temperature=0.0, ignore_eos=True))
+            stream = await backend.generate(GenerateRequest(RequestId(rid), tuple(prompt),
+                                                            max_tokens, temperature=0.0,
+                                                            ignore_eos=True))
             async for event in stream:
-                return event.token_ids[0], time.perf_counter() - t0
+                ttft = time.perf_counter() - t0
+                async for _ in stream:  # the rest (max_tokens 2: the decode worker's step)
+                    pass
+                return event.token_ids[0], ttft, event.num_cached_tokens
             raise RuntimeError(f"{rid}: no token")
 
+        # max_tokens 2 where a cached prompt follows: a group's prompt reaches the store
+        # through its decode worker, which a request ending at its first token never joins
         for i, prompt in enumerate(prompts):
-            out.append(asyncio.run(first_token(f"live-{i}", prompt)))
-    return out
+            token, ttft, _ = asyncio.run(first_token(
+                f"live-{i}", prompt, 2 if cached is not None and i == len(prompts) - 1 else 1))
+            out.append((token, ttft))
+        if cached is None:
+            return out, None
+        keys = block_keys(prompts[-1][:prefix_tokens], config.block_size,
+                          backend._hello().namespace)
+        deadline = time.monotonic() + 300
+        while backend.conductor.index.match(keys).blocks_by_holder.get(STORE_HOLDER, 0) \
+                < len(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the store did not get the prefix in 300 s")
+            time.sleep(0.2)
+        return out, asyncio.run(first_token("live-cached", cached))
 
 
 def parse_args() -> argparse.Namespace:
@@ -152,6 +187,8 @@ def parse_args() -> argparse.Namespace:
                    help="the preset whose shape the model has (tiny: a quick check of the code)")
     p.add_argument("--systems", default="single1,cpp2,single2")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cached-prefix-tokens", type=int, default=0,
+                   help="live systems: then a prompt sharing this many tokens with the long one")
     p.add_argument("--model-dir", type=Path, help="reuse this directory (written if absent)")
     return p.parse_args()
 
@@ -172,6 +209,12 @@ def main() -> int:
     prompts = [[rng.randrange(vocab) for _ in range(n)]
                for n in (WARMUP_TOKENS, args.prompt_tokens)]
     config = engine_config(args.prompt_tokens, args.single_budget)
+    prefix = args.cached_prefix_tokens
+    if not 0 <= prefix < args.prompt_tokens:
+        sys.exit(f"--cached-prefix-tokens {prefix}: must be in [0, --prompt-tokens)")
+    cached_prompt = prompts[-1][:prefix] + [rng.randrange(vocab)
+                                           for _ in range(args.prompt_tokens - prefix)]
+    cached: dict[str, tuple[int, float, int]] = {}
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
     compute: list[float] = []
@@ -182,8 +225,14 @@ def main() -> int:
                 results[system] = run_single(str(model_dir), int(system[6:]), config, prompts)
             elif system.startswith("live_"):
                 members = args.members if system == "live_cpp2" else 0
-                results[system] = run_live(str(model_dir), members, config, args.chunk_tokens,
-                                           prompts, str(model_dir / "kvcake-profiles"))
+                results[system], again = run_live(
+                    str(model_dir), members, config, args.chunk_tokens, prompts,
+                    str(model_dir / "kvcake-profiles"), cached_prompt if prefix else None,
+                    prefix)
+                if again is not None:
+                    cached[system] = again
+                    print(f"# {system}: cached-prefix ttft {again[1]:.2f} s "
+                          f"({again[2]} tokens cached)", file=sys.stderr, flush=True)
             elif system.startswith("cpp"):
                 results[system], compute = run_cpp(str(model_dir), args.members, config,
                                                    args.chunk_tokens, prompts)
@@ -213,6 +262,15 @@ def main() -> int:
         "tokens_equal": len(set(first.values())) == 1,
         "first_tokens": first,
         "loadavg_before": [round(v, 2) for v in load_before],
+        **({"cached_prefix": {
+            "prefix_tokens": prefix,
+            "ttft_s": {s: round(c[1], 3) for s, c in cached.items()},
+            "cached_tokens": {s: c[2] for s, c in cached.items()},
+            "ratio_vs_cold": {s: round(c[1] / ttft[s], 3) for s, c in cached.items()},
+            "ratio_vs_live_single1": {s: round(c[1] / cached["live_single1"][1], 3)
+                                      for s, c in cached.items() if "live_single1" in cached},
+            "tokens_equal": len({c[0] for c in cached.values()}) == 1,
+        }} if cached else {}),
         "loadavg_after": [round(v, 2) for v in os.getloadavg()],
     }
     print(json.dumps(out))
