@@ -67,3 +67,45 @@ def test_three_members_one_slot_each_back_pressure() -> None:
         assert group.prefill("a", PROMPT).first_token == expected["long"]
         assert group.prefill("b", PROMPT[:20]).first_token == expected["short"]  # one chunk
         assert group.prefill("c", PROMPT).first_token == expected["long"]  # blocks released
+
+
+def test_members_reuse_a_prefix_from_whole_stored_blocks() -> None:
+    """Each member keeps its layers of the prefix's whole blocks (the store's format), writes
+    them into the decode engine's blocks, and the chunks start after the prefix: the first
+    token and the decoded continuation equal the single engine's on the whole prompt."""
+    from kvcake.engine.stage import StageEngine, split_layers
+    from kvcake.server.worker.cpp_stage import CppBegin, CppChunk, CppMember
+
+    single = Engine("tiny", CONFIG)
+    single.add_request("r", PROMPT, GREEDY)
+    expected = _tokens(single)
+    blocks = [single.export_block_kv(k) for k in single.prompt_block_keys(PROMPT)[:6]]
+    assert all(b is not None for b in blocks)  # 96 tokens of 150, as the store holds them
+    with TransferEngine(TransferConfig(port=0)) as transfer:
+        decode = Engine("tiny", CONFIG, kv_allocator=pool_allocator(transfer, "d1", shared=True))
+        targets = decode.reserve_request("r", PROMPT, GREEDY)
+        assert targets is not None
+        target = KvTarget(transfer.describe("kv-pool-d1").to_dict(), decode.num_blocks,
+                          tuple(targets))
+        members = [CppMember(StageEngine("tiny", span, CONFIG), transfer, member=m,
+                             chunk_tokens=40, tag=f"prefix-{m}")
+                   for m, span in enumerate(split_layers(4, 2))]
+        token = None
+        for m in members:
+            assert m.begin(CppBegin("r", tuple(PROMPT), GREEDY.max_tokens, target), GREEDY)
+            m.import_prefix("r", [bytearray(b) for b in blocks if b is not None])
+            m.stream_prefix("r", 6)
+        for start, n in chunks(len(PROMPT) - 96, 40):  # 96..135, 136..149
+            hidden = members[0].compute(CppChunk("r", 96 + start, n, -1))
+            assert isinstance(hidden, torch.Tensor)
+            members[0].write_hidden(hidden, 0, members[1].inbox)
+            token = members[1].compute(CppChunk("r", 96 + start, n, 0))
+        for m in members:
+            m.finish("r")
+        assert isinstance(token, int)
+        decode.commit_reserved("r", token)
+        out = [token] + _tokens(decode)
+    assert out == expected
+    with pytest.raises(ValueError, match="a block is"):
+        members[0].begin(CppBegin("s", tuple(PROMPT), 1), GREEDY)
+        members[0].import_prefix("s", [bytearray(10)])
