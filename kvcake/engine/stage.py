@@ -6,8 +6,9 @@ and lm_head on the last) and owns a paged KV pool of its layers only (pool layer
 layer `layers[i]`). A prompt is computed chunk by chunk: `begin` allocates the request's blocks,
 `run_chunk(start, n, hidden)` runs one chunk through the slice and returns its hidden states
 (every row, for the next stage) or, on the last stage, the first token once the final chunk is
-in (sampled as `Engine.step` does: min_tokens, penalties, log probabilities if asked; no prompt
-log probabilities). Chunks must come in order; the attention of chunk i reads the KV chunks 0..i-1 left in this
+in (sampled as `Engine.step` does: min_tokens, penalties, log probabilities if asked; prompt log
+probabilities if asked, chunk by chunk from every prompt row's logits: `prompt_logprobs`).
+Chunks must come in order; the attention of chunk i reads the KV chunks 0..i-1 left in this
 stage's pool. `layer_view(block, layer)` is the zero-copy bytes of one of its layers of one
 block, for streaming it to a decode engine (`KVPool.layer_offset_bytes` there, with the decoder
 layer index). Single-threaded, like `Engine`; nothing here starts a thread.
@@ -45,6 +46,7 @@ from kvcake.engine.sampling import (
     apply_penalties,
     suppress_tokens,
     token_logprob,
+    token_logprobs,
 )
 from kvcake.engine.sequence import Sequence as Seq
 from kvcake.types import BlockId, RequestId
@@ -95,6 +97,7 @@ class StageEngine:
         self.sampler = Sampler()
         self._seqs: dict[str, tuple[Seq, SamplingParams]] = {}
         self._logprobs: dict[str, TokenLogprob] = {}  # first tokens' (requests that asked)
+        self._prompt_lp: dict[str, list[TokenLogprob]] = {}  # prompt tokens 1.. (those that asked)
 
     @property
     def is_first(self) -> bool:
@@ -140,17 +143,26 @@ class StageEngine:
             raise ValueError(f"chunk: tokens {start}..{start + num_tokens} outside the prompt "
                              f"of {len(seq.token_ids)}")
         final = start + num_tokens == len(seq.token_ids)
-        if final and self.is_last and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: a pipeline stage computes no prompt log "
-                             "probabilities (they need every prompt row's logits)")
         plan = BatchPlan([ScheduledChunk(request_id, start, num_tokens, final)])
         tables = {request_id: self.block_manager.block_ids(request_id)}
         if hidden is not None:
             hidden = hidden.to(self.device)
-        out = self.runner.run(plan, {request_id: seq}, tables, layer_hook, hidden=hidden)
+        last_row = len(seq.token_ids) - 1  # the logits at position p score prompt token p + 1
+        prompt_rows = {request_id: last_row} \
+            if self.is_last and params.prompt_logprobs is not None else None
+        out = self.runner.run(plan, {request_id: seq}, tables, layer_hook, hidden=hidden,
+                              prompt_rows=prompt_rows)
         seq.num_computed_tokens = start + num_tokens
         if not self.is_last:
             return out
+        if prompt_rows is not None:  # the sampling row (final chunk) first, then the prompt's
+            count = max(0, min(start + num_tokens, last_row) - start)
+            found = self._prompt_lp.setdefault(request_id, [])
+            del found[start:]
+            found.extend(token_logprobs(out[int(final):int(final) + count],
+                                        list(seq.token_ids[start + 1:start + 1 + count]),
+                                        params.prompt_logprobs or 0))
+            out = out[:int(final)]
         if not final:
             return torch.empty(0)
         return self._sample_first(request_id, seq, params, out)
@@ -169,6 +181,11 @@ class StageEngine:
         if params.logprobs is not None:
             self._logprobs[request_id] = token_logprob(logits[0], token, params.logprobs)
         return token
+
+    def prompt_logprobs(self, request_id: str) -> list[TokenLogprob] | None:
+        """Log probabilities of prompt tokens 1.. (a request that asked, on the last stage,
+        once its chunks from token 0 on are computed)."""
+        return self._prompt_lp.get(request_id)
 
     def first_token_logprobs(self, request_id: str) -> TokenLogprob | None:
         """The first token's log probabilities (a request that asked, on the last stage)."""
@@ -193,3 +210,4 @@ class StageEngine:
             self.block_manager.free(request_id)
             self.sampler.forget(request_id)
             self._logprobs.pop(request_id, None)
+            self._prompt_lp.pop(request_id, None)

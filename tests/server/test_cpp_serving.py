@@ -148,14 +148,35 @@ def test_seeded_sampling_continues_exactly_after_the_group(backend: DisaggBacken
     assert got == want
 
 
-def test_unsupported_sampling_on_the_group_fails_clearly_and_frees_the_blocks(
-        cluster: Cluster, backend: DisaggBackend) -> None:
+def test_prompt_logprobs_through_the_group_equal_the_engine(cluster: Cluster,
+                                                            backend: DisaggBackend,
+                                                            llm: LLM) -> None:
+    """The last stage scores the prompt's tokens chunk by chunk (150 tokens: 4 chunks of up to
+    40); they, the first token's and the tokens equal the offline engine's; the decode blocks
+    are freed after."""
     engine = cluster.workers["decode-1"].engine
     assert engine is not None
-    with pytest.raises(RuntimeError, match="prompt_logprobs: not supported on a CPP group yet; "
-                                           "send such a request with a prompt below "
-                                           "cpp_min_tokens"):
-        generate(backend, "cpp-logprobs", ids(101, 150), max_tokens=3, prompt_logprobs=2)
+    prompt = ids(101, 150)
+
+    async def go() -> list[TokenEvent]:
+        stream = await backend.generate(GenerateRequest(
+            RequestId("cpp-prompt-logprobs"), tuple(prompt), 3, temperature=0.0,
+            ignore_eos=True, prompt_logprobs=2))
+        return [e async for e in stream]
+
+    events = asyncio.run(go())
+    reference = llm.engine
+    reference.add_request("ref-prompt-logprobs", prompt,
+                          SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2))
+    outputs = [o for _ in range(8) for o in reference.step()]
+    assert tokens(events) == [t for o in outputs for t in o.new_token_ids]
+    got, want = events[0].prompt_logprobs, outputs[0].prompt_logprobs
+    assert got is not None and want is not None and len(got) == len(want) == 150
+    assert got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert g is not None and w is not None
+        assert g[0] == w[0] and g[1] == pytest.approx(w[1], abs=1e-4)
+        assert [t for t, _ in g[2]] == [t for t, _ in w[2]]
     wait_until(lambda: engine.block_manager.num_free_blocks == engine.pool.num_blocks
                and not backend._flights)
 

@@ -32,7 +32,8 @@ transfer segment: shared memory on one host, TCP across hosts):
                writes, free its blocks, ack with `RequestFailed("aborted")`.
 
 Sampling on the group: the last stage samples the first token as the engine does (min_tokens,
-penalties, seeds, log probabilities); prompt log probabilities are refused with what to change.
+penalties, seeds, log probabilities) and computes prompt log probabilities chunk by chunk when
+asked (such a request reuses no prefix: a reused prefix has no logits, as on one engine).
 """
 
 from __future__ import annotations
@@ -221,7 +222,6 @@ class CppRole:
         rid = order.request_id
         try:
             params = sampling_params(sampling_from_wire(order.sampling))
-            _check_supported(params)
             target = KvTarget(order.kv_pool, order.num_pool_blocks, tuple(order.target_blocks)) \
                 if order.target_blocks else None
             if not self.stage.is_last and not order.next_inbox:
@@ -237,7 +237,7 @@ class CppRole:
             return
         begin = CppBegin(rid, tuple(order.prompt_token_ids), params.max_tokens, target)
         self._waiting[rid] = (order, begin, params)
-        if order.fetch_keys and self.worker.store is not None:
+        if order.fetch_keys and self.worker.store is not None and params.prompt_logprobs is None:
             # The store read runs on the fetcher thread, so the stage keeps computing.
             self._fetching.add(rid)
             self._fetches.put(order)
@@ -252,7 +252,10 @@ class CppRole:
                 return
             del self._waiting[rid]
             self._orders[rid] = order
-            prefix = self._import_prefix(rid, order, self._fetched.pop(rid, None))
+            fetched = self._fetched.pop(rid, None)
+            # prompt log probabilities need every prompt row's logits: no prefix reuse
+            prefix = self._import_prefix(rid, order, fetched) \
+                if params.prompt_logprobs is None else _Prefix()
             self._prefix[rid] = prefix
             if self.stage.is_first:
                 n = len(order.prompt_token_ids)
@@ -324,6 +327,7 @@ class CppRole:
         prefix = self._prefix.pop(rid, _Prefix())
         sampler_state = self.stage.sampler_state(rid) if token is not None else None
         first = self.stage.first_token_logprobs(rid) if token is not None else None
+        prompt_lp = self.stage.prompt_logprobs(rid) if token is not None else None
         ended = time.perf_counter()
         try:
             done = self.member.finish(rid)
@@ -343,7 +347,8 @@ class CppRole:
             -(-reused // bs) * bs,  # the blocks read for it (the last one maybe recomputed)
             done.compute_s, span_s if done.kv_bytes else 0.0,
             exposed_s if done.kv_bytes else 0.0, done.kv_bytes, sampler_state,
-            wire_logprobs([first]) if first else None, prefix.fetch_bytes, prefix.fetch_s))
+            wire_logprobs([first]) if first else None, prefix.fetch_bytes, prefix.fetch_s,
+            None if prompt_lp is None else [None, *(wire_logprobs(prompt_lp) or [])]))
 
     def _finish_reason(self, order: CppOrder, token: int) -> str | None:
         """As the engine decides at a first token: a stop id or EOS ends it, else max_tokens 1."""
@@ -374,10 +379,4 @@ class CppRole:
             self.member.abort(rid)  # returns once nothing of it writes the decode pool
             self.worker.send(RequestFailed(rid, answer))
             self._admit_waiting()
-
-
-def _check_supported(params: SamplingParams) -> None:
-    if params.prompt_logprobs is not None:
-        raise ValueError("prompt_logprobs: not supported on a CPP group yet; send such a "
-                         "request with a prompt below cpp_min_tokens")
 
