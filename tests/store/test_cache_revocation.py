@@ -28,7 +28,7 @@ from kvcake.store.layout import (
     revoke,
     verify,
 )
-from kvcake.store.master import MasterServer
+from kvcake.store.master import MasterServer, MasterService
 from kvcake.store.node import StoreNode
 from kvcake.transfer import TransferConfig
 
@@ -256,3 +256,27 @@ def test_a_node_registering_again_keeps_what_is_adopted_and_revokes_the_rest(
             assert is_revoked(_header_at(store, replica))
             with pytest.raises(ObjectNotFound):
                 reader.get("a")
+
+
+def test_with_a_cluster_secret_the_revoke_is_admitted_on_the_control_port() -> None:
+    from kvcake.auth import ClusterSecret
+
+    secret = ClusterSecret.from_text("revoke-cluster-secret-0123456789abcdef")
+    service = MasterService(MasterConfig(heartbeat_timeout_s=1e9, lease_s=5.0), ManualClock(0.0))
+    master = MasterServer(service, "127.0.0.1", 0, tick_interval_s=None, secret=secret).start()
+    node = StoreNode(NodeConfig(1 << 20, heartbeat_interval_s=3600), master.address,
+                     node_id="n0", secret=secret).start()
+    config = TransferConfig(serve=False, use_shared_memory=False, num_rails=1, secret=secret)
+    try:
+        with StoreClient(master.address, transfer_config=config) as reader, \
+                StoreClient(master.address, transfer_config=config) as other:
+            assert reader.put("k", b"s" * 3000)
+            replica = service.get("k")["replicas"][0]
+            other.remove("k")
+            header = bytes(node._view()[replica["offset"]:replica["offset"] + HEADER_BYTES])
+            assert is_revoked(header)  # the master's revoke connection proved the secret
+            with pytest.raises(ObjectNotFound):
+                reader.get("k")
+    finally:
+        node.close()
+        master.close()
