@@ -8,13 +8,16 @@ KV heads, fp32, seeded random weights). Two steps: a cold 2,048-token prompt, an
 chunk after a cached 2,048-token prefix (the agent trace's follow-ups). The C++ ops of `--base`
 (default HEAD; see `prefill_attention_bench.build_base`) are swapped in for the working tree's
 by rebinding `cpu_ops.fused_ops()`; every repetition runs base then new on fresh prompts. With
-one thread the clock is the thread's CPU time (immune to other processes), else wall time.
+one thread the clock is the thread's CPU time (immune to other processes), else wall time. Also
+printed: the process's minor page faults per step (median). The heap policy (`engine/heap.py`)
+is process-wide, so it is compared across processes: `KVCAKE_MALLOC_TUNING=0` turns it off.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvcake.engine import cpu_ops
+from kvcake.engine import cpu_ops, heap
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
 from kvcake.engine.loader import dummy_weights, save_hf_dir
@@ -56,12 +59,16 @@ def main() -> None:
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     counter = iter(range(10**6))
 
+    faults: list[int] = []
+
     def step(tokens: list[int]) -> float:
         engine.add_request(f"r{next(counter)}", tokens, one)
         clock = time.thread_time if args.threads == 1 else time.perf_counter
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = clock()
         engine.step()
         elapsed = clock() - t0
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         while engine.has_unfinished():
             engine.step()
         return 1e3 * elapsed
@@ -72,7 +79,8 @@ def main() -> None:
     for variant in ops.values():
         vars(ns).update(variant)
         step(_prompt(2048, 3, vocab))
-    times = {(c, v): [] for c in cases for v in ops}
+    times: dict[tuple[str, str], list[float]] = {(c, v): [] for c in cases for v in ops}
+    faults.clear()
     for i in range(args.reps):
         for case, make in cases.items():
             for variant in ("base", "new"):
@@ -81,7 +89,9 @@ def main() -> None:
     what = "thread CPU ms" if args.threads == 1 else "wall ms"
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
           f"{os.getloadavg()[0]:.2f}, {args.threads} thread(s), {what} of the prefill step, "
-          f"min / median of {args.reps}, base {args.base}")
+          f"min / median of {args.reps}, base {args.base}; heap policy "
+          f"{'on' if heap.keep_freed_memory() else 'off'}, minor page faults a step (median) "
+          f"{statistics.median(faults):.0f}")
     print("| step | base | new | new/base (min, median) |\n|---|---|---|---|")
     for case in cases:
         b, n = times[case, "base"], times[case, "new"]

@@ -169,27 +169,63 @@ def _prefill_reference(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor,
     return out.transpose(0, 1)
 
 
-@needs_op
-@pytest.mark.parametrize(("heads", "kv_heads", "head_size", "ctx_len", "q_len"), [
-    (8, 2, 64, 300, 300),   # a whole prompt: several query tiles and KV tiles, partial block
-    (8, 2, 64, 150, 37),    # a chunk after a cached prefix, starting mid-block
-    (4, 2, 32, 45, 1),      # one token
-    (6, 2, 32, 70, 69),     # group 3, odd lengths
-    (4, 4, 128, 33, 17),    # no GQA, a wide head
-])
-def test_prefill_op_equals_gather_then_masked_sdpa(heads: int, kv_heads: int, head_size: int,
-                                                   ctx_len: int, q_len: int) -> None:
-    assert cpu_ops.load(), cpu_ops.load_error()
-    if not cpu_ops.paged_prefill_supported(head_size, torch.float32):
-        pytest.skip(f"head size {head_size} is not a multiple of this CPU's vector width")
-    gen = torch.Generator().manual_seed(ctx_len)
+def _prefill_inputs(heads: int, kv_heads: int, head_size: int, ctx_len: int, q_len: int,
+                    ramp: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, a pool with spare blocks, a shuffled block table covering ctx_len. `ramp`: scores
+    that rise with the key's position (~0.13 a position in the exp2 domain), so that rows'
+    maxima keep moving past the kernel's lazy margin and earlier terms are rescaled."""
+    gen = torch.Generator().manual_seed(ctx_len + 7 * q_len + heads)
     blocks = -(-ctx_len // 16)
     kv = torch.randn(blocks + 5, 2, 16, kv_heads, head_size, generator=gen)
     table = torch.randperm(blocks + 5, generator=gen)[:blocks]
     q = torch.randn(q_len, heads, head_size, generator=gen)
+    if ramp:
+        q[..., 0] = 3.0
+        pos = torch.arange(ctx_len)
+        kv[table[pos // 16], 0, pos % 16, :, 0] = (pos / 4.0)[:, None]
+    return q, kv, table
+
+
+@needs_op
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size", "ctx_len", "q_len", "ramp"), [
+    (8, 2, 64, 300, 300, False),   # a whole prompt: several query and KV tiles, partial block
+    (8, 2, 64, 150, 37, False),    # a chunk after a cached prefix, starting mid-block
+    (4, 2, 32, 45, 1, False),      # one token
+    (6, 2, 32, 70, 69, False),     # group 3, odd lengths (row blocks span two positions)
+    (4, 4, 128, 33, 17, False),    # no GQA, a wide head
+    (8, 1, 32, 129, 64, False),    # group 8 (a position's rows span two row blocks)
+    (8, 2, 128, 200, 200, False),  # GQA with a wide head
+    (8, 2, 64, 256, 128, False),   # prefix and chunk on KV-tile boundaries
+    (8, 2, 64, 331, 1, False),     # one token after a long prefix
+    (4, 2, 64, 230, 150, True),    # maxima that keep rising: later tiles rescale earlier ones
+])
+def test_prefill_op_equals_gather_then_masked_sdpa(heads: int, kv_heads: int, head_size: int,
+                                                   ctx_len: int, q_len: int,
+                                                   ramp: bool) -> None:
+    assert cpu_ops.load(), cpu_ops.load_error()
+    if not cpu_ops.paged_prefill_supported(head_size, torch.float32):
+        pytest.skip(f"head size {head_size} is not a multiple of this CPU's vector width")
+    q, kv, table = _prefill_inputs(heads, kv_heads, head_size, ctx_len, q_len, ramp)
     out = cpu_ops.paged_prefill_attention(q, kv, table, ctx_len, head_size**-0.5)
     assert out.shape == q.shape
     assert (out - _prefill_reference(q, kv, table, ctx_len)).abs().max().item() < 1e-5
+
+
+@needs_op
+def test_prefill_op_split_over_threads_equals_one_thread() -> None:
+    # Two threads share the packed K tiles (each packed by whichever thread needs it first).
+    assert cpu_ops.load(), cpu_ops.load_error()
+    q, kv, table = _prefill_inputs(8, 2, 64, 700, 500)
+    threads = torch.get_num_threads()
+    results = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        try:
+            results.append(cpu_ops.paged_prefill_attention(q, kv, table, 700, 0.125))
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(*results)
+    assert (results[0] - _prefill_reference(q, kv, table, 700)).abs().max().item() < 1e-5
 
 
 @needs_op

@@ -5,16 +5,16 @@
 // 0 .. its own of one sequence, whose K/V (the chunk's own included: the layer wrote them before
 // attending) sit in the pool layer [num_blocks, 2 (K, V), block_size, Hkv, D].
 //
-// Flash-style, in two passes over torch's threads:
-// 1. K of every KV head is packed once per call into transposed tiles of NK positions
-//    ([Hkv][tile][D][NK]), read through the block table; every query tile of the head shares them.
-// 2. Work items (one KV head x a tile of query positions, the `group` query heads that share the
-//    KV head stacked as rows) go to the threads through a shared counter, heaviest (latest query
-//    tile) first. Per KV tile and per block of RB rows, in registers: the RB x NK scores (a
-//    micro-GEMM against the packed tile), the online softmax in the exp2 domain (scale * log2(e)
-//    folded into Q once), then P x V (a micro-GEMM over the tile's V rows, straight from the
-//    pool) into the block's output rows. A row block stops at its own last position (the causal
-//    diagonal); only a tile that crosses it is masked, and P x V skips its masked tail.
+// Flash-style, in one parallel region over torch's threads. Work items (one KV head x a tile of
+// query positions, the `group` query heads that share the KV head stacked as rows) go to the
+// threads through a shared counter, heaviest (latest query tile) first. K is read as transposed
+// tiles of NK positions ([D][NK]), each packed once per call through the block table by the first
+// thread that needs it and shared by every query tile of its head. Per KV tile and per block of
+// RB rows, in registers: the RB x NK scores (a micro-GEMM against the packed tile), the online
+// softmax in the exp2 domain (scale * log2(e) folded into Q once; a row's maximum moves lazily),
+// then P x V (a micro-GEMM over the tile's V rows, straight from the pool) into the block's
+// output rows. A row block stops at its own last position (the causal diagonal); only a tile
+// that crosses it is masked, and P x V skips its masked tail.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -310,37 +311,47 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv,
   auto row_of = [&](int64_t pos) { return pool + tab[pos / block_size] * s_blk +
                                           (pos % block_size) * s_tok; };
 
-  // Pass 1: K^T tiles of every KV head, zero past ctx_len.
+  // K^T tiles of every KV head ([Hkv][tile][D][NK], zero past ctx_len), packed on first use
+  // by whichever thread needs the tile first; a thread that finds it being packed packs its
+  // own copy rather than wait (the packer may have lost its core).
   const int64_t num_kv_tiles = (ctx_len + NK - 1) / NK;
-  std::vector<float> kt_all(num_kv_heads * num_kv_tiles * d * NK);
   const int64_t tile_floats = d * NK;
-  auto pack = [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t h = t % num_kv_heads, jt = t / num_kv_heads;
-      float* kt = kt_all.data() + (h * num_kv_tiles + jt) * tile_floats;
-      for (int64_t j = 0; j < NK; ++j) {
-        const int64_t pos = jt * NK + j;
-        if (pos < ctx_len) {
-          const float* row = row_of(pos) + h * d;
-          for (int64_t x = 0; x < d; ++x) kt[x * NK + j] = row[x];
-        } else {
-          for (int64_t x = 0; x < d; ++x) kt[x * NK + j] = 0.f;
-        }
+  std::unique_ptr<float[]> kt_all(new float[num_kv_heads * num_kv_tiles * tile_floats]);
+  std::unique_ptr<std::atomic<int>[]> kt_state(new std::atomic<int>[num_kv_heads * num_kv_tiles]);
+  for (int64_t t = 0; t < num_kv_heads * num_kv_tiles; ++t) kt_state[t].store(0);
+  enum { UNPACKED = 0, PACKING = 1, PACKED = 2 };
+  auto pack = [&](int64_t h, int64_t jt, float* kt) {
+    for (int64_t j = 0; j < NK; ++j) {
+      const int64_t pos = jt * NK + j;
+      if (pos < ctx_len) {
+        const float* row = row_of(pos) + h * d;
+        for (int64_t x = 0; x < d; ++x) kt[x * NK + j] = row[x];
+      } else {
+        for (int64_t x = 0; x < d; ++x) kt[x * NK + j] = 0.f;
       }
     }
   };
-  const int64_t pack_jobs = num_kv_heads * num_kv_tiles;
-  if (at::get_num_threads() <= 1 || pack_jobs < 8) {
-    pack(0, pack_jobs);
-  } else {
-    at::parallel_for(0, pack_jobs, 4, pack);
-  }
+  auto packed_tile = [&](int64_t h, int64_t jt, float* own) -> const float* {
+    const int64_t t = h * num_kv_tiles + jt;
+    float* shared = kt_all.get() + t * tile_floats;
+    int state = kt_state[t].load(std::memory_order_acquire);
+    if (state == PACKED) return shared;
+    if (state == UNPACKED && kt_state[t].compare_exchange_strong(state, PACKING)) {
+      pack(h, jt, shared);
+      kt_state[t].store(PACKED, std::memory_order_release);
+      return shared;
+    }
+    if (kt_state[t].load(std::memory_order_acquire) == PACKED) return shared;
+    pack(h, jt, own);
+    return own;
+  };
 
-  // Pass 2: the work items.
+  // The work items.
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
     Item it(m_pad, d);
     std::vector<const float*> vrows(NK);
+    std::vector<float> own_kt(tile_floats);
     for (int64_t item = next++; item < num_items; item = next++) {
       const int64_t tile = num_tiles - 1 - item / num_kv_heads;  // heaviest first
       const int64_t h = item % num_kv_heads;
@@ -362,11 +373,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv,
       std::fill(it.mx.begin(), it.mx.begin() + m_rows, NO_MAX);
       std::fill(it.l.begin(), it.l.begin() + m_rows * VLEN, 0.f);
       const int64_t kv_end = first_pos + i1;  // positions [0, kv_end) are seen by some row
-      const float* kt_head = kt_all.data() + h * num_kv_tiles * tile_floats;
       for (int64_t j0 = 0; j0 < kv_end; j0 += NK) {
         const int64_t cnt = std::min(NK, kv_end - j0);
         for (int64_t j = 0; j < cnt; ++j) vrows[j] = row_of(j0 + j) + h * d + s_kv;
-        const float* kt = kt_head + (j0 / NK) * tile_floats;
+        const float* kt = packed_tile(h, j0 / NK, own_kt.data());
         // Row blocks in order of position: the first whose rows all end before j0 ends it.
         for (int64_t m0 = 0; m0 < m_rows; m0 += RB) {
           const int64_t* lim = it.limit.data() + m0;
