@@ -36,7 +36,9 @@ class Admission(StrEnum):
     7), which looks at the decode load of the moment. EARLY (also spelled "prediction"): as SLO,
     but the decode load is predicted for the moment this request's prefill would finish
     (requests predicted to have finished decoding by then are left out, requests placed earlier
-    that will have joined by then are counted): the paper's prediction-based early rejection.
+    that will have joined by then are counted; under a uniform decode time t_d each joined
+    request counts for [join, join + t_d), `DecodeLoad.batch_window`): the paper's
+    prediction-based early rejection.
     DECODE_AFTER_PREFILL: the baseline both improve on: at arrival only the TTFT is checked; the
     decode side is asked when the prefill is done (`Conductor.admit_decode`), so a request
     rejected there has spent its prefill.
