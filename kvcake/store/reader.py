@@ -151,13 +151,49 @@ class ObjectReader:
         self._touch(key)
         return size
 
-    def _touch(self, key: str) -> None:
-        """Tell the master of a cached read (a remote one merges them into one one-way message
-        that goes before this client's next request, so every eviction it decides sees them)."""
+    def _read_remembered(self, items: list[tuple[int, str, _Location, memoryview, memoryview,
+                                                  memoryview | None]]) -> dict[int, int]:
+        """Read remembered objects in one transfer batch, each checked like `_cached_read`.
+        `items`: (index, key, location, header view, payload view, whole view or None: header +
+        payload contiguous, read as one request). Returns {index: size} of those served; an
+        entry that fails is dropped (its key goes to the master)."""
+        if not items:
+            return {}
+        requests = []
+        for _, _, where, header, payload, whole in items:
+            if whole is not None:
+                requests.append(TransferRequest(TransferOp.READ, whole, where.segment,
+                                                where.offset))
+                continue
+            requests.append(TransferRequest(TransferOp.READ, header, where.segment, where.offset))
+            if where.size_bytes:
+                requests.append(TransferRequest(TransferOp.READ, payload, where.segment,
+                                                where.offset + HEADER_BYTES, where.size_bytes))
         try:
-            self.master.touch([key])
-        except StoreError as exc:  # only the LRU order misses this read
-            log.warning("telling the master of a cached read of %r failed: %s", key, exc)
+            self._transfer(requests)
+        except (TransferError, ValueError):
+            self.forget([key for _, key, _, _, _, _ in items])
+            return {}
+        served: dict[int, int] = {}
+        for i, key, where, header, payload, _ in items:
+            try:
+                verify(header, payload, where.version, where.checksum, live=True)
+            except CorruptObject:  # revoked, reused or corrupted: the master path decides
+                self._cache.pop(key, None)
+                continue
+            served[i] = where.size_bytes
+        self._touch(*dict.fromkeys(key for i, key, *_ in items if i in served))
+        return served
+
+    def _touch(self, *keys: str) -> None:
+        """Tell the master of cached reads (a remote one merges them into one one-way message
+        that goes before this client's next request, so every eviction it decides sees them)."""
+        if not keys:
+            return
+        try:
+            self.master.touch(list(keys))
+        except StoreError as exc:  # only the LRU order misses these reads
+            log.warning("telling the master of %d cached reads failed: %s", len(keys), exc)
 
     # ---- gets --------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
@@ -189,26 +225,73 @@ class ObjectReader:
 
     def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
         """Read each key into its buffer; returns each size, None for a key that is not stored.
-        One master round trip and one transfer batch; a replica that fails its check is retried
+        Keys whose location this reader remembers are read first, in one transfer batch and no
+        master request; the others (and any remembered read that fails its check) with one
+        master round trip and one transfer batch; a replica that fails its check is retried
         alone. Raises TransferFailed if a stored object cannot be read intact at all."""
         if len(keys) != len(buffers):
             raise InvalidRequest(f"get_batch_into: {len(keys)} keys but {len(buffers)} buffers")
         dests = [buffer_view(b, writable=True, field=f"buffer of {k!r}")
                  for k, b in zip(keys, buffers, strict=True)]
-        metas = self._metas(keys)
-        jobs = [(k, m, d) for k, m, d in zip(keys, metas, dests, strict=True) if m is not None]
+        sizes: list[int | None] = [None] * len(keys)
+        remembered: list[tuple[int, str, _Location, memoryview, memoryview, memoryview | None]] = []
+        for i, key in enumerate(keys):
+            where = self._cache.get(key)
+            if where is not None and len(dests[i]) >= where.size_bytes:
+                remembered.append((i, key, where, memoryview(bytearray(HEADER_BYTES)),
+                                   dests[i][:where.size_bytes], None))
+        served = self._read_remembered(remembered)  # index -> size
+        for i, size in served.items():
+            sizes[i] = size
+        rest = [i for i in range(len(keys)) if i not in served]
+        if not rest:
+            return sizes
+        metas = self._metas([keys[i] for i in rest])
+        jobs = [(keys[i], m, dests[i]) for i, m in zip(rest, metas, strict=True) if m is not None]
         try:
             self._read_batch(jobs)
         finally:
             self.release([(key, meta) for key, meta, _ in jobs])
-        sizes: list[int | None] = [None if m is None else int(m["size_bytes"]) for m in metas]
+        for i, meta in zip(rest, metas, strict=True):
+            if meta is not None:
+                sizes[i] = int(meta["size_bytes"])
         return sizes
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Each key's bytes as a new `bytes`, None for a key that is not stored. One master
-        round trip and one transfer batch: every object is read whole (header + payload, one
-        request) into this thread's reused scratch, whose pages are already mapped, then
-        checked and copied out once; a replica that fails its check is read again alone."""
+        """Each key's bytes as a new `bytes`, None for a key that is not stored. Keys whose
+        location this reader remembers are read first (one transfer batch, no master request);
+        the others with one master round trip and one transfer batch. Every object is read whole
+        (header + payload, one request) into this thread's reused scratch, whose pages are
+        already mapped, then checked and copied out once; a replica that fails its check is read
+        again alone."""
+        values: list[bytes | None] = [None] * len(keys)
+        remembered, total = [], 0
+        for i, key in enumerate(keys):
+            where = self._cache.get(key)
+            if where is not None:
+                remembered.append((i, key, where, total))
+                total += HEADER_BYTES + where.size_bytes
+        served: dict[int, int] = {}
+        if remembered:
+            scratch = self._buffer("batch", total) if total <= _BATCH_SCRATCH_BYTES \
+                else memoryview(bytearray(total))
+            wholes = [scratch[at:at + HEADER_BYTES + where.size_bytes]
+                      for _, _, where, at in remembered]
+            served = self._read_remembered([
+                (i, key, where, whole[:HEADER_BYTES], whole[HEADER_BYTES:], whole)
+                for (i, key, where, _), whole in zip(remembered, wholes, strict=True)])
+            for (i, _, _, _), whole in zip(remembered, wholes, strict=True):
+                if i in served:
+                    values[i] = bytes(whole[HEADER_BYTES:])
+        rest = [i for i in range(len(keys)) if i not in served]
+        if rest:
+            for i, value in zip(rest, self._get_batch_leased([keys[i] for i in rest]),
+                                strict=True):
+                values[i] = value
+        return values
+
+    def _get_batch_leased(self, keys: Sequence[str]) -> list[bytes | None]:
+        """`get_batch` through the master: descriptors and read leases in one round trip."""
         metas = self._metas(keys)
         jobs = [(k, m) for k, m in zip(keys, metas, strict=True) if m is not None]
         offsets, total = [], 0

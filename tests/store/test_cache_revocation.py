@@ -280,3 +280,48 @@ def test_with_a_cluster_secret_the_revoke_is_admitted_on_the_control_port() -> N
     finally:
         node.close()
         master.close()
+
+
+def test_batch_gets_of_remembered_keys_ask_the_master_nothing_and_see_removes() -> None:
+    clock = ManualClock(0.0)
+    with _store(clock) as store:
+        master = Counting(store.master)
+        reader = StoreClient(master, engine=store.engine, clock=clock)
+        other = store.client()
+        values = {k: k.encode() * 700 for k in ("a", "b", "c")}
+        for key, value in values.items():
+            assert reader.put(key, value)
+        assert other.put("d", b"d" * 700)  # stored, not remembered by reader
+        master.calls.clear()
+        assert reader.get_batch(["a", "b", "c"]) == [values["a"], values["b"], values["c"]]
+        buffers = [bytearray(700) for _ in range(3)]
+        assert reader.get_batch_into(["c", "a", "b"], buffers) == [700, 700, 700]
+        assert buffers == [values["c"], values["a"], values["b"]]
+        assert master.calls == ["touch", "touch"]  # one merged LRU note per batch, no lookup
+        other.remove("b")  # revoked at the node before the remove returned
+        other.remove("c")
+        assert other.put("c", b"C" * 700)  # the key again, other bytes
+        master.calls.clear()
+        assert reader.get_batch(["a", "b", "c", "d", "zz"]) == [
+            values["a"], None, b"C" * 700, b"d" * 700, None]
+        assert master.calls.count("get_batch") == 1  # only for b, c, d, zz
+        buffers = [bytearray(700) for _ in range(4)]
+        assert reader.get_batch_into(["b", "a", "d", "c"], buffers) == [None, 700, 700, 700]
+        assert buffers[1:] == [values["a"], b"d" * 700, b"C" * 700]
+
+
+def test_a_corrupted_remembered_replica_in_a_batch_goes_to_the_master() -> None:
+    clock = ManualClock(0.0)
+    with _store(clock, num_nodes=2) as store:
+        reader = store.client(num_replicas=2)
+        values = {k: k.encode() * 900 for k in ("a", "b")}
+        for key, value in values.items():
+            assert reader.put(key, value)
+        for replica in store.master.get("a")["replicas"][:1]:  # the remembered one
+            assert reader._reader._cache["a"].offset == replica["offset"]
+            node = next(n for n in store.nodes if n.node_id == replica["node_id"])
+            node._view()[replica["offset"] + HEADER_BYTES] ^= 0xFF
+        assert reader.get_batch(["a", "b"]) == [values["a"], values["b"]]
+        buffers = [bytearray(900), bytearray(900)]
+        assert reader.get_batch_into(["a", "b"], buffers) == [900, 900]
+        assert buffers == [values["a"], values["b"]]
