@@ -13,8 +13,9 @@ no system call or master wake-up of its own), so a client that goes quiet holds 
 until then or `lease_s`; holding a lease longer is always safe, it only delays eviction.
 
 Location cache: the reader remembers where each object it wrote or read lives (size, checksum,
-replica version and offset; up to `cache_entries` keys), and `get` / `get_into` of a remembered
-key read its replica straight away, without asking the master: one round trip instead of two.
+replica version and offset; up to `cache_entries` keys), and `get`, `get_into` and the batch gets
+read a remembered key's replica straight away, without asking the master: one round trip instead
+of two.
 Only replicas the master describes as `revocable` are remembered: their node marks a replica's
 header revoked before the master answers the request that dropped it (a remove, an eviction, a
 drop to fewer replicas, the node leaving; master.py). A remembered read is checked like any other
