@@ -3,7 +3,16 @@ r"""The simulator against the live cluster: the same scaled trace, the same topo
     B=benchmarks/serving_disagg_vs_colocated.py; D=/tmp/kvcake-capacity
     flock /tmp/kvcake_bench.lock .venv/bin/python $B --out-dir $D --measure-regime   # once
     flock /tmp/kvcake_bench.lock .venv/bin/python $B --out-dir $D --systems colocated-budget
-    flock /tmp/kvcake_bench.lock .venv/bin/python benchmarks/sim_vs_live.py --out-dir $D --json
+    flock /tmp/kvcake_bench.lock .venv/bin/python benchmarks/sim_vs_live.py --out-dir $D --refit-decode
+    flock /tmp/kvcake_bench.lock .venv/bin/python benchmarks/sim_vs_live.py --out-dir $D \
+        --fit-rate 0.394 --json
+
+`--refit-decode` measures the decode step model again over the batches and contexts the live
+decode worker runs at (`decode_refit.json`, used instead of `profile.json`'s decode fit).
+`--fit-rate R` also replays at rate R (`live_fit.json`) and fits the per-host contention factors
+of the live profile (kvcake/sim/live_profile.py: decode steps and prefills take f times the
+isolated fit on a shared host) so the simulated disaggregated TTFT p50 and TBT p50 at R match
+the live ones; the comparison at --rate then checks the model at another rate.
 
 Inputs, all written by `serving_disagg_vs_colocated.py` into --out-dir before this runs:
 `regime.json` (the scaled requests, SLOs), `profile.json` (`kvcake profile`'s fits measured on one
@@ -31,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -83,8 +93,10 @@ DECODE_REFIT = "decode_refit.json"
 
 def refit_decode(out_dir: Path, model_dir: Path) -> dict[str, Any]:
     """Decode steps measured again on one 1-thread engine over the batches and contexts the live
-    decode worker runs at (batch 1..48, 512 or 1,536 tokens each; best of 3): `profile.json`'s
-    decode grid (batch <= 16, two points per batch, best of 2) gave a negative context term."""
+    decode worker runs at (batch 1..24, 512 or 2,048 tokens each; best of 3): `profile.json`'s
+    decode points were measured before the profiler timed whole batches (its early requests
+    had finished by the timed steps: the points' batches were smaller than labelled, and the
+    fit had a ~0 batch term and a negative context term)."""
     import torch
 
     from kvcake.conductor import DecodeStepPredictor
@@ -95,7 +107,7 @@ def refit_decode(out_dir: Path, model_dir: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     engine = Engine(str(model_dir), EngineConfig(kv_cache_bytes=KV_POOL_BYTES,
                                                  max_model_len=cap.MAX_MODEL_LEN))
-    grid = ProfileGrid(decode_batch_sizes=(1, 8, 16, 32, 48), decode_context_lens=(512, 1536),
+    grid = ProfileGrid(decode_batch_sizes=(1, 4, 8, 16, 24), decode_context_lens=(512, 2048),
                        repeats=3)
     points = measure_decode(engine, grid)
     fit = DecodeStepPredictor.fit(points)
@@ -106,7 +118,8 @@ def refit_decode(out_dir: Path, model_dir: Path) -> dict[str, Any]:
 
 
 def live_profile(out_dir: Path, model_config: dict[str, Any], bandwidth: float,
-                 dtype_bytes: int = 4) -> dict[str, Any]:
+                 dtype_bytes: int = 4, contention: dict[str, float] | None = None,
+                 ) -> dict[str, Any]:
     """`profile.json` + the `live` object kvcake/sim/live_profile.py reads; the decode model
     from `decode_refit.json` when --refit-decode wrote one."""
     data: dict[str, Any] = json.loads((out_dir / "profile.json").read_text())
@@ -119,6 +132,8 @@ def live_profile(out_dir: Path, model_config: dict[str, Any], bandwidth: float,
                     "kv_pool_tokens": KV_POOL_BYTES // kv_per_token, "shape": shape,
                     "dtype_bytes": dtype_bytes,
                     "topology": {"num_prefill": 1, "num_decode": 1}}
+    if contention is not None:
+        data["live"]["contention"] = contention
     return data
 
 
@@ -165,6 +180,42 @@ def sim_metrics(trace: Trace, regime: Regime, config: SimConfig, cost: Any) -> d
     return out
 
 
+def fit_factor(target: float, measure: Any, lo: float = 0.5, hi: float = 8.0,
+               steps: int = 14) -> float:
+    """The factor f in [lo, hi] with measure(f) ~ target, by bisection on a log scale
+    (measure grows with f; the bounds when the target lies outside)."""
+    if measure(lo) >= target:
+        return lo
+    if measure(hi) <= target:
+        return hi
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        if measure(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
+
+
+def fit_contention(profile: dict[str, Any], live: dict[str, float], trace: Trace,
+                   regime: Regime, config: SimConfig) -> dict[str, float]:
+    """Per-host factors from one live disaggregated run: prefill so the simulated TTFT p50
+    matches the live one, decode so the TBT p50 does (each other factor held; twice round)."""
+    factors = {"decode": 1.0, "prefill": 1.0}
+
+    def metric(name: str, key: str) -> Any:
+        def measure(f: float) -> float:
+            data = dict(profile, live={**profile["live"], "contention": {**factors, name: f}})
+            cost = live_cost_from_dict(data).as_cost_model()
+            return 1000 * simulate(config, trace, cost).summary[key]["p50"]
+        return measure
+
+    for _ in range(2):
+        factors["prefill"] = fit_factor(live["ttft_p50_ms"], metric("prefill", "ttft_s"))
+        factors["decode"] = fit_factor(live["tbt_p50_ms"], metric("decode", "tbt_s"))
+    return {k: round(v, 4) for k, v in factors.items()}
+
+
 def sim_configs(regime: Regime, block_len: int, budget: int) -> dict[str, SimConfig]:
     common = {"ttft_slo_s": regime.ttft_slo_s, "tbt_slo_ms": regime.tbt_slos_ms[1],
               "block_size": block_len, "admission": "none", "seed": 0}
@@ -209,6 +260,13 @@ def compare(live: dict[str, dict[str, float]],
     return out
 
 
+def print_table(title: str, metrics: dict[str, dict[str, float | None]]) -> None:
+    print(f"{title}\n| metric | live | sim | sim/live - 1 |\n|---|---|---|---|")
+    for name, m in metrics.items():
+        err = "-" if m["rel_err"] is None else f"{m['rel_err']:+.1%}"
+        print(f"| {name} | {m['live']:.4g} | {m['sim']:.4g} | {err} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -221,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="reuse live.json from an earlier run (only the simulator runs)")
     p.add_argument("--refit-decode", action="store_true",
                    help="measure the decode step model again (decode_refit.json), then stop")
+    p.add_argument("--fit-rate", type=float, default=None,
+                   help="also replay at this rate (live_fit.json) and fit the per-host "
+                        "contention factors to its disaggregated TTFT/TBT p50; the comparison "
+                        "at --rate is then the check")
+    p.add_argument("--systems", default="disagg,colocated",
+                   help="live systems to replay (the others' live results are reused)")
     args = p.parse_args(argv)
     cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
     regime = cap.load_regime(cap_args)
@@ -238,40 +302,72 @@ def main(argv: list[str] | None = None) -> int:
     records = cap.records_of(cap_args.trace, regime.num_requests)
     planned = cap.workload(records, regime, cap_args.vocab_size, rate, args.seed)
     block_len = PromptBuilder(scale_tokens=regime.scale_tokens).block_len
-    live_path = args.out_dir / "live.json"
-    if args.sim_only:
-        live = json.loads(live_path.read_text())["metrics"]
-    else:
-        live = {}
-        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        for system in ("disagg", "colocated"):
+    systems = [x for x in args.systems.split(",") if x]
+
+    def live_at(rate_: float, path: Path) -> dict[str, dict[str, float]]:
+        """The live metrics at rate_: replayed for --systems (unless --sim-only), the other
+        systems' from an earlier run's file."""
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        got: dict[str, dict[str, float]] = dict(old.get("metrics", {}))
+        if args.sim_only:
+            return got
+        runs = dict(old.get("runs", {}))
+        plan_ = cap.workload(records, regime, cap_args.vocab_size, rate_, args.seed)
+        for system in systems:
+            started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            load = os.getloadavg()
             with cap.Served(system, cap_args, budget if system == "colocated" else None) as s:
-                results, _ = s.replay(planned)
-            live[system] = live_metrics(results, regime)
-            print(f"[live {system}] {json.dumps(live[system])}", file=sys.stderr, flush=True)
-        live_path.write_text(json.dumps({"started": started, "rate": rate, "metrics": live},
-                                        indent=1) + "\n")
+                results, _ = s.replay(plan_)
+            got[system] = live_metrics(results, regime)
+            runs[system] = {"started": started, "load_before": load,
+                            "load_after": os.getloadavg()}
+            print(f"[live {system} @ {rate_:.3g}/s] {json.dumps(got[system])}", file=sys.stderr,
+                  flush=True)
+        path.write_text(json.dumps({"rate": rate_, "runs": runs, "metrics": got}, indent=1)
+                        + "\n")
+        return got
+
+    live = live_at(rate, args.out_dir / "live.json")
+    fit_live = (live_at(args.fit_rate, args.out_dir / "live_fit.json")
+                if args.fit_rate else None)
     config_json = json.loads((cap_args.model_dir / "config.json").read_text())
     bandwidth, source = transfer_bandwidth(args.out_dir)
     profile = live_profile(args.out_dir, config_json, bandwidth)
+    configs = sim_configs(regime, block_len, budget)
+    contention = None
+    fit_metrics = None
+    if fit_live is not None and "disagg" in fit_live:
+        fit_plan = cap.workload(records, regime, cap_args.vocab_size, args.fit_rate, args.seed)
+        fit_trace = sim_trace(records, fit_plan, block_len)
+        contention = fit_contention(profile, fit_live["disagg"], fit_trace, regime,
+                                    configs["disagg"])
+        profile = live_profile(args.out_dir, config_json, bandwidth, contention=contention)
+        fit_cost = live_cost_from_dict(profile).as_cost_model()
+        fit_metrics = compare(fit_live, {name: sim_metrics(fit_trace, regime, config, fit_cost)
+                                         for name, config in configs.items()
+                                         if name in fit_live})
+        print(f"contention fitted at {args.fit_rate:.3g}/s (disagg TTFT/TBT p50): "
+              f"{json.dumps(contention)}")
+        print_table(f"fit rate {args.fit_rate:.3g}/s", fit_metrics)
     (args.out_dir / "live_profile.json").write_text(json.dumps(profile, indent=1) + "\n")
     cost = live_cost_from_dict(profile).as_cost_model()
     trace = sim_trace(records, planned, block_len)
     sim = {name: sim_metrics(trace, regime, config, cost)
-           for name, config in sim_configs(regime, block_len, budget).items()}
+           for name, config in configs.items() if name in live}
     metrics = compare(live, sim)
     print(f"rate {rate:.3g}/s, {len(planned)} requests, block {block_len} tokens, transfer "
           f"bandwidth {bandwidth / 1e9:.2f} GB/s ({source}), colocated budget {budget}")
-    print("| metric | live | sim | sim/live - 1 |\n|---|---|---|---|")
-    for name, m in metrics.items():
-        err = "-" if m["rel_err"] is None else f"{m['rel_err']:+.1%}"
-        print(f"| {name} | {m['live']:.4g} | {m['sim']:.4g} | {err} |")
+    print_table(f"{'check ' if contention else ''}rate {rate:.3g}/s", metrics)
     capacity = sim_capacity(records, regime, cost, budget, cap_args.vocab_size)
     (args.out_dir / "sim_capacity.json").write_text(json.dumps(capacity) + "\n")
     print(f"simulated capacity (req/s) per TBT SLO {[round(x, 1) for x in regime.tbt_slos_ms]}: "
           f"{json.dumps(capacity)}")
     if args.json:
-        print(json.dumps({"metrics": metrics}))
+        out: dict[str, Any] = {"metrics": metrics}
+        if contention is not None:
+            out |= {"contention": contention, "fit_rate": args.fit_rate,
+                    "fit_metrics": fit_metrics}
+        print(json.dumps(out))
     return 0
 
 
