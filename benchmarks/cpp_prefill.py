@@ -114,11 +114,11 @@ def run_cpp(model: str, members: int, config: EngineConfig, chunk_tokens: int,
 def run_live(model: str, members: int, config: EngineConfig, chunk_tokens: int,
              prompts: list[list[int]], profile_dir: str,
              cached: list[int] | None = None, prefix_tokens: int = 0,
-             ) -> tuple[list[tuple[int, float]], tuple[int, float, int] | None]:
+             ) -> tuple[list[tuple[int, float]], tuple[int, float, int, dict[str, float]] | None]:
     """TTFT of each prompt through a served cluster (worker processes): with a CPP group of
     `members` stages (every prompt from the first's length up goes to it), or none (0). With
-    `cached`: then (first token, TTFT, cached tokens) of that prompt, sent once the store holds
-    the last prompt's first `prefix_tokens`."""
+    `cached`: then (first token, TTFT, cached tokens, where the time went) of that prompt, sent
+    once the store holds the last prompt's first `prefix_tokens`."""
     import asyncio
 
     from kvcake.conductor import ConductorConfig
@@ -172,7 +172,20 @@ def run_live(model: str, members: int, config: EngineConfig, chunk_tokens: int,
             if time.monotonic() > deadline:
                 raise RuntimeError("the store did not get the prefix in 300 s")
             time.sleep(0.2)
-        return out, asyncio.run(first_token("live-cached", cached))
+        compute_before = backend.totals.compute_s
+        bandwidth_before = backend.conductor.transfer_bandwidth
+        token, ttft, num_cached = asyncio.run(first_token("live-cached", cached))
+        # the (last) stage's or the worker's compute; a group's fetch measured by its last stage
+        # (the Conductor's first measured bandwidth replaces its prior)
+        bandwidth = backend.conductor.transfer_bandwidth
+        split = {"compute_s": round(backend.totals.compute_s - compute_before, 3)}
+        if bandwidth != bandwidth_before:
+            from kvcake.engine.loader import resolve
+
+            fetch_bytes = len(keys) * backend._hello().layer_nbytes * \
+                resolve(model).config.num_layers  # whole blocks
+            split["fetch_s"] = round(fetch_bytes / bandwidth, 3)
+        return out, (token, ttft, num_cached, split)
 
 
 def parse_args() -> argparse.Namespace:
@@ -214,7 +227,7 @@ def main() -> int:
         sys.exit(f"--cached-prefix-tokens {prefix}: must be in [0, --prompt-tokens)")
     cached_prompt = prompts[-1][:prefix] + [rng.randrange(vocab)
                                            for _ in range(args.prompt_tokens - prefix)]
-    cached: dict[str, tuple[int, float, int]] = {}
+    cached: dict[str, tuple[int, float, int, dict[str, float]]] = {}
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
     compute: list[float] = []
@@ -266,6 +279,7 @@ def main() -> int:
             "prefix_tokens": prefix,
             "ttft_s": {s: round(c[1], 3) for s, c in cached.items()},
             "cached_tokens": {s: c[2] for s, c in cached.items()},
+            "split_s": {s: c[3] for s, c in cached.items()},
             "ratio_vs_cold": {s: round(c[1] / ttft[s], 3) for s, c in cached.items()},
             "ratio_vs_live_single1": {s: round(c[1] / cached["live_single1"][1], 3)
                                       for s, c in cached.items() if "live_single1" in cached},
