@@ -138,6 +138,7 @@ class MasterService:
         self.index.space.raise_version_floor(version_floor)
         self.mirror = mirror
         self._handles: dict[str, NodeHandle] = {}
+        self._no_revoke: set[str] = set()  # nodes whose revoke failed, until they register again
         self._lock = threading.RLock()
         self._sealed = threading.Condition(self._lock)  # notified when named objects seal or go
 
@@ -151,6 +152,7 @@ class MasterService:
             self.index.register_node(node_id, dram_bytes, disk_bytes, endpoint, self.clock.now_s())
             if handle is not None:
                 self._handles[node_id] = handle
+            self._no_revoke.discard(node_id)
             adopted = adopt(self.index, node_id, objects, self.clock.now_s()) if objects else 0
             # A node registering again: what it held is forgotten (revoked below, so no client
             # reads it from a remembered location) except what was just adopted, live again.
@@ -406,7 +408,8 @@ class MasterService:
 
     def _desc(self, replica: Replica) -> dict[str, Any]:
         handle = self._handles.get(replica.node_id)
-        return replica_desc(self.index, replica, hasattr(handle, "revoke"))
+        revocable = hasattr(handle, "revoke") and replica.node_id not in self._no_revoke
+        return replica_desc(self.index, replica, revocable)
 
     def _tell_nodes(self, op: str, key: str) -> None:
         """Mirror one object's DRAM replicas to the catalogues of the nodes holding them."""
@@ -441,14 +444,17 @@ class MasterService:
             by_node.setdefault(node_id, []).append([offset, version])
         for node_id, entries in by_node.items():
             handle = self._handles.get(node_id)
-            if not hasattr(handle, "revoke"):
-                continue  # its replicas were never described as revocable
+            if not hasattr(handle, "revoke") or node_id in self._no_revoke:
+                continue  # its replicas are not described as revocable
             try:
                 handle.revoke(entries)  # type: ignore[union-attr]
             except (StoreError, OSError, ValueError, LookupError) as exc:
-                log.warning("node %s could not revoke %d dropped replicas (a client that "
-                            "remembered one may still read it there): %s", node_id,
-                            len(entries), exc)
+                # No more revocable descriptors for it (and no more waits on it) until it
+                # registers again; clients that remembered one of its replicas may still read it.
+                self._no_revoke.add(node_id)
+                log.error("node %s could not revoke %d dropped replicas: its replicas are no "
+                          "longer described as revocable; a client that remembered one may "
+                          "still read it there: %s", node_id, len(entries), exc)
 
     def _run_one(self, handle: NodeHandle, action: TierAction) -> bool:
         try:

@@ -325,3 +325,28 @@ def test_a_corrupted_remembered_replica_in_a_batch_goes_to_the_master() -> None:
         buffers = [bytearray(900), bytearray(900)]
         assert reader.get_batch_into(["a", "b"], buffers) == [900, 900]
         assert buffers == [values["a"], values["b"]]
+
+
+def test_a_node_whose_revoke_fails_is_no_longer_described_as_revocable() -> None:
+    clock = ManualClock(0.0)
+    with _store(clock) as store:
+        node = store.nodes[0]
+        calls: list[int] = []
+
+        def failing(entries: list[list[int]]) -> int:
+            calls.append(len(entries))
+            raise OSError("control port unreachable")
+
+        client = store.client()
+        assert client.put("a", b"a" * 500) and client.put("b", b"b" * 500)
+        node.revoke = failing  # type: ignore[method-assign]
+        client.remove("a")  # answered anyway; the failure is logged
+        assert calls == [1]
+        assert not store.master.get("b")["replicas"][0]["revocable"]
+        client.remove("b")
+        assert calls == [1]  # not asked again (no wait on a node that cannot answer)
+        del node.revoke  # the node registers again: revocable once more
+        store.master.register_node("node-0", 1 << 20, 0,
+                                   store.master.index.nodes["node-0"].endpoint, handle=node)
+        assert client.put("c", b"c" * 500)
+        assert store.master.get("c")["replicas"][0]["revocable"]
