@@ -38,6 +38,7 @@ from kvcake.server.worker.messages import (
     sampling_from_wire,
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
+from kvcake.server.worker.step_trace import StepTrace
 from kvcake.server.worker.store_writer import StoreWriter
 from kvcake.transfer import TransferEngine
 
@@ -83,12 +84,15 @@ class DecodeRole:
         # `Abort` (the frontend knows that worker is dead: its process reaped) frees them.
         self._kept: set[str] = set()
         self._writer = StoreWriter(worker, self.engine)
+        self._trace = StepTrace.from_env(worker.worker_id)  # diagnostics, off by default
 
     def start(self) -> None:
         self._writer.start()
 
     def close(self) -> None:
         self._writer.close()
+        if self._trace is not None:
+            self._trace.close()
 
     def has_pending(self) -> bool:
         return bool(self._pending) and self.engine.has_unfinished()
@@ -123,8 +127,15 @@ class DecodeRole:
 
     def step(self) -> None:
         """One engine step; its new tokens for every live request go out as one write."""
+        trace = self._trace
+        if trace is not None:
+            rows = [(s.request_id, s.num_tokens) for s in self.engine.batcher.running]
+            t0, c0 = trace.now(), trace.cpu()
         tokens: list[Message] = []
-        for output in self.engine.step():
+        outputs = self.engine.step()
+        if trace is not None:
+            t1, c1 = trace.now(), trace.cpu()
+        for output in outputs:
             if output.request_id not in self._live:
                 continue
             reason = output.finish_reason.value if output.finish_reason else None
@@ -133,6 +144,8 @@ class DecodeRole:
             if output.finished:
                 self._live.discard(output.request_id)
         self.worker.send_many(tokens)
+        if trace is not None:
+            trace.record(t0, t1, trace.now(), c1 - c0, rows)
 
     def after_step(self) -> None:
         self._admit_pending()

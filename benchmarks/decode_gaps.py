@@ -1,0 +1,111 @@
+r"""Where the time between two tokens goes on the live disaggregated decode path (issue 11 part 3).
+
+    flock /tmp/kvcake_bench.lock .venv/bin/python benchmarks/decode_gaps.py --rate 0.197 --num-requests 15
+    flock /tmp/kvcake_bench.lock .venv/bin/python benchmarks/decode_gaps.py --rate 0.787 --json
+
+The regime's first --num-requests requests (`serving_disagg_vs_colocated.py`'s regime.json in
+--out-dir, seeded Poisson arrivals at --rate) replayed once through 1P+1D (its `Served("disagg")`)
+with the decode worker's step trace on (`$KVCAKE_STEP_TRACE`, kvcake/server/worker/step_trace.py:
+every engine step's start, end, end of sending its tokens, CPU time and rows). Printed: the
+decode batch, the engine step's wall and CPU time (per batch size too), the loop's time between
+two steps, the sending of a step's tokens, and the paper's per-request TBT (mean of the slowest
+10% of a request's gaps) as the worker sent the tokens vs as the replay client received them:
+what the frontend, its SSE and the client add to the step. Needs the bench lock (a live run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serving_disagg_vs_colocated as cap  # noqa: E402
+
+from kvcake.bench.stats import paper_tbt_s  # noqa: E402
+from kvcake.server.worker.step_trace import ENV  # noqa: E402
+
+
+def pct(values: list[float], *qs: float) -> list[float]:
+    return [round(1000 * float(np.percentile(values, q)), 2) for q in qs] if values else []
+
+
+def analyse(steps: list[dict[str, Any]], client_tbts: list[float]) -> dict[str, Any]:
+    steps = sorted(steps, key=lambda s: s["t0"])
+    busy = [s for s in steps if s["rows"]]
+    wall = [s["t1"] - s["t0"] for s in busy]
+    cpu = [s["cpu"] for s in busy]
+    by_batch: dict[int, list[float]] = defaultdict(list)
+    for s in busy:
+        by_batch[len(s["rows"])].append(s["t1"] - s["t0"])
+    # the loop's time outside the engine between two consecutive busy steps (not idle waits)
+    between = [b["t0"] - a["t2"] for a, b in zip(busy, busy[1:], strict=False)
+               if b["t0"] - a["t2"] < 1.0]
+    sent: dict[str, list[float]] = defaultdict(list)
+    for s in busy:
+        for rid, _ in s["rows"]:
+            sent[rid].append(s["t2"])
+    worker_tbts = [paper_tbt_s(np.diff(t).tolist()) for t in sent.values() if len(t) > 2]
+    return {
+        "steps": len(busy),
+        "batch_mean": round(float(np.mean([len(s["rows"]) for s in busy])), 2) if busy else 0,
+        "batch_max": max((len(s["rows"]) for s in busy), default=0),
+        "step_wall_ms_p50_p90": pct(wall, 50, 90), "step_cpu_ms_p50_p90": pct(cpu, 50, 90),
+        "wall_over_cpu": round(sum(wall) / max(sum(cpu), 1e-9), 3),
+        "step_wall_ms_p50_by_batch": {b: pct(v, 50)[0] for b, v in sorted(by_batch.items())},
+        "between_steps_ms_p50_p99": pct(between, 50, 99),
+        "send_ms_p50_p99": pct([s["t2"] - s["t1"] for s in busy], 50, 99),
+        "tbt_ms_p50_p90": {"worker_sent": pct(worker_tbts, 50, 90),
+                           "client": pct(client_tbts, 50, 90)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=Path("/tmp/kvcake-capacity"))
+    p.add_argument("--rate", type=float, default=0.197, help="requests per second")
+    p.add_argument("--num-requests", type=int, default=15)
+    p.add_argument("--seed", type=int, default=7, help="prompt tokens of the replay")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
+    regime = cap.load_regime(cap_args)
+    cap_args.vocab_size = cap.prepare_model(cap_args).vocab_size
+    records = cap.records_of(cap_args.trace, regime.num_requests)
+    planned = cap.workload(records, regime, cap_args.vocab_size, args.rate,
+                           args.seed)[:args.num_requests]
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
+        os.environ[ENV] = trace_dir  # the server and its workers inherit it
+        try:
+            with cap.Served("disagg", cap_args) as served:
+                begun = time.monotonic()
+                results, _ = served.replay(planned)
+        finally:
+            del os.environ[ENV]
+        steps = [json.loads(line) for path in Path(trace_dir).glob("steps-*.jsonl")
+                 for line in path.read_text().splitlines()]
+    steps = [s for s in steps if s["t0"] >= begun]  # the replay's, not the warm-up's
+    client = [paper_tbt_s(r.gaps_s) for r in results if r.gaps_s]
+    report = {"started": started, "load_before": load, "load_after": os.getloadavg(),
+              "rate": args.rate, "requests": len(planned), **analyse(steps, client)}
+    for key, value in report.items():
+        print(f"{key}: {json.dumps(value)}")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
