@@ -40,12 +40,23 @@ using kvcake::vload;
 using kvcake::vstore;
 typedef kvcake::vfloat vec;
 typedef kvcake::vint vint;
+// Register blocking: RB rows x NKV vectors of scores per micro-GEMM (plus NKV K vectors), and
+// P x V over at most PVW vectors of the head at a time (RB x PVW accumulators).
+#ifndef PA_RB
 #if defined(__AVX512F__)
-constexpr int64_t RB = 4;  // rows per register block (RB x 4 score accumulators)
+#define PA_RB 4
 #else
-constexpr int64_t RB = 2;
+#define PA_RB 2
 #endif
-constexpr int64_t NK = 4 * VLEN;  // KV positions per tile (4 vectors of scores per row)
+#endif
+#ifndef PA_NKV
+#define PA_NKV 4
+#endif
+constexpr int64_t RB = PA_RB;
+constexpr int NKV = PA_NKV;
+constexpr int PVW = RB <= 4 ? 4 : 2;
+static_assert(NKV >= 1 && NKV <= 4, "1 to 4 vectors of scores per row");
+constexpr int64_t NK = NKV * VLEN;  // KV positions per tile
 constexpr int64_t ROWS = 128;     // target query rows (positions x group) per work item
 constexpr float LOG2E = 1.44269504088896341f;
 
@@ -186,7 +197,8 @@ template <bool RESCALE>
 inline void pv(const float* p, const float* const* vrows, int64_t cnt, const float* alpha,
                int64_t d, float* o) {
   int64_t c = 0;
-  for (; c + 4 * VLEN <= d; c += 4 * VLEN) pv_block<4, RESCALE>(p, vrows, cnt, alpha, d, c, o);
+  for (; c + PVW * VLEN <= d; c += PVW * VLEN)
+    pv_block<PVW, RESCALE>(p, vrows, cnt, alpha, d, c, o);
   switch ((d - c) / VLEN) {
     case 3: pv_block<3, RESCALE>(p, vrows, cnt, alpha, d, c, o); break;
     case 2: pv_block<2, RESCALE>(p, vrows, cnt, alpha, d, c, o); break;
@@ -200,25 +212,31 @@ inline void pv(const float* p, const float* const* vrows, int64_t cnt, const flo
 inline void row_block_tile(const float* qp, const float* kt, const float* const* vrows,
                            int64_t j0, int64_t cnt, int64_t d, const int64_t* limit, float* mx,
                            float* l, float* o, float* p) {
-  vec acc[RB][4];
+  vec acc[RB][NKV];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < RB; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = vec{};
+#pragma GCC unroll 4
+    for (int v = 0; v < NKV; ++v) acc[r][v] = vec{};
   for (int64_t i = 0; i < d; ++i) {
     const float* k = kt + i * NK;
-    vec k0 = vload(k), k1 = vload(k + VLEN), k2 = vload(k + 2 * VLEN), k3 = vload(k + 3 * VLEN);
-    // Keep the K vectors in registers: folded into each FMA as a memory operand they are
-    // loaded RB times, and the loads, not the FMAs, bound the loop.
+    // Named vectors pinned in registers: folded into each FMA as a memory operand they are
+    // loaded RB times, and the loads, not the FMAs, bound the loop (an array in the asm
+    // operands is spilled to the stack instead).
+    vec k0 = vload(k), k1 = NKV > 1 ? vload(k + VLEN) : vec{}, k2 = NKV > 2 ? vload(k + 2 * VLEN) : vec{},
+        k3 = NKV > 3 ? vload(k + 3 * VLEN) : vec{};
 #if defined(__x86_64__) && defined(__AVX__)
-    asm("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
+    if constexpr (NKV == 4) asm("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
+    if constexpr (NKV == 3) asm("" : "+v"(k0), "+v"(k1), "+v"(k2));
+    if constexpr (NKV == 2) asm("" : "+v"(k0), "+v"(k1));
+    if constexpr (NKV == 1) asm("" : "+v"(k0));
 #endif
 #pragma GCC unroll 8
     for (int64_t r = 0; r < RB; ++r) {
       const float q = qp[r * d + i];
       acc[r][0] += k0 * q;
-      acc[r][1] += k1 * q;
-      acc[r][2] += k2 * q;
-      acc[r][3] += k3 * q;
+      if constexpr (NKV > 1) acc[r][1] += k1 * q;
+      if constexpr (NKV > 2) acc[r][2] += k2 * q;
+      if constexpr (NKV > 3) acc[r][3] += k3 * q;
     }
   }
   int64_t lim_min = limit[0], lim_max = limit[0];
@@ -235,16 +253,21 @@ inline void row_block_tile(const float* qp, const float* kt, const float* const*
   bool rescale = false;
 #pragma GCC unroll 8
   for (int64_t r = 0; r < RB; ++r) {
-    vec s[4] = {acc[r][0], acc[r][1], acc[r][2], acc[r][3]};
-    vint keep[4];
+    vec s[NKV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NKV; ++v) s[v] = acc[r][v];
+    vint keep[NKV];
     if (masked) {
       const int32_t last = static_cast<int32_t>(std::min(limit[r], j0 + NK) - j0);
-      for (int v = 0; v < 4; ++v) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NKV; ++v) {
         keep[v] = (iota + static_cast<int32_t>(v * VLEN)) <= last;
         s[v] = keep[v] ? s[v] : vec{} + NO_MAX;
       }
     }
-    const vec vm = vmax(vmax(s[0], s[1]), vmax(s[2], s[3]));
+    vec vm = s[0];
+#pragma GCC unroll 4
+    for (int v = 1; v < NKV; ++v) vm = vmax(vm, s[v]);
     float m = mx[r];
     alpha[r] = 1.f;
     vec lv = vload(l + r * VLEN);
@@ -255,13 +278,15 @@ inline void row_block_tile(const float* qp, const float* kt, const float* const*
       mx[r] = m = m_new;
       rescale = true;
     }
-    vec e[4];
-    for (int v = 0; v < 4; ++v) {
-      e[v] = vexp2(s[v] - m);
-      if (masked) e[v] = keep[v] ? e[v] : vec{};
-      vstore(p + r * NK + v * VLEN, e[v]);
+    vec sum = vec{};
+#pragma GCC unroll 4
+    for (int v = 0; v < NKV; ++v) {
+      vec e = vexp2(s[v] - m);
+      if (masked) e = keep[v] ? e : vec{};
+      vstore(p + r * NK + v * VLEN, e);
+      sum += e;
     }
-    vstore(l + r * VLEN, lv + ((e[0] + e[1]) + (e[2] + e[3])));
+    vstore(l + r * VLEN, lv + sum);
   }
   if (rescale) {
     pv<true>(p, vrows, used, alpha, d, o);
