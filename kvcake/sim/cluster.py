@@ -15,62 +15,40 @@ The path of one request (disaggregated policies):
 Colocated (vLLM-like): the Conductor (policy colocated) picks one instance, which prefills (with
 its HBM prefix cache) and then decodes the request itself; nothing crosses the network.
 
-Nodes: prefill instance i is node i, decode instance j is node num_prefill + j. The Conductor is
-used unchanged: the simulator only reports to it what happened (starts, finishes, cache
-changes), as the live frontend will.
+Nodes: prefill instance i is node i, decode instance j is node num_prefill + j (built from the
+config in topology.py; the network's flows in transfers.py, the decode node guard in guard.py,
+the colocated HBM cache in colocated.py). The Conductor is used unchanged: the simulator only
+reports to it what happened (starts, finishes, cache changes), as the live frontend will.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from kvcake.conductor import (
-    Admission,
-    Conductor,
-    ConductorConfig,
-    CostModel,
-    DecodeEstimate,
-    Placement,
-    Policy,
-    PrefillModel,
-    PrefillTimePredictor,
-    Rejection,
-    ScheduleRequest,
-    profile_grid,
-)
+from kvcake.conductor import CostModel, DecodeEstimate, Placement, Rejection, ScheduleRequest
 from kvcake.sim.cache import BlockLRU
+from kvcake.sim.colocated import cache_in_free_hbm, place_colocated
 from kvcake.sim.config import SimConfig
-from kvcake.sim.decode import DecodeInstance, Seq, StepCosts
+from kvcake.sim.decode import Seq
 from kvcake.sim.events import Event, EventKind, EventQueue
+from kvcake.sim.guard import DecodeNodeGuard
 from kvcake.sim.network import Network
-from kvcake.sim.prediction import NoisyPrefillModel
-from kvcake.sim.prefill import PrefillInstance, QueuedPrefill
+from kvcake.sim.prefill import QueuedPrefill
 from kvcake.sim.records import Arrival, RequestState, summarize
+from kvcake.sim.topology import (
+    build_conductor,
+    build_topology,
+    cost_model,
+    kv_capacity_tokens,
+    nic_bytes_per_s,
+    told_output_len,
+)
+from kvcake.sim.transfers import Transfer, TransferKind, Transfers, fetch_tokens_by_node
+
+__all__ = ["STORE", "Cluster", "cost_model", "kv_capacity_tokens"]
 
 STORE = "store"  # the Conductor's holder name of the pooled store tier
-_HBM_RESERVE = 0.9  # share of HBM left to weights + KV after activations and workspace
-_FETCH, _KV = 0, 1
-
-
-def cost_model(config: SimConfig) -> CostModel:
-    """The cost model of `config`'s profile, with its hardware overrides applied."""
-    cost = CostModel.from_spec(config.profile)
-    if not config.hardware_overrides:
-        return cost
-    fields = {f.name for f in dataclasses.fields(cost.hardware)}
-    unknown = sorted({name for name, _ in config.hardware_overrides} - fields)
-    if unknown:
-        raise ValueError(f"unknown hardware profile fields {unknown}; known: {sorted(fields)}")
-    overrides: dict[str, Any] = dict(config.hardware_overrides)
-    return CostModel(cost.model, dataclasses.replace(cost.hardware, **overrides))
-
-
-def kv_capacity_tokens(cost: CostModel) -> int:
-    """KV tokens one decode node holds: its HBM less the weights and the activation reserve."""
-    return max(1, int((cost.hardware.hbm_bytes * _HBM_RESERVE - cost.model.weight_bytes)
-                      // cost.model.kv_bytes_per_token))
 
 
 class Cluster:
@@ -80,79 +58,26 @@ class Cluster:
                  cost: CostModel | None = None) -> None:
         self.config = config
         self.cost = cost_model(config) if cost is None else cost  # cost: a live profile's
-        model, hw = self.cost.model, self.cost.hardware
-        self.kv_per_token = model.kv_bytes_per_token
-        nic = hw.nic_bandwidth_bytes_per_s if config.nic_gbps is None else config.nic_gbps * 1e9 / 8
+        self.kv_per_token = self.cost.model.kv_bytes_per_token
         self.kv_capacity_tokens = kv_capacity_tokens(self.cost)
-        local_tokens = (hw.dram_bytes // self.kv_per_token if config.local_cache_tokens is None
-                        else config.local_cache_tokens)
-        block = config.block_size
-        costs = StepCosts(self.cost.decode_step_time_s, self.cost.prefill_time_s,
-                          self.cost.chunk_compute_s, hw.prefill_step_overhead_s)
-        if config.colocated:
-            n = config.num_prefill + config.num_decode
-            self.prefills: list[PrefillInstance] = []
-            self.decodes = [DecodeInstance(i, costs, self.kv_capacity_tokens, config.max_batch_size,
-                                           colocated=True,
-                                           chunk_budget_tokens=config.chunk_budget_tokens
-                                           if config.chunked_prefill else None)
-                            for i in range(n)]
-            self.hbm_caches = [BlockLRU(self.kv_capacity_tokens // block if config.prefix_cache
-                                        else 0) for _ in range(n)]
-            prefill_ids = decode_ids = [f"colocated-{i}" for i in range(n)]
-        else:
-            self.prefills = [PrefillInstance(i, local_tokens // block)
-                             for i in range(config.num_prefill)]
-            self.decodes = [DecodeInstance(i, costs, self.kv_capacity_tokens, config.max_batch_size)
-                            for i in range(config.num_decode)]
-            self.hbm_caches = []
-            prefill_ids = [f"prefill-{i}" for i in range(config.num_prefill)]
-            decode_ids = [f"decode-{i}" for i in range(config.num_decode)]
-        self.prefill_ids, self.decode_ids = prefill_ids, decode_ids
-        self._prefill_index = {name: i for i, name in enumerate(prefill_ids)}
-        self._decode_index = {name: i for i, name in enumerate(decode_ids)}
-        self.store = BlockLRU(config.store_tokens // block) if config.store_tokens else None
+        nodes = build_topology(config, self.cost, self.kv_capacity_tokens)
+        self.prefills, self.decodes = nodes.prefills, nodes.decodes
+        self.hbm_caches = nodes.hbm_caches  # colocated: each instance's HBM prefix cache
+        self.prefill_ids, self.decode_ids = nodes.prefill_ids, nodes.decode_ids
+        self._prefill_index = {name: i for i, name in enumerate(nodes.prefill_ids)}
+        self._decode_index = {name: i for i, name in enumerate(nodes.decode_ids)}
+        self.store = (BlockLRU(config.store_tokens // config.block_size) if config.store_tokens
+                      else None)
         self.num_nodes = config.num_prefill + config.num_decode
-        self.network = Network(max(2, self.num_nodes), nic)
-        # The Conductor predicts prefill times with the paper's polynomial regression, fitted on
-        # profile points of the cost model over (at least) the trace's range of lengths.
-        max_input = max((a.input_len for a in arrivals), default=0)
-        predictor: PrefillModel = PrefillTimePredictor.fit(
-            profile_grid(self.cost, max(4096, max_input)))
-        if config.prefill_prediction_error:
-            predictor = NoisyPrefillModel(predictor, config.prefill_prediction_error, config.seed)
-        # The Conductor never sees a request's true output length (a live one knows max_tokens
-        # or a prediction): it is told one length for all, by default the trace's mean.
-        self.predicted_output_len = config.predicted_output_len or max(1, round(
-            sum(a.output_len for a in arrivals) / max(1, len(arrivals))))
-        self.conductor = Conductor(
-            ConductorConfig(
-                policy=Policy(config.policy),
-                admission=Admission.NONE if config.colocated else Admission(config.admission),
-                kvcache_balancing_threshold=config.kvcache_balancing_threshold,
-                ttft_slo_s=config.ttft_slo_s,
-                tbt_slo_s=config.tbt_slo_ms / 1000.0,
-                transfer_bandwidth_bytes_per_s=nic,
-                index_on_placement=config.prefix_cache or not config.colocated,
-                seed=config.seed,
-                uniform_decode_s=config.uniform_decode_s,
-                cpp_min_tokens=config.cpp_min_tokens,
-                cpp_nodes=config.cpp_nodes,
-                cpp_chunk_tokens=config.cpp_chunk_tokens,
-                decode_kv_capacity_tokens=self.kv_capacity_tokens,
-                decode_check_after_prefill=config.decode_check_after_prefill,
-            ),
-            prefill_ids, decode_ids, predictor, self.cost, self.kv_per_token,
-        )
+        self.network = Network(max(2, self.num_nodes), nic_bytes_per_s(config, self.cost))
+        self.transfers = Transfers(self.network)
+        self.predicted_output_len = told_output_len(config, arrivals)
+        self.conductor = build_conductor(config, self.cost, nodes, arrivals)
         self.states = [RequestState(i, f"req-{i}", a) for i, a in enumerate(arrivals)]
         self.queue = EventQueue()
-        self._flows: dict[int, tuple[int, int, int]] = {}  # flow -> (_FETCH | _KV, request, epoch)
-        self._next_flow = 0
         self.num_events = 0
         self.local_fetch_tokens = 0
-        # decode_node_guard: KV tokens of the requests sent to each decode node, not joined yet.
-        self._committed = [0] * len(self.decodes)
-        self._commit_of: dict[int, tuple[int, int]] = {}
+        self.guard = DecodeNodeGuard(len(self.decodes), self.kv_capacity_tokens)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -224,25 +149,18 @@ class Cluster:
         fetch = decision.fetch
         assert fetch is not None
         dst = self._prefill_index[decision.prefill_id]
-        block = self.config.block_size
-        first_block = -(-fetch.end_len // block) - len(fetch.keys)  # absolute index of keys[0]
-        by_node: dict[int, int] = {}
-        for i, key in enumerate(fetch.keys):
-            begin = max((first_block + i) * block, fetch.start_len)
-            tokens = min((first_block + i + 1) * block, fetch.end_len) - begin
-            node = self._holder_node(fetch.source, key)
-            by_node[node] = by_node.get(node, 0) + max(0, tokens)
-        events: list[Event] = []
+        by_node = fetch_tokens_by_node(fetch, self.config.block_size,
+                                       lambda key: self._holder_node(fetch.source, key))
         for node in sorted(by_node):
             if node == dst or by_node[node] == 0:
                 self.local_fetch_tokens += by_node[node]
                 continue
             state.pending_fetches += 1
-            self._start_flow(now_s, _FETCH, state.index, node, dst, by_node[node] * self.kv_per_token)
+            self.transfers.start(now_s, Transfer(TransferKind.FETCH, state.index), node, dst,
+                                 by_node[node] * self.kv_per_token)
         if state.pending_fetches == 0:
             return self._fetch_landed(state, now_s)
-        events.extend(self._flow_event())
-        return events
+        return self.transfers.next_event()
 
     def _holder_node(self, holder: str, key: Hashable) -> int:
         """The node whose memory holds `key` for `holder`: a prefill node, or for the store tier
@@ -308,10 +226,10 @@ class Cluster:
         state.kv_epoch += 1
         senders = state.prefill_group or (p,)
         state.pending_kv = len(senders)
+        kv = Transfer(TransferKind.KV, state.index, state.kv_epoch)
         for sender in senders:
-            self._start_flow(now_s, _KV, state.index, sender, self.config.num_prefill + d,
-                             state.arrival.input_len * self.kv_per_token / len(senders),
-                             state.kv_epoch)
+            self.transfers.start(now_s, kv, sender, self.config.num_prefill + d,
+                                 state.arrival.input_len * self.kv_per_token / len(senders))
 
     def _report_start(self, p: int, started: QueuedPrefill, now_s: float) -> list[Event]:
         state = self.states[started.req]
@@ -320,10 +238,11 @@ class Cluster:
         d = self._decode_index[state.decode_instance or ""]
         senders = started.group or (p,)  # each CPP member streams its own layers' KV
         state.pending_kv = len(senders)
+        kv = Transfer(TransferKind.KV, state.index)
         for sender in senders:
-            self._start_flow(now_s, _KV, state.index, sender, self.config.num_prefill + d,
-                             state.arrival.input_len * self.kv_per_token / len(senders))
-        return self._flow_event()
+            self.transfers.start(now_s, kv, sender, self.config.num_prefill + d,
+                                 state.arrival.input_len * self.kv_per_token / len(senders))
+        return self.transfers.next_event()
 
     # ---- completions -------------------------------------------------------------------------
 
@@ -339,10 +258,8 @@ class Cluster:
         for member in done.group or (p,):
             self._cache_insert(member, state.arrival.block_keys)
         if self.store is not None:
-            evicted = self.store.insert(state.arrival.block_keys)
-            self.conductor.on_blocks_stored(STORE, state.arrival.block_keys)
-            if evicted:
-                self.conductor.on_blocks_removed(STORE, evicted)
+            keys = state.arrival.block_keys
+            self._report_stored(STORE, keys, self.store.insert(keys))
         events = self._prefill_started(p, now_s, nxt)
         admitted = self.conductor.admit_decode(state.request_id, now_s)
         if isinstance(admitted, Rejection):  # checked after prefill: the prefill was spent for nothing
@@ -357,7 +274,7 @@ class Cluster:
             # Chosen again at the end of the prefill: the KV goes to the new decode node.
             state.decode_instance = admitted.instance_id
             self._restream_kv(state, p, now_s)
-            events.extend(self._flow_event())
+            events.extend(self.transfers.next_event())
         state.first_token_s = now_s
         if state.kv_arrived:
             events.extend(self._to_decode(state, now_s))
@@ -365,35 +282,24 @@ class Cluster:
 
     def _guard_decode(self, state: RequestState, admitted: DecodeEstimate,
                       now_s: float) -> DecodeEstimate | None:
-        """`decode_node_guard`: the decode node the Conductor chose must start the request at once
-        (its reserved KV, that of the requests already sent to it and this one's within its
-        memory), else the node with the most room that can, else None (rejected after prefill:
-        the Conductor forgets it). A request that waited for memory would hold its first decode
-        gap for the wait, over the TBT SLO."""
-        need = state.arrival.input_len + state.arrival.output_len
-        room = [self.kv_capacity_tokens - inst.reserved_tokens - self._committed[d]
-                for d, inst in enumerate(self.decodes)]
+        """`decode_node_guard` (guard.py): the decode node the Conductor chose if it can start
+        the request at once, else the one with the most room that can (the Conductor moves the
+        booking), else None (rejected after prefill: the Conductor forgets it)."""
         chosen = self._decode_index[admitted.instance_id]
-        d = chosen if room[chosen] >= need else max(range(len(room)), key=room.__getitem__)
-        if room[d] < need:
+        d = self.guard.place(state.index, state.arrival.input_len + state.arrival.output_len,
+                             chosen, self.decodes)
+        if d is None:
             self.conductor.on_request_aborted(state.request_id)
             return None
-        self._committed[d] += need
-        self._commit_of[state.index] = (d, need)
         if d == chosen:
             return admitted
         self.conductor.move_decode(state.request_id, self.decode_ids[d], now_s)
         return DecodeEstimate(self.decode_ids[d], admitted.batch_size, admitted.context_tokens,
                               admitted.tbt_s)
 
-    def _uncommit(self, req: int) -> None:
-        commit = self._commit_of.pop(req, None)
-        if commit is not None:
-            self._committed[commit[0]] -= commit[1]
-
     def _to_decode(self, state: RequestState, now_s: float) -> list[Event]:
         if state.arrival.output_len <= 1:  # the prefill's token was the only one
-            self._uncommit(state.index)
+            self.guard.release(state.index)
             state.finish_s = now_s
             self.conductor.on_decode_finished(state.decode_instance or "", state.request_id, now_s)
             return []
@@ -409,7 +315,7 @@ class Cluster:
         """Tell the Conductor which requests started decoding on d (had room for their KV)."""
         for seq in self.decodes[d].take_joined():
             state = self.states[seq.req]
-            self._uncommit(seq.req)
+            self.guard.release(seq.req)
             state.decode_join_s = now_s
             self.conductor.on_decode_joined(self.decode_ids[d], state.request_id, now_s)
         if self.config.decode_node_guard:
@@ -438,29 +344,15 @@ class Cluster:
 
     # ---- network -----------------------------------------------------------------------------
 
-    def _start_flow(self, now_s: float, kind: int, req: int, src: int, dst: int,
-                    num_bytes: float, epoch: int = 0) -> None:
-        flow_id = self._next_flow
-        self._next_flow += 1
-        self._flows[flow_id] = (kind, req, epoch)
-        self.network.start_flow(now_s, flow_id, src, dst, num_bytes)
-
-    def _flow_event(self) -> list[Event]:
-        finish_s = self.network.next_finish_s()
-        if finish_s is None:
-            return []
-        return [Event(finish_s, EventKind.FLOW_DONE, 0, self.network.version)]
-
     def _on_flow_done(self, event: Event) -> list[Event]:
-        if event.token != self.network.version:
+        if self.transfers.stale(event):
             return []  # the flows changed since this was scheduled
         events: list[Event] = []
-        for flow_id in self.network.advance(event.time_s):
-            kind, req, epoch = self._flows.pop(flow_id)
-            state = self.states[req]
-            if kind == _KV and epoch != state.kv_epoch:
+        for landed in self.transfers.landed(event.time_s):
+            state = self.states[landed.req]
+            if landed.kind is TransferKind.KV and landed.epoch != state.kv_epoch:
                 continue  # streamed toward a decode node no longer chosen
-            if kind == _FETCH:
+            if landed.kind is TransferKind.FETCH:
                 state.pending_fetches -= 1
                 if state.pending_fetches == 0:
                     events.extend(self._fetch_landed(state, event.time_s))
@@ -472,41 +364,29 @@ class Cluster:
                 if state.prefill_done and state.rejected is None:
                     state.kv_wait_s = event.time_s - (state.first_token_s or event.time_s)
                     events.extend(self._to_decode(state, event.time_s))
-        events.extend(self._flow_event())
+        events.extend(self.transfers.next_event())
         return events
 
     # ---- caches ------------------------------------------------------------------------------
 
     def _cache_insert(self, p: int, keys: Sequence[int]) -> None:
-        evicted = self.prefills[p].cache.insert(keys)
-        name = self.prefill_ids[p]
-        self.conductor.on_blocks_stored(name, keys)
+        self._report_stored(self.prefill_ids[p], keys, self.prefills[p].cache.insert(keys))
+
+    def _report_stored(self, holder: str, keys: Sequence[int], evicted: list[int]) -> None:
+        self.conductor.on_blocks_stored(holder, keys)
         if evicted:
-            self.conductor.on_blocks_removed(name, evicted)
+            self.conductor.on_blocks_removed(holder, evicted)
 
     # ---- colocated ---------------------------------------------------------------------------
 
     def _place_colocated(self, state: RequestState, now_s: float) -> list[Event]:
         i = self._prefill_index[state.prefill_instance or ""]
-        a = state.arrival
-        cache = self.hbm_caches[i]
-        matched = cache.match_len(a.block_keys)
-        cache.touch(a.block_keys[:matched])
-        state.prefix_len = min(matched * self.config.block_size, a.input_len - 1)
-        seq = Seq(state.index, a.input_len, max(0, a.output_len - 1), a.input_len + a.output_len,
-                  now_s, state.gaps, prefill_done_len=state.prefix_len,
-                  prefix_len=state.prefix_len)
-        event = self.decodes[i].add_prefill(now_s, seq)
-        return [] if event is None else [event]
+        return place_colocated(self.decodes[i], self.hbm_caches[i], state,
+                               self.config.block_size, now_s)
 
     def _hbm_insert(self, i: int, keys: Sequence[int]) -> None:
         """Cache a prompt's blocks in the free HBM of colocated instance i (LRU)."""
-        if not self.config.prefix_cache:
-            return
-        instance, cache, name = self.decodes[i], self.hbm_caches[i], self.prefill_ids[i]
-        free = max(0, self.kv_capacity_tokens - instance.reserved_tokens)
-        evicted = cache.resize(free // self.config.block_size)
-        evicted += cache.insert(keys)
-        self.conductor.on_blocks_stored(name, keys)
-        if evicted:
-            self.conductor.on_blocks_removed(name, evicted)
+        if self.config.prefix_cache:
+            self._report_stored(self.prefill_ids[i], keys, cache_in_free_hbm(
+                self.decodes[i], self.hbm_caches[i], keys, self.kv_capacity_tokens,
+                self.config.block_size))
