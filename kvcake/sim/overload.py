@@ -49,11 +49,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvcake.conductor.cost import CostModel
 from kvcake.sim.plots import plot_lines
+from kvcake.sim.topology import cost_model, kv_capacity_tokens
 from kvcake.sim.trace import Trace
 
 if TYPE_CHECKING:
+    from kvcake.sim.config import SimConfig
     from kvcake.sim.records import RequestState
     from kvcake.sim.reproduce import Context
+    from kvcake.sim.run import SimResult
 
 POLICIES: dict[str, str] = {"decode_after_prefill": "decode_after_prefill", "early": "slo",
                             "prediction": "early"}
@@ -215,55 +218,75 @@ def saved_per_turned_away(base: dict[str, int], policy: dict[str, int]) -> float
 
 
 def overload(ctx: Context) -> list[str]:
-    from kvcake.sim.cluster import cost_model, kv_capacity_tokens
-
     base = ctx.base
-    results: dict[str, dict[str, Any]] = {}
-    loads: dict[str, PoolLoads] = {}
     trace = ctx.trace if base.max_requests is None else ctx.trace.sampled(first=base.max_requests)
     requests = trace.requests
     mean_out = max(1, round(sum(r.output_len for r in requests) / max(1, len(requests))))
-    t_d = mean_out * base.tbt_slo_ms / 1000.0  # until the baseline has run: the SLO's bound
     cost = cost_model(base)
     kv_capacity = kv_capacity_tokens(cost)
     demand = pool_demand(trace, cost, kv_capacity, base.block_size)
-    cap_p, cap_d = demand.capacity(base.num_prefill, base.num_decode)
-    offered = demand.arrival_rate * base.speed
     start_ms = requests[0].timestamp_ms if requests else 0.0
     window = ((requests[-1].timestamp_ms - start_ms) / 1000 / base.speed
               if requests else 0.0)
+    results, loads, t_d = _run_policies(ctx, mean_out, kv_capacity, window)
+    ctx.data.update({"policies": {n: {"rejected": r["rejected"],
+                                      "wasted_prefill_s": r["wasted_prefill_s"]}
+                                  for n, r in results.items()}})
+    lines = ctx.header("Overload: rejection policies under overload")
+    lines += _setting_lines(base, mean_out, t_d, demand)
+    lines += _rejection_lines(results, len(requests))
+    lines += _mechanism_lines(results, t_d, window)
+    _plot_loads(ctx, loads)
+    return lines
+
+
+def _run_policies(ctx: Context, mean_out: int, kv_capacity: int, window: float
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, PoolLoads], float]:
+    """Each policy's run: its results, its pools' loads, and t_d (learned from the baseline's
+    run, which runs first; the bound mean output x TBT SLO until then)."""
+    base = ctx.base
+    t_d = mean_out * base.tbt_slo_ms / 1000.0
+    results: dict[str, dict[str, Any]] = {}
+    loads: dict[str, PoolLoads] = {}
     for name, admission in POLICIES.items():
         res = ctx.sim(policy="global_cache", admission=admission, uniform_decode_s=t_d,
                       predicted_output_len=mean_out, decode_check_after_prefill=True,
                       decode_node_guard=True)
-        s = res.summary
         if name == "decode_after_prefill":
             t_d = mean_decode_s(res.states) or t_d
-        pl = pool_loads(res.states, base.num_prefill, base.num_decode, kv_capacity,
-                        s["makespan_s"])
-        loads[name] = pl
-        # Means, swings and correlation in the steady part, the second half of the arrival
-        # window: past the ramp-up (the decode pool fills from empty in a decode lifetime or
-        # two, and the prefix caches warm up: ~200 s of 521 on the balanced trace).
-        steady = (window / 2, window)
-        corr, kv_cv = swing(pl.times, pl.prefill_queue, pl.decode_kv, *steady)
-        _, queue_cv = swing(pl.times, pl.decode_kv, pl.prefill_queue, *steady)
-        results[name] = {"rejected": s["rejected"], "wasted_prefill_s": s["wasted_prefill_s"],
-                         "rejected_by_reason": s["rejected_by_reason"],
-                         "effective_share": s["effective_request_capacity"],
-                         "mean_tbt_ms": 1000 * s["tbt_s"]["mean"],
-                         "mean_ttft_s": s["ttft_s"]["mean"], "corr": corr, "decode_kv_cv": kv_cv,
-                         "prefill_queue_cv": queue_cv, "lag_s": mean_lag_s(res.states),
-                         "prefill_busy": window_mean(pl.times, pl.prefill_busy, *steady),
-                         "prefill_queue": window_mean(pl.times, pl.prefill_queue, *steady),
-                         "decode_kv": window_mean(pl.times, pl.decode_kv, *steady),
-                         "decode_batch": window_mean(pl.times, pl.decode_batch, *steady)}
-    ctx.data.update({"policies": {n: {"rejected": r["rejected"],
-                                      "wasted_prefill_s": r["wasted_prefill_s"]}
-                                  for n, r in results.items()}})
+        loads[name] = pool_loads(res.states, base.num_prefill, base.num_decode, kv_capacity,
+                                 res.summary["makespan_s"])
+        results[name] = _policy_result(res, loads[name], window)
+    return results, loads, t_d
+
+
+def _policy_result(res: SimResult, pl: PoolLoads, window: float) -> dict[str, Any]:
+    """One policy's rejections, SLOs, lag and its pools' loads in the steady window."""
+    s = res.summary
+    # Means, swings and correlation in the steady part, the second half of the arrival
+    # window: past the ramp-up (the decode pool fills from empty in a decode lifetime or
+    # two, and the prefix caches warm up: ~200 s of 521 on the balanced trace).
+    steady = (window / 2, window)
+    corr, kv_cv = swing(pl.times, pl.prefill_queue, pl.decode_kv, *steady)
+    _, queue_cv = swing(pl.times, pl.decode_kv, pl.prefill_queue, *steady)
+    return {"rejected": s["rejected"], "wasted_prefill_s": s["wasted_prefill_s"],
+            "rejected_by_reason": s["rejected_by_reason"],
+            "effective_share": s["effective_request_capacity"],
+            "mean_tbt_ms": 1000 * s["tbt_s"]["mean"],
+            "mean_ttft_s": s["ttft_s"]["mean"], "corr": corr, "decode_kv_cv": kv_cv,
+            "prefill_queue_cv": queue_cv, "lag_s": mean_lag_s(res.states),
+            "prefill_busy": window_mean(pl.times, pl.prefill_busy, *steady),
+            "prefill_queue": window_mean(pl.times, pl.prefill_queue, *steady),
+            "decode_kv": window_mean(pl.times, pl.decode_kv, *steady),
+            "decode_batch": window_mean(pl.times, pl.decode_batch, *steady)}
+
+
+def _setting_lines(base: SimConfig, mean_out: int, t_d: float, demand: PoolDemand) -> list[str]:
+    """The set-up every policy shares and the offered load against each pool's capacity."""
+    cap_p, cap_d = demand.capacity(base.num_prefill, base.num_decode)
+    offered = demand.arrival_rate * base.speed
     load_p, load_d = offered / cap_p, offered / cap_d
-    lines = ctx.header("Overload: rejection policies under overload")
-    lines += [
+    return [
         f"{base.num_prefill} prefill + {base.num_decode} decode nodes, global_cache; the "
         f"Conductor is told {mean_out} output tokens for every request (the trace's mean); "
         f"prediction-based rejection forecasts with a uniform t_d = {t_d:.1f} s (the baseline "
@@ -277,7 +300,13 @@ def overload(ctx: Context) -> list[str]:
         f"node-s (its KV on a memory-full node for its output's steps): the prefill pool serves "
         f"at most {cap_p:.1f} requests/s, the decode pool {cap_d:.1f}. Offered at speed "
         f"{base.speed:g}: {offered:.1f} requests/s = {load_p:.2f}x the prefill pool's "
-        f"capacity, {load_d:.2f}x the decode pool's: {regime_of(load_p, load_d)}.", "",
+        f"capacity, {load_d:.2f}x the decode pool's: {regime_of(load_p, load_d)}.", ""]
+
+
+
+def _rejection_lines(results: dict[str, dict[str, Any]], num_requests: int) -> list[str]:
+    """The rejections table and the paper's order against ours."""
+    lines = [
         "| policy | rejected | at arrival (TTFT) | at arrival (decode load) | after prefill "
         "| wasted prefill (s) | served within SLOs | mean TBT (ms) | mean TTFT (s) "
         "| paper's rejected |",
@@ -291,18 +320,24 @@ def overload(ctx: Context) -> list[str]:
             f"{r['mean_tbt_ms']:.0f} | {r['mean_ttft_s']:.2f} | {PAPER_REJECTED[name]:,} |")
     counts = [results[n]["rejected"] for n in POLICIES]
     order = "holds" if counts[0] > counts[1] > counts[2] else "does NOT hold"
-    lines += ["", f"Paper (arXiv version, 8P+8D, 2x replay): rejected 4,183 -> 3,771 -> 3,589 "
-              f"for baseline -> early -> prediction-based. Ours: the strict order {order} "
-              f"({' > '.join(f'{c:,}' for c in counts)}; {len(requests):,} requests).", "",
-              "The mechanism: the lag over all requests that decoded; the loads over the "
-              f"second half of the arrival window ({window / 2:.0f} to {window:.0f} s, in "
-              f"{BUCKET_S:g} s buckets), past the ramp-up (the decode pool filling from empty, "
-              "the prefix caches warming up):", "",
-              "| policy | lag: arrival to decode join (s) | lag / t_d | prefill busy | prefill "
-              "queue (requests per node) | decode KV in use | decode batch per node "
-              "| corr(prefill queue, decode KV) | decode KV swing (CV) | prefill queue swing "
-              "(CV) | later rejections saved per arrival rejection |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    return lines + [
+        "", f"Paper (arXiv version, 8P+8D, 2x replay): rejected 4,183 -> 3,771 -> 3,589 "
+        f"for baseline -> early -> prediction-based. Ours: the strict order {order} "
+        f"({' > '.join(f'{c:,}' for c in counts)}; {num_requests:,} requests).", ""]
+
+
+def _mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: float) -> list[str]:
+    """The mechanism table: lag against t_d, the pools' loads, their correlation and swings."""
+    lines = [
+        "The mechanism: the lag over all requests that decoded; the loads over the "
+        f"second half of the arrival window ({window / 2:.0f} to {window:.0f} s, in "
+        f"{BUCKET_S:g} s buckets), past the ramp-up (the decode pool filling from empty, "
+        "the prefix caches warming up):", "",
+        "| policy | lag: arrival to decode join (s) | lag / t_d | prefill busy | prefill "
+        "queue (requests per node) | decode KV in use | decode batch per node "
+        "| corr(prefill queue, decode KV) | decode KV swing (CV) | prefill queue swing "
+        "(CV) | later rejections saved per arrival rejection |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     base_by = results["decode_after_prefill"]["rejected_by_reason"]
     for name, r in results.items():
         lag = r["lag_s"]
@@ -313,11 +348,16 @@ def overload(ctx: Context) -> list[str]:
             f"{r['prefill_queue']:.2f} | {r['decode_kv']:.2f} | {r['decode_batch']:.1f} | "
             f"{r['corr']:+.2f} | {r['decode_kv_cv']:.2f} | {r['prefill_queue_cv']:.2f} | "
             f"{'-' if saved is None else format(saved, '.2f')} |")
-    lines += ["", "corr: -1 when the two pools' loads move in anti-phase, the paper's load "
-              "fluctuation; CV: standard deviation over mean of a load across buckets. Saved per "
-              "arrival rejection: (the baseline's TTFT and after-prefill rejections minus the "
-              "policy's) per request the policy turned away at arrival for the decode load; "
-              "above 1 the policy rejects fewer in all than the baseline.", ""]
+    return lines + [
+        "", "corr: -1 when the two pools' loads move in anti-phase, the paper's load "
+        "fluctuation; CV: standard deviation over mean of a load across buckets. Saved per "
+        "arrival rejection: (the baseline's TTFT and after-prefill rejections minus the "
+        "policy's) per request the policy turned away at arrival for the decode load; "
+        "above 1 the policy rejects fewer in all than the baseline.", ""]
+
+
+def _plot_loads(ctx: Context, loads: dict[str, PoolLoads]) -> None:
+    """One panel per policy: its pools' loads over time."""
     panels = []
     for name in POLICIES:
         pl = loads[name]
@@ -329,4 +369,3 @@ def overload(ctx: Context) -> list[str]:
                         "decode KV in use (share)": (pl.times, pl.decode_kv)}))
     plot_lines(ctx.out / f"overload_{ctx.stem}.png", f"Pool loads under overload, {ctx.stem}",
                panels, marker=None)
-    return lines
