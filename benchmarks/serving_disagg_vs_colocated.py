@@ -342,9 +342,9 @@ def search(served: Served, records: list[TraceRequest], regime: Regime,
     began = time.perf_counter()
 
     def probe(rate: float) -> list[float]:
-        for old_rate, got in done.items():
+        for old_rate, old_shares in done.items():
             if abs(old_rate - rate) <= 1e-6 * rate:
-                return got
+                return old_shares
         if rate < floor * (1 - 1e-9):
             return [0.0] * len(regime.tbt_slos_ms)
         expected_s = len(records) / rate + 20.0  # arrivals, then the last requests' decode

@@ -68,3 +68,18 @@ def test_the_simulator_slows_with_the_decode_factor() -> None:
     tbt = [simulate(config, trace, live_cost_from_dict(profile({"decode": f})).as_cost_model())
            .summary["tbt_s"]["p50"] for f in (1.0, 2.0)]
     assert tbt[1] == pytest.approx(2.0 * tbt[0], rel=0.05)
+
+
+def test_sim_vs_live_fits_a_factor_by_bisection() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import sim_vs_live
+
+    def measure(f: float) -> float:  # a simulated metric that grows with the factor
+        return 40.0 * f + 10.0
+
+    assert sim_vs_live.fit_factor(90.0, measure) == pytest.approx(2.0, rel=1e-3)
+    assert sim_vs_live.fit_factor(1.0, measure) == 0.5  # below the range: its lower bound
+    assert sim_vs_live.fit_factor(1e6, measure) == 8.0  # above it: the upper bound
