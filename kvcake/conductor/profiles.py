@@ -4,7 +4,8 @@ A model profile is the shape of a dense Llama-family transformer; a hardware pro
 serving instance (one node: e.g. 8 GPUs running the model with tensor parallelism). Profiles are
 looked up by name (`MODEL_PROFILES`, `HARDWARE_PROFILES`) or parsed from a `MODEL@HW` string such
 as `llama3-70b@a800x8`. A profile for any other shape (e.g. the engine's own presets) is built
-with `model_profile_from_shape` from plain numbers, so this module never imports the engine.
+with `model_profile_from_shape(ModelProfile(...))` from plain numbers, so this module never
+imports the engine.
 
 Pure: no torch, no I/O, no clock.
 """
@@ -133,25 +134,13 @@ class HardwareProfile:
         return self.mfu * num_tokens / (num_tokens + self.mfu_half_tokens)
 
 
-def model_profile_from_shape(
-    name: str,
-    num_layers: int,
-    hidden_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    intermediate_size: int,
-    vocab_size: int,
-) -> ModelProfile:
-    """A bf16 profile for any Llama-shaped model (e.g. an engine preset), given its shape.
-
-    `linear_coeff` is derived from the shape (2 FLOPs per weight per token, over d^2) instead of
-    the paper's 22, which is specific to Llama-70B's proportions.
+def model_profile_from_shape(shape: ModelProfile) -> ModelProfile:
+    """`shape` (any Llama-shaped model, e.g. an engine preset) with `linear_coeff` derived from
+    its shape (2 FLOPs per weight per token, over d^2) instead of the paper's 22, which is
+    specific to Llama-70B's proportions. Its other fields are kept (bf16 by default).
     """
-    probe = ModelProfile(name, num_layers, hidden_size, num_heads, num_kv_heads,
-                         intermediate_size, vocab_size)
-    coeff = 2.0 * probe.layer_params / float(hidden_size * hidden_size)
-    return ModelProfile(name, num_layers, hidden_size, num_heads, num_kv_heads,
-                        intermediate_size, vocab_size, linear_coeff=coeff)
+    coeff = 2.0 * shape.layer_params / float(shape.hidden_size * shape.hidden_size)
+    return replace(shape, linear_coeff=coeff)
 
 
 _GB = 1e9

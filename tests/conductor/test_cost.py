@@ -76,16 +76,16 @@ def test_unknown_profile_names_list_the_known_ones() -> None:
 
 
 def test_profile_from_engine_shape() -> None:
-    m = model_profile_from_shape("tiny", 2, 64, 4, 2, 128, 1000)
+    m = model_profile_from_shape(ModelProfile("tiny", 2, 64, 4, 2, 128, 1000))
     assert m.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
     assert m.linear_coeff == pytest.approx(2 * m.layer_params / 64**2)
     # For llama3-70b's shape the derived coefficient is close to the paper's 22.
-    derived = model_profile_from_shape("x", 80, 8192, 64, 8, 28672, 128256)
+    derived = model_profile_from_shape(ModelProfile("x", 80, 8192, 64, 8, 28672, 128256))
     assert 20 < derived.linear_coeff < 27
     with pytest.raises(ValueError, match="num_heads"):
         ModelProfile("bad", 2, 64, 5, 1, 128, 10)
     with pytest.raises(ValueError, match="num_layers"):
-        model_profile_from_shape("bad", 0, 64, 4, 2, 128, 1000)
+        model_profile_from_shape(ModelProfile("bad", 0, 64, 4, 2, 128, 1000))
 
 
 def test_calibrated_profile_adds_overheads_attention_and_small_forward_mfu() -> None:
