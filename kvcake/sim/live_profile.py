@@ -39,7 +39,7 @@ from typing import Any, cast
 from kvcake.conductor import CostModel, DecodeStepPredictor, PrefillTimePredictor
 from kvcake.conductor.profiles import HardwareProfile, ModelProfile
 
-_HBM_RESERVE = 0.9  # kvcake/sim/cluster.py keeps this share of HBM for weights + KV
+_HBM_RESERVE = 0.9  # kvcake/sim/topology.py keeps this share of HBM for weights + KV
 _SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
                "vocab_size")
 

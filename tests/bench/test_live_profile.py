@@ -44,7 +44,7 @@ def test_costs_come_from_the_fits(tmp_path: Path) -> None:
     assert cost.decode_step_time_s(0, 0) == 0.0
     assert cost.transfer_time_s(4 * 10**9) == pytest.approx(2.0)
     # the simulator's decode KV capacity is the live pool, its prefill cache too
-    hw, model = cost.hardware, cost.model  # as kvcake/sim/cluster.py sizes a decode node
+    hw, model = cost.hardware, cost.model  # as kvcake/sim/topology.py sizes a decode node
     assert int((hw.hbm_bytes * 0.9 - model.weight_bytes) // model.kv_bytes_per_token) == 65536
     assert cost.hardware.dram_bytes // cost.model.kv_bytes_per_token == 65536
     assert dict(cost.topology) == {"num_prefill": 1, "num_decode": 1}
