@@ -74,16 +74,18 @@ def inputs(shape: tuple[int, int, int, int, int], seed: int = 0):
 
 
 def sdpa(q, kv, table, ctx):
+    """The engine's fallback: gather K/V, then SDPA ([1, H, n, D], GQA; causal or masked)."""
     _, _, bs, hkv, d = kv.shape
     rows = kv.reshape(-1, hkv, d)
     pos = torch.arange(ctx)
     k_rows = table[pos // bs] * 2 * bs + pos % bs
-    ks, vs = rows[k_rows].transpose(0, 1), rows[k_rows + bs].transpose(0, 1)
+    ks = rows[k_rows].transpose(0, 1).unsqueeze(0)
+    vs = rows[k_rows + bs].transpose(0, 1).unsqueeze(0)
     n = q.shape[0]
     mask = None if n == ctx else pos[None, :] <= torch.arange(ctx - n, ctx)[:, None]
-    return F.scaled_dot_product_attention(q.transpose(0, 1), ks, vs, attn_mask=mask,
-                                          is_causal=mask is None, scale=d**-0.5,
-                                          enable_gqa=True).transpose(0, 1)
+    return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), ks, vs,
+                                          attn_mask=mask, is_causal=mask is None, scale=d**-0.5,
+                                          enable_gqa=True)[0].transpose(0, 1)
 
 
 def main() -> None:

@@ -10,13 +10,16 @@ chunk after a cached 2,048-token prefix (the agent trace's follow-ups). The C++ 
 by rebinding `cpu_ops.fused_ops()`; every repetition runs base then new on fresh prompts. With
 one thread the clock is the thread's CPU time (immune to other processes), else wall time. Also
 printed: the process's minor page faults per step (median). The heap policy (`engine/heap.py`)
-is process-wide, so it is compared across processes: `KVCAKE_MALLOC_TUNING=0` turns it off.
+is process-wide, so it is compared across processes: `KVCAKE_MALLOC_TUNING=0` turns it off;
+`--engine-thread` steps the engine from a thread started after it, as `kvcake serve` does (glibc
+gives such a thread its own malloc arena unless the policy is on).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import threading
 import resource
 import statistics
 import tempfile
@@ -43,14 +46,24 @@ def main() -> None:
     ap.add_argument("--base", default="HEAD")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--engine-thread", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     assert cpu_ops.load(), cpu_ops.load_error()
     with tempfile.TemporaryDirectory() as tmp:
         build_base(args.base, Path(tmp))
         save_hf_dir(PEER_SHAPE, dummy_weights(PEER_SHAPE, 0), Path(tmp))
         engine = Engine(tmp, EngineConfig(dtype="float32", device="cpu",
                                           max_num_batched_tokens=2048))
+    if args.engine_thread:
+        worker = threading.Thread(target=measure, args=(args, engine))
+        worker.start()
+        worker.join()
+    else:
+        measure(args, engine)
+
+
+def measure(args: argparse.Namespace, engine: Engine) -> None:
+    torch.set_num_threads(args.threads)  # per thread (OpenMP)
     ns = cpu_ops.fused_ops()
     ops = {"new": {k: getattr(ns, k) for k in OPS},
            "base": {k: getattr(torch.ops.kvcake_base, k).default for k in OPS}}
@@ -89,7 +102,8 @@ def main() -> None:
     what = "thread CPU ms" if args.threads == 1 else "wall ms"
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
           f"{os.getloadavg()[0]:.2f}, {args.threads} thread(s), {what} of the prefill step, "
-          f"min / median of {args.reps}, base {args.base}; heap policy "
+          f"min / median of {args.reps}, base {args.base}; engine "
+          f"{'thread' if args.engine_thread else 'in the main thread'}, heap policy "
           f"{'on' if heap.keep_freed_memory() else 'off'}, minor page faults a step (median) "
           f"{statistics.median(faults):.0f}")
     print("| step | base | new | new/base (min, median) |\n|---|---|---|---|")
