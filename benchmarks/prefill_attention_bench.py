@@ -107,29 +107,32 @@ def main() -> None:
     print("| shape | base | new | new/base (min, median) | SDPA | max abs diff |")
     print("|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
-        q, kv, table, ctx = inputs(SHAPES[name])
-        scale = q.shape[-1] ** -0.5
-        fns = {"base": lambda: torch.ops.kvcake_base.paged_prefill_attention(q, kv, table, ctx,
-                                                                            scale),
-               "new": lambda: cpu_ops.paged_prefill_attention(q, kv, table, ctx, scale)}
-        if not args.no_sdpa:
-            fns["sdpa"] = lambda: sdpa(q, kv, table, ctx)
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for fn in fns.values():
-            fn()  # warm
-        for _ in range(args.reps):
-            for key, fn in fns.items():
-                t0 = clock()
-                fn()
-                times[key].append(1e3 * (clock() - t0))
-        diff = (fns["base"]() - fns["new"]()).abs().max().item()
-        mn = {k: min(v) for k, v in times.items()}
-        md = {k: statistics.median(v) for k, v in times.items()}
-        sd = f"{mn['sdpa']:.1f} / {md['sdpa']:.1f}" if "sdpa" in fns else "-"
-        print(f"| {name} | {mn['base']:.1f} / {md['base']:.1f} | {mn['new']:.1f} / "
-              f"{md['new']:.1f} | {mn['new'] / mn['base']:.3f}, {md['new'] / md['base']:.3f} | "
-              f"{sd} | {diff:.2e} |")
+        print(bench_shape(name, args, clock))
 
+def bench_shape(name: str, args: argparse.Namespace, clock) -> str:
+    """One table row: base, new (and SDPA) interleaved on shape `name`."""
+    q, kv, table, ctx = inputs(SHAPES[name])
+    scale = q.shape[-1] ** -0.5
+    fns = {"base": lambda: torch.ops.kvcake_base.paged_prefill_attention(q, kv, table, ctx,
+                                                                        scale),
+           "new": lambda: cpu_ops.paged_prefill_attention(q, kv, table, ctx, scale)}
+    if not args.no_sdpa:
+        fns["sdpa"] = lambda: sdpa(q, kv, table, ctx)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()  # warm
+    for _ in range(args.reps):
+        for key, fn in fns.items():
+            t0 = clock()
+            fn()
+            times[key].append(1e3 * (clock() - t0))
+    diff = (fns["base"]() - fns["new"]()).abs().max().item()
+    mn = {k: min(v) for k, v in times.items()}
+    md = {k: statistics.median(v) for k, v in times.items()}
+    sd = f"{mn['sdpa']:.1f} / {md['sdpa']:.1f}" if "sdpa" in fns else "-"
+    return (f"| {name} | {mn['base']:.1f} / {md['base']:.1f} | {mn['new']:.1f} / "
+            f"{md['new']:.1f} | {mn['new'] / mn['base']:.3f}, {md['new'] / md['base']:.3f} | "
+            f"{sd} | {diff:.2e} |")
 
 if __name__ == "__main__":
     main()

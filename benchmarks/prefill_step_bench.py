@@ -19,23 +19,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
 import resource
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
+from prefill_attention_bench import build_base
+from step_profile import PEER_SHAPE, _prompt
 
 from kvcake.engine import cpu_ops, heap
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
 from kvcake.engine.loader import dummy_weights, save_hf_dir
 from kvcake.engine.sampling import SamplingParams
-
-from prefill_attention_bench import build_base
-from step_profile import PEER_SHAPE, _prompt
 
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_store", "paged_decode_attention",
        "paged_prefill_attention")
