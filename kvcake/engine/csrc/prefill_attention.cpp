@@ -9,7 +9,8 @@
 // query positions, the `group` query heads that share the KV head stacked as rows) go to the
 // threads through a shared counter, heaviest (latest query tile) first. K is read as transposed
 // tiles of NK positions ([D][NK]), each packed once per call through the block table by the first
-// thread that needs it and shared by every query tile of its head. Per KV tile and per block of
+// thread that needs it and shared by every query tile of its head (a chunk of one query tile
+// packs each into its reader's own buffer). Per KV tile and per block of
 // RB rows, in registers: the RB x NK scores (a micro-GEMM against the packed tile), the online
 // softmax in the exp2 domain (scale * log2(e) folded into Q once; a row's maximum moves lazily),
 // then P x V (a micro-GEMM over the tile's V rows, straight from the pool) into the block's
@@ -339,11 +340,15 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv,
   // K^T tiles of every KV head ([Hkv][tile][D][NK], zero past ctx_len), packed on first use
   // by whichever thread needs the tile first; a thread that finds it being packed packs its
   // own copy rather than wait (the packer may have lost its core).
+  // With a single query tile (a short chunk) every K tile has one reader: it is packed into
+  // the reader's own buffer, and nothing the size of the context's K is allocated.
   const int64_t num_kv_tiles = (ctx_len + NK - 1) / NK;
   const int64_t tile_floats = d * NK;
-  std::unique_ptr<float[]> kt_all(new float[num_kv_heads * num_kv_tiles * tile_floats]);
-  std::unique_ptr<std::atomic<int>[]> kt_state(new std::atomic<int>[num_kv_heads * num_kv_tiles]);
-  for (int64_t t = 0; t < num_kv_heads * num_kv_tiles; ++t) kt_state[t].store(0);
+  const bool share = num_tiles > 1;
+  const int64_t num_shared = share ? num_kv_heads * num_kv_tiles : 0;
+  std::unique_ptr<float[]> kt_all(new float[num_shared * tile_floats]);
+  std::unique_ptr<std::atomic<int>[]> kt_state(new std::atomic<int>[num_shared]);
+  for (int64_t t = 0; t < num_shared; ++t) kt_state[t].store(0);
   enum { UNPACKED = 0, PACKING = 1, PACKED = 2 };
   auto pack = [&](int64_t h, int64_t jt, float* kt) {
     for (int64_t j = 0; j < NK; ++j) {
@@ -357,6 +362,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv,
     }
   };
   auto packed_tile = [&](int64_t h, int64_t jt, float* own) -> const float* {
+    if (!share) {
+      pack(h, jt, own);
+      return own;
+    }
     const int64_t t = h * num_kv_tiles + jt;
     float* shared = kt_all.get() + t * tile_floats;
     int state = kt_state[t].load(std::memory_order_acquire);
