@@ -49,7 +49,7 @@ import torch
 
 from kvcake.engine.sampling import SamplingParams
 from kvcake.engine.stage import StageEngine
-from kvcake.hashing import key_hex
+from kvcake.server.worker.block_fetch import read_blocks
 from kvcake.server.worker.cpp_stage import CppBegin, CppChunk, CppMember, KvTarget
 from kvcake.server.worker.messages import (
     NEXT_STAGE_NEW,
@@ -63,9 +63,7 @@ from kvcake.server.worker.messages import (
     sampling_from_wire,
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
-from kvcake.store import StoreError
 from kvcake.transfer import SegmentDesc, TransferError
-from kvcake.types import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -268,19 +266,9 @@ class CppRole:
         assert store is not None
         ns = self.stage.namespace
         nbytes = self.stage.pool.layer_nbytes * self.stage.model_config.num_layers
-        while (order := self._fetches.get()) is not None:
-            keys = order.fetch_keys
-            buffers = [bytearray(nbytes) for _ in keys]  # whole blocks: the store's objects
-            start = time.perf_counter()
-            try:
-                sizes = store.get_batch_into([f"{ns}:{key_hex(BlockKey(k))}" for k in keys],
-                                             buffers)
-            except (StoreError, TransferError, OSError, ValueError) as exc:
-                log.warning("%s: fetch of %d blocks failed, recomputing: %s",
-                            self.worker.worker_id, len(keys), exc)
-                sizes = [None] * len(keys)
-            self.worker.post(_Fetched(order.request_id, sizes, buffers,
-                                      time.perf_counter() - start))
+        while (order := self._fetches.get()) is not None:  # whole blocks: the store's objects
+            read = read_blocks(store, ns, order.fetch_keys, nbytes, self.worker.worker_id)
+            self.worker.post(_Fetched(order.request_id, read.sizes, read.buffers, read.seconds))
 
     def _import_prefix(self, rid: str, order: CppOrder, fetched: _Fetched | None) -> _Prefix:
         """This stage's layers of the longest run of prefix blocks read intact, into its pool

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvcake.engine.engine import RequestOutput
 from kvcake.engine.sequence import FinishReason
-from kvcake.hashing import key_hex
+from kvcake.server.worker.block_fetch import read_blocks
 from kvcake.server.worker.handoff import HandoffPolicy
 from kvcake.server.worker.kv_runs import block_runs
 from kvcake.server.worker.messages import (
@@ -44,7 +44,6 @@ from kvcake.server.worker.messages import (
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
 from kvcake.server.worker.store_writer import StoreWriter
-from kvcake.store import StoreError
 from kvcake.transfer import (
     SegmentDesc,
     TransferError,
@@ -189,17 +188,8 @@ class PrefillRole:
         assert store is not None
         ns, nbytes = self.engine.namespace, self.engine.pool.block_nbytes
         while (order := self._fetches.get()) is not None:
-            keys = order.fetch_keys
-            buffers = [bytearray(nbytes) for _ in keys]
-            start = time.perf_counter()
-            try:
-                sizes = store.get_batch_into([f"{ns}:{key_hex(BlockKey(k))}" for k in keys],
-                                             buffers)
-            except (StoreError, TransferError, OSError, ValueError) as exc:
-                log.warning("%s: fetch of %d blocks failed, recomputing: %s",
-                            self.worker.worker_id, len(keys), exc)
-                sizes = [None] * len(keys)
-            self.worker.post(_Fetched(order, sizes, buffers, time.perf_counter() - start))
+            read = read_blocks(store, ns, order.fetch_keys, nbytes, self.worker.worker_id)
+            self.worker.post(_Fetched(order, read.sizes, read.buffers, read.seconds))
 
     def _import(self, fetched: _Fetched) -> int:
         """Import the longest usable prefix of the fetched blocks; returns its tokens."""
