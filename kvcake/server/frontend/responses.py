@@ -45,42 +45,47 @@ def completion_body(head: ResponseHead, text: str, finish_reason: FinishReason |
                     usage_: dict[str, Any] | None,
                     token_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """A /v1/completions response (with usage) or stream chunk (usage None)."""
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                              "finish_reason": _reason(finish_reason)}
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
-    return {"id": head.request_id, "object": "text_completion", "created": head.created,
-            "model": head.model, "choices": [choice], "usage": usage_}
+    choice = _choice("text", text, finish_reason, token_ids)
+    return _body(head, "text_completion", choice, usage_)
 
 
 def chat_body(head: ResponseHead, text: str, finish_reason: FinishReason | None,
               usage_: dict[str, Any], token_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """A non-streaming /v1/chat/completions response."""
     message = {"role": "assistant", "content": text}
-    choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
-                              "finish_reason": _reason(finish_reason)}
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
-    return {"id": head.request_id, "object": "chat.completion", "created": head.created,
-            "model": head.model, "choices": [choice], "usage": usage_}
+    return _body(head, "chat.completion", _choice("message", message, finish_reason, token_ids),
+                 usage_)
 
 
 def chat_chunk(head: ResponseHead, text: str, finish_reason: FinishReason | None, first: bool,
                token_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """One /v1/chat/completions stream chunk; the first one also carries the role."""
     delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                              "finish_reason": _reason(finish_reason)}
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
-    return {"id": head.request_id, "object": "chat.completion.chunk", "created": head.created,
-            "model": head.model, "choices": [choice], "usage": None}
+    return _body(head, "chat.completion.chunk", _choice("delta", delta, finish_reason, token_ids),
+                 None)
 
 
 def usage_chunk(object_name: str, head: ResponseHead, usage_: dict[str, Any]) -> dict[str, Any]:
     """The final stream chunk when `stream_options.include_usage` is set: no choices."""
     return {"id": head.request_id, "object": object_name, "created": head.created,
             "model": head.model, "choices": [], "usage": usage_}
+
+
+def _choice(content_key: str, content: Any, finish_reason: FinishReason | None,
+            token_ids: Sequence[int] | None) -> dict[str, Any]:
+    """The one choice of a body or chunk: its content under `content_key` ("text", "message"
+    or "delta"), then logprobs, the finish reason and, if asked, the token ids."""
+    choice: dict[str, Any] = {"index": 0, content_key: content, "logprobs": None,
+                              "finish_reason": _reason(finish_reason)}
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return choice
+
+
+def _body(head: ResponseHead, object_name: str, choice: dict[str, Any],
+          usage_: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": head.request_id, "object": object_name, "created": head.created,
+            "model": head.model, "choices": [choice], "usage": usage_}
 
 
 def _reason(reason: FinishReason | None) -> str | None:
