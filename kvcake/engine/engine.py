@@ -34,19 +34,29 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kvcake.clock import Clock, SystemClock
-from kvcake.engine import cpu_ops, heap
+from kvcake.engine import heap
 from kvcake.engine.batcher import Batcher, BatchPlan, ScheduledChunk
-from kvcake.engine.block_manager import BlockManager, KvEvent
+from kvcake.engine.block_manager import BlockManager
+from kvcake.engine.build import (
+    DTYPES,
+    attention_mode,
+    kv_namespace,
+    load_model,
+    max_model_len_of,
+    pick_device,
+    tune_linears,
+)
 from kvcake.engine.config import EngineConfig, ModelConfig
+from kvcake.engine.handoff import KvHandoff
+from kvcake.engine.kv_exchange import KvExchange
 from kvcake.engine.kv_pool import KvAllocator, KVPool
-from kvcake.engine.linear import BUCKET_NAMES, Linear, table_path, tune
-from kvcake.engine.loader import ModelSource, load_weights, resolve
-from kvcake.engine.model import LlamaModel
+from kvcake.engine.linear import BUCKET_NAMES
+from kvcake.engine.loader import resolve
+from kvcake.engine.output import RequestOutput, request_output
 from kvcake.engine.runner import ModelRunner
 from kvcake.engine.sampling import (
     Sampler,
@@ -60,33 +70,17 @@ from kvcake.engine.sampling import (
 from kvcake.engine.sequence import FinishReason
 from kvcake.engine.sequence import Sequence as Seq
 from kvcake.engine.tokenizer import Tokenizer
-from kvcake.hashing import block_keys
-from kvcake.types import BlockId, BlockKey, RequestId
+from kvcake.types import BlockId, RequestId
+
+__all__ = ["Engine", "RequestOutput", "kv_namespace", "load_model", "max_model_len_of"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+class Engine(KvHandoff, KvExchange):
+    """One instance; the hand-off (`KvHandoff`) and by-key (`KvExchange`) methods are parts."""
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step() produced for one request (only requests that sampled, or aborted)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None  # None while running
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
-    arrival_s: float
-    first_token_s: float | None  # clock time of the first token; None before it
-    logprobs: list[TokenLogprob] | None = None  # per new token, when the request asks
-    # With the first token of a request whose params ask for prompt_logprobs: one per prompt
-    # token, None for the first (nothing predicts it); None otherwise.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-class Engine:
     def __init__(self, model: str = "tiny", config: EngineConfig | None = None,
                  clock: Clock | None = None, *, kv_allocator: KvAllocator | None = None) -> None:
         """Load `model` (a preset name or a Hugging Face directory) and allocate the KV pool.
@@ -102,10 +96,10 @@ class Engine:
         source = resolve(model)
         self.model_config: ModelConfig = source.config
         self.tokenizer: Tokenizer | None = source.tokenizer
-        self.device = _pick_device(self.config.device)
+        self.device = pick_device(self.config.device)
         if self.device.type == "cpu":
             heap.keep_freed_memory()  # a step's activations: no page faults on the next step
-        self.dtype = _DTYPES[self.config.dtype]
+        self.dtype = DTYPES[self.config.dtype]
         self.block_size = self.config.block_size
         mc = self.model_config
         self.max_model_len = max_model_len_of(mc, self.config)
@@ -125,10 +119,8 @@ class Engine:
                                           self.config.enable_prefix_caching)
         self.batcher = Batcher(self.block_manager, self.config.max_num_batched_tokens,
                                self.config.max_num_seqs)
-        self.linear_choices = tune(
-            _linears(self.model), self.config.linear_backend,
-            table=table_path(cpu_ops.cache_dir(), torch.get_num_threads()))
-        self.attention = self._attention_mode()
+        self.linear_choices = tune_linears(self.model, self.config.linear_backend)
+        self.attention = attention_mode(self.config.attention, self.device)
         log.info("engine: decode attention %s; linear backends (rows %s) %s",
                  self.attention, BUCKET_NAMES, {f"{c.shape[0]}x{c.shape[1]}": "|".join(c.backends)
                                   for c in self.linear_choices})
@@ -142,19 +134,6 @@ class Engine:
         self._reserved: dict[str, tuple[Seq, SamplingParams]] = {}  # blocks awaiting remote KV
         # Prompt log probabilities so far (token 1 on) of requests that ask, until reported.
         self._prompt_lp: dict[str, list[TokenLogprob]] = {}
-
-    def _attention_mode(self) -> str:
-        """"kernel" (paged-attention op) or "gather", from the config and what loads."""
-        mode = self.config.attention
-        if mode == "gather" or self.device.type != "cpu":
-            return "gather"
-        if cpu_ops.load():
-            return "kernel"
-        if mode == "kernel":
-            raise ValueError(f"attention: the paged-attention op could not be built "
-                             f"({cpu_ops.load_error()}); use attention 'auto' or "
-                             f"'gather', or install a C++ compiler")
-        return "gather"
 
     @property
     def num_blocks(self) -> int:
@@ -181,120 +160,6 @@ class Engine:
         self._params[request_id] = params
         self.batcher.add(seq)
 
-    def add_request_with_kv(self, request_id: str, prompt_token_ids: Sequence[int],
-                            first_token_id: int, kv_blocks: Sequence[bytes],
-                            sampling_params: SamplingParams | None = None, *,
-                            sampler_state: bytes | None = None) -> bool:
-        """Admit a request whose prompt KV was computed elsewhere (decode role).
-
-        `kv_blocks[i]` holds block i of the prompt (ceil(len(prompt) / block_size) blocks, each
-        `pool.block_nbytes`). Blocks already in the local prefix cache are reused, not written.
-        `sampler_state` is the prefill engine's `sampler_state(request_id)` of a seeded request,
-        so its tokens equal a colocated run's. Returns False, changing nothing, when the pool
-        has no room now (retry later). A staging-copy path: `reserve_request` avoids the copy.
-        """
-        params = sampling_params or SamplingParams()
-        num_blocks = -(-len(prompt_token_ids) // self.block_size)
-        if len(kv_blocks) != num_blocks:
-            raise ValueError(f"kv_blocks: the prompt needs {num_blocks} blocks, "
-                             f"got {len(kv_blocks)}")
-        if any(len(b) != self.pool.block_nbytes for b in kv_blocks):
-            raise ValueError(f"kv_blocks: each block must be {self.pool.block_nbytes} bytes")
-        to_fill = self.reserve_request(request_id, prompt_token_ids, params)
-        if to_fill is None:
-            return False
-        try:
-            for block, data in zip(to_fill, kv_blocks[num_blocks - len(to_fill):], strict=True):
-                self.pool.import_block(block, data)
-            self.commit_reserved(request_id, first_token_id, sampler_state)
-        except ValueError:
-            self.cancel_reserved(request_id)
-            raise
-        return True
-
-    # -- decode-side reservation (direct KV writes) ------------------------------------------
-    def reserve_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                        sampling_params: SamplingParams | None = None) -> list[BlockId] | None:
-        """Allocate the KV blocks of a request whose prompt is prefilled elsewhere, so a remote
-        writer can put the KV straight into this pool (no staging copy).
-
-        Contract. The prompt needs P = ceil(len(prompt) / block_size) blocks. Leading full
-        blocks already in the local prefix cache are reused (pinned, never written); the
-        returned list holds the block ids of prompt blocks P - len(result) .. P - 1, in order,
-        which the caller must fill completely (the tail of a partial last block is ignored).
-        Pool layout (`KVPool`): one contiguous tensor [layers, num_blocks, 2 (K, V), block_size,
-        num_kv_heads, head_dim] of `pool.dtype`; layer l of block b is the `pool.layer_nbytes`
-        bytes at byte offset `pool.layer_offset_bytes(b, l)` = (l * num_blocks + b) *
-        layer_nbytes from `pool.kv.data_ptr()`, K in its first half and V in the second, each
-        [block_size, num_kv_heads, head_dim] row-major (the bytes `export_layer_kv` returns).
-        Then `commit_reserved` joins the request to batching; `cancel_reserved` (or `abort`)
-        frees exactly the reserved blocks and drops the request. Until commit nothing is
-        keyed, so a half-written block is never served from the prefix cache; the caller must
-        stop writing before it cancels. None, changing nothing, when the pool has no room now.
-        ValueError (nothing changed) on bad input, as `add_request`; max_tokens must be >= 2.
-        """
-        params = sampling_params or SamplingParams()
-        ids = self._validate(request_id, prompt_token_ids, params)
-        if params.max_tokens < 2:
-            raise ValueError("max_tokens: must be >= 2 for a request whose first token is "
-                             "generated elsewhere")
-        seq = Seq(RequestId(request_id), ids, len(ids), params.max_tokens, self.block_size,
-                  self.namespace, arrival_s=self.clock.now_s())
-        # Room for the first token too, so commit never fails for want of a block.
-        cached = self.block_manager.allocate(request_id, len(ids) + 1,
-                                             seq.block_keys[:len(ids) // self.block_size])
-        if cached is None:
-            return None
-        seq.num_computed_tokens = len(ids)
-        seq.num_cached_tokens = cached
-        self._reserved[request_id] = (seq, params)
-        table = self.block_manager.block_ids(request_id)
-        return table[cached // self.block_size:-(-len(ids) // self.block_size)]
-
-    def commit_reserved(self, request_id: str, first_token_id: int,
-                        sampler_state: bytes | None = None) -> None:
-        """The reserved blocks are filled: register their keys in the prefix cache and join
-        the request to continuous batching (it decodes from the next step()). ValueError,
-        the reservation kept, for an unknown id, a first token outside the vocabulary or a
-        bad `sampler_state` (see `sampler_state`)."""
-        if request_id not in self._reserved:
-            raise ValueError(f"request_id: {request_id!r} has no reservation; call "
-                             f"reserve_request first")
-        seq, params = self._reserved[request_id]
-        vocab = self.model_config.vocab_size
-        if isinstance(first_token_id, bool) or not isinstance(first_token_id, int) \
-                or not 0 <= first_token_id < vocab:
-            raise ValueError(f"first_token_id: {first_token_id!r} is outside the vocabulary "
-                             f"[0, {vocab})")
-        if sampler_state is not None:
-            self.sampler.import_state(request_id, params, sampler_state, self.device)
-        del self._reserved[request_id]
-        seq.token_ids.append(first_token_id)
-        seq.update_block_keys()
-        seq.first_token_s = seq.arrival_s
-        self.block_manager.cache_full_blocks(
-            request_id, seq.block_keys[:seq.num_prompt_tokens // self.block_size])
-        self._seqs[request_id] = seq
-        self._params[request_id] = params
-        # A first token that ends the request (a stop id, EOS) is the prefill side's to
-        # report; it should never be committed here (the prefill engine finishes with STOP).
-        self.batcher.add_running(seq)
-
-    def cancel_reserved(self, request_id: str) -> None:
-        """Drop a reservation and free its blocks (reused cached prefix blocks stay cached);
-        unknown ids are ignored, so a racing cancel is harmless."""
-        if self._reserved.pop(request_id, None) is not None:
-            self.block_manager.free(request_id)
-            self.sampler.forget(request_id)
-
-    def sampler_state(self, request_id: str) -> bytes | None:
-        """A request's sampler state (its seeded generator), for `add_request_with_kv` /
-        `commit_reserved` on another engine: export it after the prefill-only request's first
-        token, before `release`. None for unseeded or greedy requests (nothing to carry)."""
-        if request_id in self._held_sampler_state:
-            return self._held_sampler_state[request_id]
-        return self.sampler.export_state(request_id)
-
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks. Unknown or finished ids are ignored, so a racing
         abort is harmless."""
@@ -311,12 +176,6 @@ class Engine:
             self._params.pop(request_id, None)
             self._prompt_lp.pop(request_id, None)
             self.sampler.forget(request_id)
-
-    def release(self, request_id: str) -> None:
-        """Free the blocks a finished prefill-only request kept (no-op if none)."""
-        if self._held.pop(request_id, None) is not None:
-            self.block_manager.free(request_id)
-            self._held_sampler_state.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.batcher.has_unfinished()
@@ -360,7 +219,7 @@ class Engine:
             if chunk.samples:
                 lp = logprobs.get(chunk.request_id)
                 prompt_lp = self._prompt_lp.pop(chunk.request_id, None)
-                outputs.append(self._output(
+                outputs.append(request_output(
                     seq, [sampled[chunk.request_id]], None if lp is None else [lp],
                     None if prompt_lp is None else [None, *prompt_lp]))
                 if seq.finish_reason is not None:
@@ -441,15 +300,6 @@ class Engine:
         self._prompt_lp.pop(seq.request_id, None)
         self.sampler.forget(seq.request_id)
 
-    def _output(self, seq: Seq, new_ids: list[int],
-                logprobs: list[TokenLogprob] | None = None,
-                prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
-        return RequestOutput(logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            request_id=seq.request_id, new_token_ids=new_ids,
-            finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens or 0,
-            arrival_s=seq.arrival_s, first_token_s=seq.first_token_s)
-
     def _validate(self, request_id: str, prompt_token_ids: Sequence[int],
                   params: SamplingParams) -> list[int]:
         if request_id in self._seqs or request_id in self._held or request_id in self._reserved:
@@ -497,77 +347,3 @@ class Engine:
         finally:
             self.block_manager.free(rid)
         return cached, torch.cat(parts)
-
-    # -- prefix cache by key -----------------------------------------------------------------
-    def prompt_block_keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
-        return block_keys(token_ids, self.block_size, self.namespace)
-
-    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
-        """Prompt tokens whose KV this instance holds now (full blocks only; no side effects)."""
-        return self.block_manager.num_cached_blocks(self.prompt_block_keys(token_ids)) * \
-            self.block_size
-
-    def export_block_kv(self, key: BlockKey) -> bytes | None:
-        """One cached block's KV bytes (all layers), or None when `key` is not cached here."""
-        block = self.block_manager.lookup(key)
-        return None if block is None else self.pool.export_block(block)
-
-    def export_layer_kv(self, block_id: BlockId, layer_idx: int) -> bytes:
-        """One layer of one block by block id (for layer-wise streaming from a layer_hook)."""
-        return self.pool.export_layer(block_id, layer_idx)
-
-    def import_block_kv(self, key: BlockKey, data: bytes) -> bool:
-        """Insert a fetched block into the prefix cache; a later prompt with this key reuses it.
-        False when the key is already cached or no block is free; ValueError on a wrong size."""
-        if len(data) != self.pool.block_nbytes:
-            raise ValueError(f"kv bytes: one block is {self.pool.block_nbytes} bytes, "
-                             f"got {len(data)}")
-        block = self.block_manager.import_block(key)
-        if block is None:
-            return False
-        self.pool.import_block(block, data)
-        return True
-
-    def drain_kv_events(self) -> list[KvEvent]:
-        return self.block_manager.drain_events()
-
-
-def max_model_len_of(model_config: ModelConfig, config: EngineConfig) -> int:
-    """The longest sequence an engine serves: its setting, capped at the model's positions."""
-    return min(config.max_model_len or model_config.max_position_embeddings,
-               model_config.max_position_embeddings)
-
-
-def load_model(model: str, source: ModelSource, config: EngineConfig,
-               layers: range | None = None) -> LlamaModel:
-    """The model (or its `layers` slice) with its weights; ValueError naming what is wrong when
-    a weight is missing or the weights and config.json disagree."""
-    llama = LlamaModel(source.config, layers)
-    try:
-        llama.load_hf_state_dict(load_weights(source, config.seed))
-    except KeyError as exc:
-        raise ValueError(f"model: weight {exc.args[0]!r} is missing from {model!r}") from None
-    except (RuntimeError, ValueError) as exc:  # weights and config.json disagree
-        raise ValueError("model: " + " ".join(str(exc).split())) from None
-    return llama
-
-
-def kv_namespace(model_config: ModelConfig, config: EngineConfig, *,
-                 from_directory: bool) -> str:
-    """The namespace of this engine's block keys (`hashing.block_keys`): the model, its
-    weights, the KV dtype and the block size. Engines (and the layer stages of one CPP group)
-    share cached KV exactly when their namespaces are equal."""
-    weights = "hf" if from_directory else f"seed{config.seed}"
-    return f"kvcake/{model_config.name}/{weights}/{config.dtype}/b{config.block_size}"
-
-
-def _linears(model: torch.nn.Module) -> list[Linear]:
-    return [m for m in model.modules() if isinstance(m, Linear)]
-
-
-def _pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested but CUDA is not available; use cpu")
-    return torch.device(device)

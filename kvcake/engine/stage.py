@@ -23,20 +23,19 @@ import torch
 from torch import Tensor
 
 from kvcake.clock import Clock, SystemClock
-from kvcake.engine import cpu_ops, heap
+from kvcake.engine import heap
 from kvcake.engine.batcher import BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager
-from kvcake.engine.config import EngineConfig, ModelConfig
-from kvcake.engine.engine import (
-    _DTYPES,
-    _linears,
-    _pick_device,
+from kvcake.engine.build import (
+    DTYPES,
     kv_namespace,
     load_model,
     max_model_len_of,
+    pick_device,
+    tune_linears,
 )
+from kvcake.engine.config import EngineConfig, ModelConfig
 from kvcake.engine.kv_pool import KVPool
-from kvcake.engine.linear import table_path, tune
 from kvcake.engine.loader import resolve
 from kvcake.engine.runner import ModelRunner
 from kvcake.engine.sampling import (
@@ -75,10 +74,10 @@ class StageEngine:
         self.clock = clock or SystemClock()
         source = resolve(model)
         self.model_config: ModelConfig = source.config
-        self.device = _pick_device(self.config.device)
+        self.device = pick_device(self.config.device)
         if self.device.type == "cpu":
             heap.keep_freed_memory()  # as Engine: no page faults on the next chunk
-        self.dtype = _DTYPES[self.config.dtype]
+        self.dtype = DTYPES[self.config.dtype]
         self.block_size = self.config.block_size
         mc = self.model_config
         self.max_model_len = max_model_len_of(mc, self.config)
@@ -91,8 +90,7 @@ class StageEngine:
             KVPool.bytes_per_block(slice_config, self.block_size, self.dtype)))
         self.pool = KVPool(slice_config, num_blocks, self.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, self.block_size, False)
-        tune(_linears(self.model), self.config.linear_backend,
-             table=table_path(cpu_ops.cache_dir(), torch.get_num_threads()))
+        tune_linears(self.model, self.config.linear_backend)
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.sampler = Sampler()
         self._seqs: dict[str, tuple[Seq, SamplingParams]] = {}
