@@ -56,7 +56,10 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
+from kvcake.bench.hoststate import settle
+from kvcake.bench.proctree import Teardown, wait_gone
 from kvcake.bench.prompts import PromptBuilder
+from kvcake.bench.repeats import alternating_orders, median_result, position_effect, ratios, spread
 from kvcake.bench.replay import PlannedRequest, ReplayConfig, plan, replay
 from kvcake.bench.stats import Outcome, RequestResult, summarize
 from kvcake.engine.config import ModelConfig
@@ -102,6 +105,7 @@ class Server:
     url: str
     proc: subprocess.Popen[bytes] | None  # None: the peer launcher owns the process
     startup_s: float
+    sid: int | None  # the server's session (setsid): every process of it is waited for on stop
 
 
 def prepare_model(src: Path, dst: Path, seed: int) -> ModelConfig:
@@ -169,7 +173,7 @@ def start(system: System, args: argparse.Namespace, port: int, run_dir: Path) ->
         done = subprocess.run(["bash", str(PEERS / "vllm_cpu_serve.sh"), "start",
                                "--load-format", "safetensors"],
                               env=vllm_env(system, args, port, run_dir), stdout=sys.stderr)
-        server = Server(system, url, None, time.monotonic() - started)
+        server = Server(system, url, None, time.monotonic() - started, vllm_sid(run_dir))
         if done.returncode != 0:  # it may still be starting: stop its process group
             stop(server, args, port, run_dir)
             raise RuntimeError(f"vLLM did not start; see {run_dir / 'vllm' / 'server.log'}")
@@ -182,24 +186,43 @@ def start(system: System, args: argparse.Namespace, port: int, run_dir: Path) ->
     try:
         wait_healthy(url, proc, args.start_timeout_s, log)
     except BaseException:
-        stop(Server(system, url, proc, 0.0), args, port, run_dir)
+        stop(Server(system, url, proc, 0.0, proc.pid), args, port, run_dir)
         raise
-    return Server(system, url, proc, time.monotonic() - started)
+    return Server(system, url, proc, time.monotonic() - started, proc.pid)
 
 
-def stop(server: Server, args: argparse.Namespace, port: int, run_dir: Path) -> None:
+def vllm_sid(run_dir: Path) -> int | None:
+    """The launcher starts vLLM with setsid and writes its pid: that pid is the session id."""
+    try:
+        return int((run_dir / "vllm" / "server.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def stop(server: Server, args: argparse.Namespace, port: int, run_dir: Path) -> Teardown | None:
+    """Stop the server and wait until every process of its session has exited: the launcher's
+    stop (and our leader's exit) return while vLLM's engine core / kvcake's workers may still be
+    tearing down. Returns how long that took after the stop returned (None: no session known)."""
     if server.proc is None:
         subprocess.run(["bash", str(PEERS / "vllm_cpu_serve.sh"), "stop"], check=False,
                        env=vllm_env(server.system, args, port, run_dir), stdout=sys.stderr)
-        return
-    try:
-        os.killpg(server.proc.pid, signal.SIGTERM)
-        server.proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.proc.pid, signal.SIGKILL)
-        server.proc.wait()
-    except ProcessLookupError:
-        pass
+    else:
+        try:
+            os.killpg(server.proc.pid, signal.SIGTERM)
+            server.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+        except ProcessLookupError:
+            pass
+    if server.sid is None:
+        return None
+    gone = wait_gone(server.sid, timeout_s=60.0)
+    if gone.left_at_start or gone.killed or gone.still_alive:
+        print(f"[{server.system.label}] stop returned with {gone.left_at_start} process(es) of "
+              f"its session alive; all gone {gone.wait_s:.2f} s later (killed {gone.killed}, "
+              f"still alive {gone.still_alive})", file=sys.stderr, flush=True)
+    return gone
 
 
 def prefix_hits(url: str) -> float | None:
@@ -287,30 +310,41 @@ def run_trace(url: str, model: str, planned: list[PlannedRequest],
     keys = ("median_ttft_ms", "p90_ttft_ms", "median_tbt_ms", "p90_tbt_ms", "median_itl_ms",
             "output_throughput", "duration", "total_input_tokens", "total_output_tokens",
             "effective_request_capacity")
-    out = {k: report[k] for k in keys}
+    out: dict[str, Any] = {k: report[k] for k in keys}
     out["hit_tokens"] = hits_delta(before, prefix_hits(url))
+    # per request, for --out: where a TTFT p90 comes from (queueing behind a long prefill?)
+    out["requests"] = [{"send_at_s": p.send_at_s, "prompt_len": r.prompt_len,
+                        "output_len": r.output_len,
+                        "ttft_ms": None if r.ttft_s is None else round(1000 * r.ttft_s, 2),
+                        "max_gap_ms": round(1000 * max(r.gaps_s), 2) if r.gaps_s else None}
+                       for p, r in zip(planned, results, strict=True)]
     return out
 
 
 def measure(system: System, args: argparse.Namespace, port: int, run_dir: Path, vocab_size: int,
             planned: list[PlannedRequest] | None) -> dict[str, Any]:
     name = system.label
-    print(f"[{name}] starting on port {port}", file=sys.stderr, flush=True)
+    host = settle(args.settle_s)  # after the previous system is gone: how quiet is the host now
+    print(f"[{name}] host before start: {json.dumps(host.as_dict())}; starting on port {port}",
+          file=sys.stderr, flush=True)
     server = start(system, args, port, run_dir)
+    result: dict[str, Any] = {"host_before": host.as_dict()}
     try:
         model = str(httpx.get(f"{server.url}/v1/models", timeout=10.0).json()["data"][0]["id"])
         print(f"[{name}] healthy after {server.startup_s:.1f} s; warm-up", file=sys.stderr,
               flush=True)
         warm_up(server.url, model, vocab_size, args.seed)
-        result: dict[str, Any] = {"startup_s": server.startup_s,
-                                  "probe": probe(server.url, model, args, vocab_size)}
+        result.update({"startup_s": server.startup_s,
+                       "probe": probe(server.url, model, args, vocab_size)})
         shown = {k: v for k, v in result["probe"].items() if k != "trials"}
         print(f"[{name}] probe: {json.dumps(shown)}", file=sys.stderr, flush=True)
         if planned is not None:
             result["trace"] = run_trace(server.url, model, planned, args)
-            print(f"[{name}] trace: {json.dumps(result['trace'])}", file=sys.stderr, flush=True)
+            shown = {k: v for k, v in result["trace"].items() if k != "requests"}
+            print(f"[{name}] trace: {json.dumps(shown)}", file=sys.stderr, flush=True)
     finally:
-        stop(server, args, port, run_dir)
+        gone = stop(server, args, port, run_dir)
+    result["teardown"] = None if gone is None else gone.as_dict()
     return result
 
 
@@ -330,48 +364,80 @@ ROWS = (("startup_s", "server start to healthy (s)"),
         ("trace.effective_request_capacity", "trace share meeting SLOs"))
 
 
-def lookup(result: dict[str, Any], path: str) -> float | None:
-    value: Any = result
-    for part in path.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return None if value is None else float(value)
+def fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}"
 
 
-def print_table(results: dict[str, dict[str, Any]]) -> None:
-    names = list(results)
-    peer = next((n for n in names if n.startswith("vllm")), None)  # the first vLLM column
-    ours = [n for n in names if not n.startswith("vllm")]
+def peer_and_ours(names: list[str]) -> tuple[str | None, list[str]]:
+    """The first vLLM column (the base of every ratio) and the other columns."""
+    return (next((n for n in names if n.startswith("vllm")), None),
+            [n for n in names if not n.startswith("vllm")])
+
+
+def print_table(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Per system the median over its runs (with min-max when there are several) and ours / vLLM
+    of the medians."""
+    names = list(runs)
+    peer, ours = peer_and_ours(names)
     ratio_cols = [f"{n.removeprefix('kvcake-')} / {peer}" for n in ours] if peer else []
     print(f"| metric | {' | '.join(names)} | {' | '.join(ratio_cols)} |".replace(" |  |", " |"))
     print("|---" * (1 + len(names) + len(ratio_cols)) + "|")
     for path, label in ROWS:
-        values = [lookup(results[n], path) for n in names]
-        if all(v is None for v in values):
+        spreads = [spread(runs[n], path) for n in names]
+        if all(v is None for v in spreads):
             continue
-        cells = ["-" if v is None else f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}" for v in values]
+        cells = ["-" if v is None else fmt(v.median) if v.n == 1 else
+                 f"{fmt(v.median)} ({fmt(v.low)}-{fmt(v.high)})" for v in spreads]
         if peer is not None:
-            base = lookup(results[peer], path)
+            base = spread(runs[peer], path)
             for n in ours:
-                v = lookup(results[n], path)
-                cells.append("-" if v is None or not base else f"{v / base:.2f}")
+                v = spread(runs[n], path)
+                cells.append("-" if v is None or base is None or not base.median
+                             else f"{v.median / base.median:.2f}")
         print(f"| {label} | {' | '.join(cells)} |")
 
 
 SUMMARY = (("probe_ttft_cold", "probe.ttft_cold_ms"), ("probe_mean_tbt", "probe.mean_tbt_ms"),
            ("trace_ttft_p50", "trace.median_ttft_ms"), ("trace_ttft_p90", "trace.p90_ttft_ms"),
            ("trace_tbt_p50", "trace.median_tbt_ms"), ("trace_tbt_p90", "trace.p90_tbt_ms"))
+MEDIAN_PATHS = tuple(path for path, _ in ROWS)
 
 
 def summary_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """ours / vLLM per summary metric: the first kvcake and the first vLLM column."""
-    peer = next((n for n in results if n.startswith("vllm")), None)
-    ours = next((n for n in results if not n.startswith("vllm")), None)
-    out: dict[str, float | None] = {}
-    for key, path in SUMMARY:
-        mine = None if ours is None else lookup(results[ours], path)
-        base = None if peer is None else lookup(results[peer], path)
-        out[key] = None if mine is None or not base else round(mine / base, 4)
-    return out
+    peer, ours = peer_and_ours(list(results))
+    return ratios(results[ours[0]] if ours else None, results[peer] if peer else None, SUMMARY)
+
+
+def print_positions(runs: list[dict[str, Any]], labels: list[str]) -> None:
+    """Each system's medians when it ran first and when it ran second (alternating orders)."""
+    print("| system | metric | ran first | ran second | second / first |")
+    print("|---|---|---|---|---|")
+    for label in labels:
+        for key, path in SUMMARY:
+            pos = position_effect(runs, label, path)
+            if 0 in pos and 1 in pos:
+                change = f"{pos[1] / pos[0]:.2f}" if pos[0] else "-"
+                print(f"| {label} | {key} | {fmt(pos[0])} | {fmt(pos[1])} | {change} |")
+
+
+def print_runs(runs: list[dict[str, Any]]) -> None:
+    """One line per repeat: its order, each system's host state before it started and how long
+    its teardown took after the stop returned, and that repeat's summary ratios."""
+    keys = [k for k, _ in SUMMARY]
+    print(f"| repeat | order | {' | '.join(keys)} | host before each (busy, MiB free, spin ms) "
+          f"| teardown after stop (s, procs left) |")
+    print("|---" * (4 + len(keys)) + "|")
+    for run in runs:
+        rs = run["ratios"]
+        host = "; ".join(f"{n}: {r['host_before']['cpu_busy']}, "
+                         f"{r['host_before']['mem_available_mib']:.0f}, "
+                         f"{r['host_before']['spin_ms']}" for n, r in run["results"].items())
+        down = "; ".join(f"{n}: -" if r.get("teardown") is None else
+                         f"{n}: {r['teardown']['wait_s']:.2f}, {r['teardown']['left_at_start']}"
+                         for n, r in run["results"].items())
+        print(f"| {run['repeat']} | {' > '.join(run['order'])} | "
+              f"{' | '.join(fmt(rs[k]) for k in keys)} | {host} | {down} |")
 
 
 def parse_args() -> argparse.Namespace:
@@ -412,22 +478,34 @@ def parse_args() -> argparse.Namespace:
                    help="system i uses ports base+10i .. base+10i+3")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--run-dir", type=Path, default=Path("/tmp/kvcake-vs-vllm-run"))
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the systems this many times in alternating order (1: the --systems "
+                        "order; 2: A B, B A; 4: A B B A A B B A); every system restarts and gets "
+                        "the same warm-up, probe and trace each time; tables and --json-summary "
+                        "use per-system medians, and each repeat's ratios are printed too")
+    p.add_argument("--settle-s", type=float, default=5.0,
+                   help="before each system starts, after the previous one's processes have all "
+                        "exited: wait this long and record the host's CPU busy share, free memory "
+                        "and one core's speed")
     p.add_argument("--out", type=Path, help="write all results as JSON here")
     p.add_argument("--json-summary", action="store_true",
                    help='print one last line {"ratios": {...}}: the first kvcake system / the '
                         'first vLLM system for probe_ttft_cold, probe_mean_tbt, trace_ttft_p50, '
-                        'trace_ttft_p90, trace_tbt_p50, trace_tbt_p90 (null when not measured)')
+                        'trace_ttft_p90, trace_tbt_p50, trace_tbt_p90 (null when not measured), '
+                        'of the per-system medians over --repeats; also "ratios_per_run"')
     args = p.parse_args()
     try:
         args.systems = parse_systems(args.systems, args.kvcake_dtype, args.vllm_dtype)
     except ValueError as exc:
         p.error(str(exc))
     for name in ("probe_prompt_len", "probe_max_tokens", "probe_trials", "trace_requests",
-                 "max_prompt_len"):
+                 "max_prompt_len", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not (args.rate > 0 and args.scale_tokens > 0):
         p.error("--rate and --scale-tokens must be > 0")
+    if args.settle_s < 0:
+        p.error(f"--settle-s must be >= 0, got {args.settle_s}")
     if args.probe_prompt_len + args.probe_max_tokens > args.max_model_len:
         p.error("--probe-prompt-len + --probe-max-tokens must fit in --max-model-len")
     args.model_dir = args.model_dir.resolve()
@@ -441,27 +519,48 @@ def main() -> int:
     planned = trace_workload(args, config.vocab_size)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load_before = os.getloadavg()
-    results = {system.label: measure(system, args, args.port_base + 10 * i, args.run_dir,
-                                     config.vocab_size, planned)
-               for i, system in enumerate(args.systems)}
+    ports = {s.label: args.port_base + 10 * i for i, s in enumerate(args.systems)}
+    by_label = {s.label: s for s in args.systems}
+    runs: list[dict[str, Any]] = []
+    for repeat, order in enumerate(alternating_orders(list(by_label), args.repeats)):
+        print(f"repeat {repeat + 1}/{args.repeats}: {' > '.join(order)}", file=sys.stderr,
+              flush=True)
+        results = {label: measure(by_label[label], args, ports[label], args.run_dir,
+                                  config.vocab_size, planned) for label in order}
+        results = {s.label: results[s.label] for s in args.systems}  # columns in --systems order
+        runs.append({"repeat": repeat + 1, "order": order, "results": results,
+                     "ratios": summary_ratios(results)})
     load_after = os.getloadavg()
+    per_system = {s.label: [run["results"][s.label] for run in runs] for s in args.systems}
+    medians = {label: median_result(rs, MEDIAN_PATHS) for label, rs in per_system.items()}
     print(f"{started}; load average before {load_before[0]:.2f} {load_before[1]:.2f} "
           f"{load_before[2]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f} "
           f"{load_after[2]:.2f}; kvcake single {args.kvcake_threads} torch thread(s), vLLM "
-          f"OpenMP bind {args.vllm_bind}")
+          f"OpenMP bind {args.vllm_bind}; {args.repeats} repeat(s), alternating order")
     if planned is not None:
         num_out = sum(p.max_tokens for p in planned)
         num_in = sum(len(p.prompt_token_ids) for p in planned)
         print(f"trace: {len(planned)} requests at {args.rate:g}/s, {num_in} prompt and "
               f"{num_out} output tokens (scale {args.scale_tokens:g})")
-    print_table(results)
+    print_table(per_system)
+    print()
+    print_runs(runs)
+    if args.repeats > 1 and len(args.systems) == 2:
+        print()
+        print_positions(runs, list(by_label))
+    summary = {"ratios": summary_ratios(medians), "repeats": args.repeats,
+               "ratios_per_run": [run["ratios"] for run in runs]}
     if args.out is not None:
+        spreads = {label: {path: found.as_dict() for path in MEDIAN_PATHS
+                           if (found := spread(rs, path)) is not None}
+                   for label, rs in per_system.items()}
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                         "started": started, "load_before": load_before,
-                                        "load_after": load_after, "results": results},
+                                        "load_after": load_after, "runs": runs,
+                                        "medians": medians, "spreads": spreads, **summary},
                                        indent=2) + "\n")
     if args.json_summary:
-        print(json.dumps({"ratios": summary_ratios(results)}))
+        print(json.dumps(summary))
     return 0
 
 

@@ -1,0 +1,128 @@
+"""The serving benchmark's repeat design, medians, ratios, and its wait for a server's processes."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from kvcake.bench.hoststate import busy_share, parse_cpu_line
+from kvcake.bench.proctree import parse_stat, session_pids, wait_gone
+from kvcake.bench.repeats import alternating_orders, median_result, ratios, spread
+from kvcake.clock import ManualClock
+
+SUMMARY = (("probe_ttft_cold", "probe.ttft_cold_ms"), ("trace_ttft_p90", "trace.p90_ttft_ms"))
+
+
+def test_alternating_orders_put_each_system_first_equally_often() -> None:
+    orders = alternating_orders(["a", "b"], 4)
+    assert orders == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
+    flat = [x for o in orders for x in o]
+    assert "".join(flat) == "abbaabba"
+    assert alternating_orders(["a", "b"], 1) == [["a", "b"]]
+
+
+@pytest.mark.parametrize("labels,repeats", [(["a", "b"], 0), ([], 2), (["a", "a"], 2)])
+def test_alternating_orders_reject_bad_input(labels: list[str], repeats: int) -> None:
+    with pytest.raises(ValueError):
+        alternating_orders(labels, repeats)
+
+
+def test_spread_and_median_result_over_runs() -> None:
+    runs = [{"probe": {"ttft_cold_ms": 400.0}, "trace": {"p90_ttft_ms": 900.0}},
+            {"probe": {"ttft_cold_ms": 360.0}, "trace": None},
+            {"probe": {"ttft_cold_ms": 380.0}, "trace": {"p90_ttft_ms": 600.0}}]
+    found = spread(runs, "probe.ttft_cold_ms")
+    assert found is not None
+    assert (found.median, found.low, found.high, found.n) == (380.0, 360.0, 400.0, 3)
+    assert found.rel_spread == pytest.approx(40.0 / 380.0)
+    p90 = spread(runs, "trace.p90_ttft_ms")
+    assert p90 is not None and p90.n == 2 and p90.median == 750.0
+    assert spread(runs, "trace.missing") is None
+    assert median_result(runs, ("probe.ttft_cold_ms", "trace.p90_ttft_ms", "x.y")) == {
+        "probe": {"ttft_cold_ms": 380.0}, "trace": {"p90_ttft_ms": 750.0}}
+
+
+def test_ratios_of_medians_and_missing_metrics() -> None:
+    ours = {"probe": {"ttft_cold_ms": 300.0}}
+    peer = {"probe": {"ttft_cold_ms": 400.0}, "trace": {"p90_ttft_ms": 0.0}}
+    assert ratios(ours, peer, SUMMARY) == {"probe_ttft_cold": 0.75, "trace_ttft_p90": None}
+    assert ratios(None, peer, SUMMARY) == {"probe_ttft_cold": None, "trace_ttft_p90": None}
+
+
+def test_parse_stat_handles_spaces_and_parens_in_the_name() -> None:
+    line = "4242 (VLLM::Engine Core) (x)) S 4200 4100 4100 0 -1 4194560 7 0 0 0"
+    assert parse_stat(line) == (4242, "S", 4100, 4100)
+    with pytest.raises(ValueError):
+        parse_stat("garbage")
+
+
+def test_session_pids_reads_proc_and_skips_zombies_and_others(tmp_path: Path) -> None:
+    rows = {"10": "10 (python) S 1 10 10 0", "11": "11 (engine core) R 10 10 10 0",
+            "12": "12 (dead) Z 10 10 10 0", "13": "13 (other) S 1 13 13 0"}
+    for pid, stat in rows.items():
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "stat").write_text(stat + "\n")
+    (tmp_path / "self").mkdir()
+    (tmp_path / "14").mkdir()  # exited while listing: no stat file
+    assert session_pids(10, tmp_path) == [10, 11]
+
+
+def test_wait_gone_waits_for_a_lingering_child_then_reports() -> None:
+    clock = ManualClock()
+    alive = [[101, 102], [102], [102], []]  # leader gone first, engine core lingers
+
+    def list_pids(sid: int) -> list[int]:
+        assert sid == 100
+        return alive.pop(0) if len(alive) > 1 else alive[0]
+
+    killed: list[tuple[int, int]] = []
+    gone = wait_gone(100, timeout_s=60.0, poll_s=0.5, list_pids=list_pids,
+                     kill=lambda pid, sig: killed.append((pid, sig)), sleep=clock.advance,
+                     clock=clock)
+    assert (gone.wait_s, gone.left_at_start, gone.killed, gone.still_alive) == (1.5, 2, 0, 0)
+    assert not killed
+
+
+def test_wait_gone_kills_after_the_deadline() -> None:
+    clock = ManualClock()
+    state = {"alive": [7, 8]}
+    killed: list[tuple[int, int]] = []
+
+    def kill(pid: int, sig: int) -> None:
+        killed.append((pid, sig))
+        state["alive"] = [p for p in state["alive"] if p != pid]
+
+    gone = wait_gone(7, timeout_s=2.0, poll_s=1.0, list_pids=lambda sid: list(state["alive"]),
+                     kill=kill, sleep=clock.advance, clock=clock)
+    assert killed == [(7, signal.SIGKILL), (8, signal.SIGKILL)]
+    assert gone.killed == 2 and gone.still_alive == 0 and gone.wait_s == 3.0
+
+
+def test_wait_gone_gives_up_on_an_unkillable_process() -> None:
+    clock = ManualClock()
+    gone = wait_gone(7, timeout_s=1.0, poll_s=1.0, list_pids=lambda sid: [7],
+                     kill=lambda pid, sig: None, sleep=clock.advance, clock=clock)
+    assert gone.killed == 1 and gone.still_alive == 1 and gone.wait_s == 11.0
+
+
+def test_cpu_busy_share_from_proc_stat_lines() -> None:
+    before = parse_cpu_line("cpu  100 0 50 800 50 0 0 0 0 0")
+    after = parse_cpu_line("cpu  200 0 100 1100 50 0 0 0 0 0")
+    assert before == (150, 1000)
+    assert busy_share(before, after) == pytest.approx(150 / 450)
+    assert busy_share(before, before) is None
+    with pytest.raises(ValueError):
+        parse_cpu_line("cpu0 1 2 3 4")
+
+
+def test_position_effect_splits_a_system_by_whether_it_ran_first() -> None:
+    from kvcake.bench.repeats import position_effect
+    runs = [{"order": ["k", "v"], "results": {"k": {"p": 1.0}, "v": {"p": 5.0}}},
+            {"order": ["v", "k"], "results": {"k": {"p": 3.0}, "v": {"p": 4.0}}},
+            {"order": ["v", "k"], "results": {"k": {"p": 5.0}, "v": {"p": None}}},
+            {"order": ["k", "v"], "results": {"k": {"p": 2.0}, "v": {"p": 6.0}}}]
+    assert position_effect(runs, "k", "p") == {0: 1.5, 1: 4.0}
+    assert position_effect(runs, "v", "p") == {0: 4.0, 1: 5.5}
+    assert position_effect(runs, "x", "p") == {}
