@@ -60,6 +60,23 @@ class AttentionBatch:
     prefill_paged: list[tuple[int, int, int, Tensor]] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardInputs:
+    """One forward's flat token rows (built by the runner; the attention metadata is separate).
+
+    input_ids / positions: [n] per flat row (a stage without layer 0 reads `hidden` instead of
+    the ids); logit_rows: the flat rows whose logits a last stage returns; max_position: the
+    largest of `positions` when the caller knows it (saves a device sync); hidden: a stage
+    without layer 0: the previous stage's output [n, hidden_size].
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    logit_rows: Tensor
+    max_position: int | None = None
+    hidden: Tensor | None = None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -244,14 +261,12 @@ class LlamaModel(nn.Module):
         self._rope_cache: Tensor | None = None  # [2 (cos, sin), positions, head_dim]
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch,
-                pool: KVPool, logit_rows: Tensor,
-                layer_hook: Callable[[int], None] | None = None, *,
-                hidden: Tensor | None = None, max_position: int | None = None) -> Tensor:
-        """Logits (fp32) of the flat rows `logit_rows` only: one per sequence that samples.
-        A stage without the last layer returns the hidden states of every row instead, and
-        one without the first layer starts from `hidden` (the previous stage's output).
-        `max_position`: the largest of `positions` when the caller knows it (saves a sync)."""
+    def forward(self, inputs: ForwardInputs, batch: AttentionBatch, pool: KVPool,
+                layer_hook: Callable[[int], None] | None = None) -> Tensor:
+        """Logits (fp32) of the flat rows `inputs.logit_rows` only: one per sequence that
+        samples. A stage without the last layer returns the hidden states of every row instead,
+        and one without the first layer starts from `inputs.hidden` (the previous stage's)."""
+        input_ids, hidden, logit_rows = inputs.input_ids, inputs.hidden, inputs.logit_rows
         if self.is_first:
             h = self.embed_tokens(input_ids)
         elif hidden is None or hidden.shape != (input_ids.shape[0], self.config.hidden_size):
@@ -260,7 +275,7 @@ class LlamaModel(nn.Module):
                              f"{self.config.hidden_size}]")
         else:
             h = hidden.to(dtype=next(self.layers.parameters()).dtype)
-        cos, sin = self._rope(positions, h.dtype, max_position)
+        cos, sin = self._rope(inputs.positions, h.dtype, inputs.max_position)
         first = self.layer_range.start
         fused = cpu_ops.fused(h)  # decided once per forward (a check per layer showed in a step)
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from torch import Tensor
 from kvcake.engine import cpu_ops
 from kvcake.engine.batcher import BatchPlan
 from kvcake.engine.kv_pool import KVPool
-from kvcake.engine.model import AttentionBatch, LlamaModel
+from kvcake.engine.model import AttentionBatch, ForwardInputs, LlamaModel
 from kvcake.engine.sequence import Sequence
 from kvcake.types import BlockId
 
@@ -114,8 +114,8 @@ class ModelRunner:
             batch.paged.append((views[5], views[7].view(len(decode_rows), width), views[6]))
         elif decode_rows:
             self._fill_decode(batch, decode_rows, decode_tables, decode_lens)
-        return self.model(ids_t, pos_t, batch, self.pool, logit_t, layer_hook, hidden=hidden,
-                          max_position=max(positions))
+        inputs = ForwardInputs(ids_t, pos_t, logit_t, max(positions), hidden)
+        return self.model(inputs, batch, self.pool, layer_hook)
 
     def _fill_decode(self, batch: AttentionBatch, rows: list[int],
                      tables: list[list[BlockId]], lens: list[int]) -> None:
