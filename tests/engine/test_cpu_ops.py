@@ -58,6 +58,30 @@ def test_op_equals_gather_then_sdpa(dtype: torch.dtype, tol: float) -> None:
 
 
 @needs_op
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(8, 2, 64), (8, 1, 128), (4, 4, 32), (6, 2, 24), (6, 2, 64)])
+def test_fp32_fast_path_and_generic_loop_equal_gather_then_sdpa(heads: int, kv_heads: int,
+                                                                 head_dim: int) -> None:
+    """fp32 decode takes the register-resident path for GQA groups of 1/2/4/8 and head_dims of
+    2-8 vectors (64 and 128: the served shapes), the generic loop otherwise (group 3, or
+    head_dim 24): both equal the reference for contexts of one position, a partial block and
+    many scattered blocks."""
+    assert cpu_ops.load(), cpu_ops.load_error()
+    gen = torch.Generator().manual_seed(7)
+    kv = torch.randn(60, 2, 16, kv_heads, head_dim, generator=gen)
+    lens = torch.tensor([1, 9, 16, 33, 700])
+    tables = torch.stack([torch.randperm(60, generator=gen)[:44] for _ in range(5)])
+    q = torch.randn(5, heads, head_dim, generator=gen)
+    out = cpu_ops.paged_decode_attention(q, kv, tables, lens, head_dim**-0.5)
+    ref = _reference(q, kv, tables, lens)
+    assert (out - ref).abs().max().item() < 1e-5
+    for i in range(5):  # one sequence alone = the same row of the batch
+        one = cpu_ops.paged_decode_attention(q[i:i + 1], kv, tables[i:i + 1], lens[i:i + 1],
+                                             head_dim**-0.5)
+        assert torch.equal(one[0], out[i])
+
+
+@needs_op
 def test_op_rejects_tables_that_point_outside_the_pool() -> None:
     assert cpu_ops.load(), cpu_ops.load_error()
     q, kv, tables, lens = _case(torch.float32)
