@@ -53,17 +53,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
-from safetensors.torch import save_file
 
-from kvcake.bench.hoststate import settle
+from kvcake.bench.hoststate import busy_share, cpu_times, settle, steal_share
 from kvcake.bench.proctree import Teardown, wait_gone
 from kvcake.bench.prompts import PromptBuilder
 from kvcake.bench.repeats import alternating_orders, median_result, position_effect, ratios, spread
 from kvcake.bench.replay import PlannedRequest, ReplayConfig, plan, replay
 from kvcake.bench.stats import Outcome, RequestResult, summarize
 from kvcake.engine.config import ModelConfig
-from kvcake.engine.loader import dummy_weights
 from kvcake.sim.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +107,10 @@ class Server:
 
 def prepare_model(src: Path, dst: Path, seed: int) -> ModelConfig:
     """dst = src's config and tokenizer + seeded random weights (bf16) both systems load."""
+    import torch  # here, not at the top: the client side and its tables need no torch
+    from safetensors.torch import save_file
+
+    from kvcake.engine.loader import dummy_weights
     if not (src / "config.json").is_file() or not (src / "tokenizer.json").is_file():
         raise SystemExit(f"--tokenizer-dir: {src} lacks config.json / tokenizer.json; run "
                          f"bash {PEERS / 'vllm_cpu_setup.sh'} first")
@@ -334,6 +335,7 @@ def measure(system: System, args: argparse.Namespace, port: int, run_dir: Path, 
         print(f"[{name}] healthy after {server.startup_s:.1f} s; warm-up", file=sys.stderr,
               flush=True)
         warm_up(server.url, model, vocab_size, args.seed)
+        during = cpu_times()
         result.update({"startup_s": server.startup_s,
                        "probe": probe(server.url, model, args, vocab_size)})
         shown = {k: v for k, v in result["probe"].items() if k != "trials"}
@@ -342,6 +344,9 @@ def measure(system: System, args: argparse.Namespace, port: int, run_dir: Path, 
             result["trace"] = run_trace(server.url, model, planned, args)
             shown = {k: v for k, v in result["trace"].items() if k != "requests"}
             print(f"[{name}] trace: {json.dumps(shown)}", file=sys.stderr, flush=True)
+        after = cpu_times()  # the measured part (probe + trace): busy with us, stolen by others
+        result["host_during"] = {"cpu_busy": busy_share(during, after),
+                                 "steal": steal_share(during, after)}
     finally:
         gone = stop(server, args, port, run_dir)
     result["teardown"] = None if gone is None else gone.as_dict()
@@ -426,18 +431,20 @@ def print_runs(runs: list[dict[str, Any]]) -> None:
     its teardown took after the stop returned, and that repeat's summary ratios."""
     keys = [k for k, _ in SUMMARY]
     print(f"| repeat | order | {' | '.join(keys)} | host before each (busy, MiB free, spin ms) "
-          f"| teardown after stop (s, procs left) |")
-    print("|---" * (4 + len(keys)) + "|")
+          f"| steal while measured | teardown after stop (s, procs left) |")
+    print("|---" * (5 + len(keys)) + "|")
     for run in runs:
         rs = run["ratios"]
         host = "; ".join(f"{n}: {r['host_before']['cpu_busy']}, "
                          f"{r['host_before']['mem_available_mib']:.0f}, "
                          f"{r['host_before']['spin_ms']}" for n, r in run["results"].items())
+        steal = "; ".join(f"{n}: {fmt(r.get('host_during', {}).get('steal'))}"
+                          for n, r in run["results"].items())
         down = "; ".join(f"{n}: -" if r.get("teardown") is None else
                          f"{n}: {r['teardown']['wait_s']:.2f}, {r['teardown']['left_at_start']}"
                          for n, r in run["results"].items())
         print(f"| {run['repeat']} | {' > '.join(run['order'])} | "
-              f"{' | '.join(fmt(rs[k]) for k in keys)} | {host} | {down} |")
+              f"{' | '.join(fmt(rs[k]) for k in keys)} | {host} | {steal} | {down} |")
 
 
 def parse_args() -> argparse.Namespace:

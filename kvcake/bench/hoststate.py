@@ -15,24 +15,41 @@ from kvcake.bench.proctree import mem_available_mib
 PROC = Path("/proc")
 
 
-def parse_cpu_line(line: str) -> tuple[int, int]:
-    """(busy, total) jiffies from /proc/stat's aggregate `cpu` line (idle + iowait are idle)."""
+@dataclass(frozen=True)
+class CpuTimes:
+    """Jiffies summed over all cores: busy (not idle or iowait), steal (taken by the hypervisor
+    for other guests: a busy neighbour of this VM), total."""
+
+    busy: int
+    steal: int
+    total: int
+
+
+def parse_cpu_line(line: str) -> CpuTimes:
+    """/proc/stat's aggregate `cpu` line (idle + iowait count as idle)."""
     fields = line.split()
     if not fields or fields[0] != "cpu" or len(fields) < 5:
         raise ValueError(f"not /proc/stat's aggregate cpu line: {line[:80]!r}")
     values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
     idle = values[3] + (values[4] if len(values) > 4 else 0)
-    return sum(values) - idle, sum(values)
+    steal = values[7] if len(values) > 7 else 0
+    return CpuTimes(sum(values) - idle, steal, sum(values))
 
 
-def cpu_times(proc: Path = PROC) -> tuple[int, int]:
+def cpu_times(proc: Path = PROC) -> CpuTimes:
     return parse_cpu_line((proc / "stat").read_text().splitlines()[0])
 
 
-def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+def busy_share(before: CpuTimes, after: CpuTimes) -> float | None:
     """Share of all cores' time that was busy between two `cpu_times` readings."""
-    total = after[1] - before[1]
-    return None if total <= 0 else (after[0] - before[0]) / total
+    total = after.total - before.total
+    return None if total <= 0 else (after.busy - before.busy) / total
+
+
+def steal_share(before: CpuTimes, after: CpuTimes) -> float | None:
+    """Share of all cores' time stolen by the hypervisor between two readings."""
+    total = after.total - before.total
+    return None if total <= 0 else (after.steal - before.steal) / total
 
 
 def spin_ms(n: int = 1_000_000, rounds: int = 3) -> float:

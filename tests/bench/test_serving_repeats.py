@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 
-from kvcake.bench.hoststate import busy_share, parse_cpu_line
+from kvcake.bench.hoststate import busy_share, parse_cpu_line, steal_share
 from kvcake.bench.proctree import parse_stat, session_pids, wait_gone
 from kvcake.bench.repeats import alternating_orders, median_result, ratios, spread
 from kvcake.clock import ManualClock
@@ -109,9 +110,10 @@ def test_wait_gone_gives_up_on_an_unkillable_process() -> None:
 
 def test_cpu_busy_share_from_proc_stat_lines() -> None:
     before = parse_cpu_line("cpu  100 0 50 800 50 0 0 0 0 0")
-    after = parse_cpu_line("cpu  200 0 100 1100 50 0 0 0 0 0")
-    assert before == (150, 1000)
-    assert busy_share(before, after) == pytest.approx(150 / 450)
+    after = parse_cpu_line("cpu  200 0 100 1100 50 0 0 30 0 0")
+    assert (before.busy, before.steal, before.total) == (150, 0, 1000)
+    assert busy_share(before, after) == pytest.approx(180 / 480)
+    assert steal_share(before, after) == pytest.approx(30 / 480)
     assert busy_share(before, before) is None
     with pytest.raises(ValueError):
         parse_cpu_line("cpu0 1 2 3 4")
@@ -126,3 +128,43 @@ def test_position_effect_splits_a_system_by_whether_it_ran_first() -> None:
     assert position_effect(runs, "k", "p") == {0: 1.5, 1: 4.0}
     assert position_effect(runs, "v", "p") == {0: 4.0, 1: 5.5}
     assert position_effect(runs, "x", "p") == {}
+
+
+def _result(ttft: float, busy: float | None) -> dict[str, object]:
+    return {"startup_s": 5.0, "probe": {"ttft_cold_ms": ttft, "mean_tbt_ms": 10.0},
+            "trace": {"median_ttft_ms": 100.0, "p90_ttft_ms": 600.0, "median_tbt_ms": 14.0,
+                      "p90_tbt_ms": 20.0},
+            "host_before": {"cpu_busy": busy, "mem_available_mib": 20000.0, "spin_ms": 55.0},
+            "host_during": {"cpu_busy": 0.9, "steal": 0.0},
+            "teardown": {"wait_s": 0.0, "left_at_start": 0, "killed": 0, "still_alive": 0}}
+
+
+def test_the_benchmark_tables_print_medians_runs_and_positions(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_vs_vllm.py"
+    spec = importlib.util.spec_from_file_location("serving_vs_vllm", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "serving_vs_vllm", bench)  # its dataclasses look it up
+    spec.loader.exec_module(bench)
+    k, v = "kvcake-single:float32", "vllm:float32"
+    runs = [{"repeat": 1, "order": [k, v], "results": {k: _result(380.0, 0.01),
+                                                       v: _result(400.0, None)}},
+            {"repeat": 2, "order": [v, k], "results": {k: _result(420.0, 0.02),
+                                                       v: _result(380.0, 0.0)}}]
+    for run in runs:
+        run["ratios"] = bench.summary_ratios(run["results"])
+    per_system = {label: [r["results"][label] for r in runs] for label in (k, v)}
+    medians = {label: bench.median_result(rs, bench.MEDIAN_PATHS)
+               for label, rs in per_system.items()}
+    assert bench.summary_ratios(medians)["probe_ttft_cold"] == pytest.approx(400.0 / 390.0,
+                                                                              abs=1e-4)
+    bench.print_table(per_system)
+    bench.print_runs(runs)
+    bench.print_positions(runs, [k, v])
+    out = capsys.readouterr().out
+    assert "| probe TTFT cold (ms) | 400.0 (380.0-420.0) | 390.0 (380.0-400.0) | 1.03 |" in out
+    assert f"| {k} | probe_ttft_cold | 380.0 | 420.0 | 1.11 |" in out
+    assert f"| {v} | probe_ttft_cold | 380.0 | 400.0 | 1.05 |" in out
+    assert f"| 2 | {v} > {k} |" in out
