@@ -57,7 +57,7 @@ from kvcake.engine.kv_pool import KvAllocator, KVPool
 from kvcake.engine.linear import BUCKET_NAMES
 from kvcake.engine.loader import resolve
 from kvcake.engine.output import RequestOutput, request_output
-from kvcake.engine.runner import ModelRunner
+from kvcake.engine.runner import ALL_ROWS, SAMPLING_ROWS, LogitRows, ModelRunner
 from kvcake.engine.sampling import (
     Sampler,
     SamplingParams,
@@ -193,8 +193,8 @@ class Engine(KvHandoff, KvExchange):
         tables = {c.request_id: self.block_manager.block_ids(c.request_id) for c in plan.chunks}
         prompt_rows = {c.request_id: self._seqs[c.request_id].num_prompt_tokens - 1
                        for c in plan.chunks if c.request_id in self._prompt_lp}
-        logits = self.runner.run(plan, self._seqs, tables, layer_hook,
-                                 prompt_rows=prompt_rows or None)
+        rows = LogitRows(prompt_rows=prompt_rows) if prompt_rows else SAMPLING_ROWS
+        logits = self.runner.run(plan, self._seqs, tables, layer_hook, rows=rows)
         sampling = [c.request_id for c in plan.chunks if c.samples]
         if prompt_rows:
             self._collect_prompt_logprobs(plan, prompt_rows, logits[len(sampling):])
@@ -342,7 +342,7 @@ class Engine(KvHandoff, KvExchange):
             for start in range(cached, len(ids), self.config.max_num_batched_tokens):
                 n = min(self.config.max_num_batched_tokens, len(ids) - start)
                 plan = BatchPlan([ScheduledChunk(rid, start, n, start + n == len(ids))])
-                parts.append(self.runner.run(plan, {rid: seq}, table, all_rows=True))
+                parts.append(self.runner.run(plan, {rid: seq}, table, rows=ALL_ROWS))
             self.block_manager.cache_full_blocks(rid, seq.block_keys)
         finally:
             self.block_manager.free(rid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,6 +26,41 @@ from kvcake.types import BlockId
 # of the longer half's blocks (and each half has at least DECODE_SPLIT_MIN_ROWS rows).
 DECODE_SPLIT_RATIO = 0.75
 DECODE_SPLIT_MIN_ROWS = 4
+
+
+@dataclass(frozen=True)
+class LogitRows:
+    """Which rows' logits `ModelRunner.run` returns. all_rows: every scheduled token's, in plan
+    order (instead of one per sampling chunk); prompt_rows (request id -> end position E):
+    after those, the logits of each such chunk's tokens at positions < E, in chunk order
+    (prompt log probabilities)."""
+
+    all_rows: bool = False
+    prompt_rows: Mapping[str, int] | None = None
+
+
+SAMPLING_ROWS = LogitRows()  # one row per sampling chunk: what a step samples from
+ALL_ROWS = LogitRows(all_rows=True)  # every scheduled token: scoring a prompt
+
+
+class _FlatRows:
+    """A plan's scheduled tokens as flat int lists, one row per token, before the device."""
+
+    __slots__ = ("input_ids", "positions", "k_slots", "logit_rows", "extra_rows", "prefill",
+                 "decode_rows", "decode_tables", "decode_lens", "paged_prefill", "prefill_tables")
+
+    def __init__(self) -> None:
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.k_slots: list[int] = []
+        self.logit_rows: list[int] = []
+        self.extra_rows: list[int] = []
+        self.prefill: list[tuple[int, int, int, Tensor | None]] = []
+        self.decode_rows: list[int] = []
+        self.decode_tables: list[list[BlockId]] = []
+        self.decode_lens: list[int] = []
+        self.paged_prefill: list[tuple[int, int, int]] = []  # (row, q_len, ctx_len)
+        self.prefill_tables: list[int] = []  # the paged prefill chunks' tables, concatenated
 
 
 class ModelRunner:
@@ -43,79 +79,83 @@ class ModelRunner:
 
     def run(self, plan: BatchPlan, seqs: Mapping[str, Sequence],
             tables: Mapping[str, list[BlockId]],
-            layer_hook: Callable[[int], None] | None = None, all_rows: bool = False, *,
-            hidden: Tensor | None = None, prompt_rows: Mapping[str, int] | None = None) -> Tensor:
-        """Logits [num sampling chunks, vocab] in the order of the sampling chunks of `plan`
-        (with `all_rows`, logits of every scheduled token instead). `prompt_rows` (request id
-        -> end position E): after the sampling rows, the logits of each such chunk's tokens at
-        positions < E, in chunk order (prompt log probabilities; nothing extra without it). For a layer-slice model
-        (a pipeline stage, see `LlamaModel`): `hidden` is the previous stage's output for the
-        plan's tokens, and a stage without the last layer returns every token's hidden states."""
+            layer_hook: Callable[[int], None] | None = None, *,
+            hidden: Tensor | None = None, rows: LogitRows = SAMPLING_ROWS) -> Tensor:
+        """Logits of the rows `rows` selects (by default [num sampling chunks, vocab] in the
+        order of the sampling chunks of `plan`). For a layer-slice model (a pipeline stage, see
+        `LlamaModel`): `hidden` is the previous stage's output for the plan's tokens, and a
+        stage without the last layer returns every token's hidden states."""
+        flat = self._flatten(plan, seqs, tables, rows)
+        inputs, batch = self._tensors(flat, hidden)
+        return self.model(inputs, batch, self.pool, layer_hook)
+
+    def _flatten(self, plan: BatchPlan, seqs: Mapping[str, Sequence],
+                 tables: Mapping[str, list[BlockId]], rows: LogitRows) -> _FlatRows:
+        """The plan's tokens as flat rows: ids, positions, K slots, each chunk's attention."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        k_slots: list[int] = []
-        logit_rows: list[int] = []
-        prefill: list[tuple[int, int, int, Tensor | None]] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[BlockId]] = []
-        decode_lens: list[int] = []
-        extra_rows: list[int] = []
-        paged_prefill: list[tuple[int, int, int]] = []  # (row, q_len, ctx_len), tables below
-        prefill_tables: list[int] = []
+        flat = _FlatRows()
+        prompt_rows = rows.prompt_rows
         for chunk in plan.chunks:
             seq, table = seqs[chunk.request_id], tables[chunk.request_id]
-            row = len(input_ids)
+            row = len(flat.input_ids)
             end = chunk.start + chunk.num_tokens
-            input_ids.extend(seq.token_ids[chunk.start:end])
+            flat.input_ids.extend(seq.token_ids[chunk.start:end])
             pos = range(chunk.start, end)
-            positions.extend(pos)
+            flat.positions.extend(pos)
             # Layer rows are [block][K|V][offset]: K of position p sits at b*2*bs + p%bs.
-            k_slots.extend(table[p // bs] * 2 * bs + p % bs for p in pos)
+            flat.k_slots.extend(table[p // bs] * 2 * bs + p % bs for p in pos)
             num_ctx_blocks = -(-end // bs)
             if chunk.num_tokens == 1 and chunk.start > 0:
-                decode_rows.append(row)
-                decode_tables.append(table[:num_ctx_blocks])
-                decode_lens.append(end)
+                flat.decode_rows.append(row)
+                flat.decode_tables.append(table[:num_ctx_blocks])
+                flat.decode_lens.append(end)
             elif self.paged_prefill:
-                paged_prefill.append((row, chunk.num_tokens, end))
-                prefill_tables.extend(table[:num_ctx_blocks])
+                flat.paged_prefill.append((row, chunk.num_tokens, end))
+                flat.prefill_tables.extend(table[:num_ctx_blocks])
             else:
                 k_rows = None if chunk.start == 0 else \
                     self._k_rows(self._long(table[:num_ctx_blocks])).flatten()[:end]
-                prefill.append((row, chunk.num_tokens, end, k_rows))
-            if all_rows:
-                logit_rows.extend(range(row, row + chunk.num_tokens))
+                flat.prefill.append((row, chunk.num_tokens, end, k_rows))
+            if rows.all_rows:
+                flat.logit_rows.extend(range(row, row + chunk.num_tokens))
             elif chunk.samples:
-                logit_rows.append(row + chunk.num_tokens - 1)
+                flat.logit_rows.append(row + chunk.num_tokens - 1)
             if prompt_rows and chunk.request_id in prompt_rows:
                 stop = min(end, prompt_rows[chunk.request_id])
-                extra_rows.extend(range(row, row + max(0, stop - chunk.start)))
-        logit_rows.extend(extra_rows)
+                flat.extra_rows.extend(range(row, row + max(0, stop - chunk.start)))
+        flat.logit_rows.extend(flat.extra_rows)
+        return flat
+
+    def _tensors(self, flat: _FlatRows,
+                 hidden: Tensor | None) -> tuple[ForwardInputs, AttentionBatch]:
+        """The flat rows on the device: the forward's inputs and its attention metadata."""
+        bs = self.block_size
         # Every int list of the step goes to the device as one tensor, then views of it: a
         # torch.tensor call per list was a measurable share of a decode step.
-        parts: list[list[int]] = [input_ids, positions, k_slots, logit_rows, prefill_tables]
+        parts: list[list[int]] = [flat.input_ids, flat.positions, flat.k_slots, flat.logit_rows,
+                                  flat.prefill_tables]
+        decode_rows, decode_tables = flat.decode_rows, flat.decode_tables
         paged = bool(decode_rows) and self.paged_attention
         width = max((len(t) for t in decode_tables), default=0)
         if paged:
-            parts += [decode_rows, decode_lens,
+            parts += [decode_rows, flat.decode_lens,
                       [b for t in decode_tables for b in (*t, *[0] * (width - len(t)))]]
-        flat = self._long([v for part in parts for v in part])
-        views = flat.split([len(part) for part in parts])
+        values = self._long([v for part in parts for v in part])
+        views = values.split([len(part) for part in parts])
         ids_t, pos_t, k, logit_t = views[:4]
-        batch = AttentionBatch(prefill=prefill, decode=[], k_slots=k, v_slots=k + bs,
+        batch = AttentionBatch(prefill=flat.prefill, decode=[], k_slots=k, v_slots=k + bs,
                                block_size=bs)
         offset = 0
-        for row, q_len, ctx_len in paged_prefill:
+        for row, q_len, ctx_len in flat.paged_prefill:
             blocks = -(-ctx_len // bs)
             batch.prefill_paged.append((row, q_len, ctx_len, views[4][offset:offset + blocks]))
             offset += blocks
         if paged:
             batch.paged.append((views[5], views[7].view(len(decode_rows), width), views[6]))
         elif decode_rows:
-            self._fill_decode(batch, decode_rows, decode_tables, decode_lens)
-        inputs = ForwardInputs(ids_t, pos_t, logit_t, max(positions), hidden)
-        return self.model(inputs, batch, self.pool, layer_hook)
+            self._fill_decode(batch, decode_rows, decode_tables, flat.decode_lens)
+        inputs = ForwardInputs(ids_t, pos_t, logit_t, max(flat.positions), hidden)
+        return inputs, batch
 
     def _fill_decode(self, batch: AttentionBatch, rows: list[int],
                      tables: list[list[BlockId]], lens: list[int]) -> None:

@@ -37,7 +37,7 @@ from kvcake.engine.build import (
 from kvcake.engine.config import EngineConfig, ModelConfig
 from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.loader import resolve
-from kvcake.engine.runner import ModelRunner
+from kvcake.engine.runner import SAMPLING_ROWS, LogitRows, ModelRunner
 from kvcake.engine.sampling import (
     Sampler,
     SamplingParams,
@@ -148,8 +148,9 @@ class StageEngine:
         last_row = len(seq.token_ids) - 1  # the logits at position p score prompt token p + 1
         prompt_rows = {request_id: last_row} \
             if self.is_last and params.prompt_logprobs is not None else None
+        rows = SAMPLING_ROWS if prompt_rows is None else LogitRows(prompt_rows=prompt_rows)
         out = self.runner.run(plan, {request_id: seq}, tables, layer_hook, hidden=hidden,
-                              prompt_rows=prompt_rows)
+                              rows=rows)
         seq.num_computed_tokens = start + num_tokens
         if not self.is_last:
             return out
