@@ -57,13 +57,13 @@ def test_pool_loads_spread_queue_busy_and_decode_kv_over_buckets() -> None:
     from kvcake.sim.records import RequestState
     from kvcake.sim.run import arrivals_of
 
-    # One request: arrives at 0, waits 5 s, prefills 10 s (5..15), decodes 15..35 holding
+    # One request: arrives at 0, waits 5 s, prefills 10 s (5..15), decodes 18..35 holding
     # 1,000 + 100 KV tokens; a second is rejected at arrival and loads nothing.
     trace = Trace((TraceRequest(0, 0.0, 1000, 100, (1, 2)),
                    TraceRequest(1, 0.0, 1000, 100, (3, 4))), "two")
     states = [RequestState(i, f"r{i}", a) for i, a in enumerate(arrivals_of(trace))]
     states[0].prefill_start_s, states[0].prefill_s = 5.0, 10.0
-    states[0].decode_join_s, states[0].finish_s = 15.0, 35.0
+    states[0].decode_join_s, states[0].finish_s = 18.0, 35.0  # waited 15..18 for decode
     states[1].rejected = "tbt_slo"
     loads = pool_loads(states, num_prefill=2, num_decode=1, kv_capacity_tokens=2200,
                        end_s=35.0)
@@ -71,10 +71,12 @@ def test_pool_loads_spread_queue_busy_and_decode_kv_over_buckets() -> None:
     # In the prefill stage 0..15 (queue counts the wait, busy does not), over 2 nodes.
     assert loads.prefill_queue == pytest.approx([0.5, 0.25, 0.0, 0.0])
     assert loads.prefill_busy == pytest.approx([0.25, 0.25, 0.0, 0.0])
-    # Half of the decode pool's KV (1,100 of 2,200) for 15..35.
-    assert loads.decode_kv == pytest.approx([0.0, 0.25, 0.5, 0.25])
-    assert loads.decode_batch == pytest.approx([0.0, 0.5, 1.0, 0.5])
-    assert window_mean(loads.times, loads.decode_kv, 10.0, 30.0) == pytest.approx(0.375)
+    # Half of the decode pool's KV (1,100 of 2,200) for 18..35.
+    assert loads.decode_kv == pytest.approx([0.0, 0.1, 0.5, 0.25])
+    assert loads.decode_batch == pytest.approx([0.0, 0.2, 1.0, 0.5])
+    # Prefilled and not decoding 15..18: 0.3 of the bucket 10..20 on the one decode node.
+    assert loads.decode_wait == pytest.approx([0.0, 0.3, 0.0, 0.0])
+    assert window_mean(loads.times, loads.decode_kv, 10.0, 30.0) == pytest.approx(0.3)
 
 
 def test_regime_names_the_overloaded_pool() -> None:
@@ -94,3 +96,46 @@ def test_saved_per_turned_away_compares_later_rejections_with_the_baseline() -> 
     policy = {"ttft_slo": 70, "tbt_slo": 50, "tbt_slo_after_prefill": 50}
     assert saved_per_turned_away(base, policy) == pytest.approx(1.2)
     assert saved_per_turned_away(base, {"ttft_slo": 100}) is None  # none turned away
+
+
+def test_early_rejection_moves_the_decode_check_to_arrival_and_the_baseline_keeps_it_late() -> None:
+    """The arrival policies decide finally at arrival (the seed's Algorithm 1: the decode
+    instance is pre-selected then): nothing is rejected after its prefill, no prefill is
+    wasted, and a request that finds its decode node full waits there (served late). The
+    baseline and the `CHECKED` runs reject at decode after the prefill, spending it."""
+    from dataclasses import replace
+
+    from kvcake.sim.config import SimConfig
+    from kvcake.sim.overload import CHECKED, POLICIES, run_changes
+    from kvcake.sim.run import simulate
+    from kvcake.sim.tracegen import TraceGenConfig, generate_trace
+
+    assert [(n, r.decode_check_after_prefill) for n, r in POLICIES.items()] == [
+        ("decode_after_prefill", True), ("early", False), ("prediction", False)]
+    assert all(r.decode_check_after_prefill for r in CHECKED.values())
+    assert [r.admission for r in CHECKED.values()] == [POLICIES["early"].admission,
+                                                       POLICIES["prediction"].admission]
+    changes = run_changes(POLICIES["early"], 60.0, 800)
+    assert changes["decode_node_guard"] and not changes["decode_check_after_prefill"]
+    assert changes["uniform_decode_s"] == 60.0 and changes["predicted_output_len"] == 800
+
+    # Decode-bound: 4 prefill nodes feed 1 decode node long prompts with long outputs.
+    trace = generate_trace(TraceGenConfig(num_requests=120, rate_per_s=2.0, seed=5,
+                                          mean_first_message_len=30000, mean_followup_len=3000,
+                                          mean_output_len=800, max_output_len=1600))
+    base = SimConfig(num_prefill=4, num_decode=1)
+
+    def run(name: str) -> dict[str, object]:
+        runs = {**POLICIES, **CHECKED}
+        return simulate(replace(base, **run_changes(runs[name], 60.0, 800)), trace).summary
+
+    baseline, early = run("decode_after_prefill"), run("early")
+    assert baseline["rejected_by_reason"]["tbt_slo_after_prefill"] > 0  # type: ignore[index]
+    assert "tbt_slo" not in baseline["rejected_by_reason"]  # type: ignore[operator]
+    assert baseline["wasted_prefill_s"] > 0  # type: ignore[operator]
+    assert "tbt_slo_after_prefill" not in early["rejected_by_reason"]  # type: ignore[operator]
+    assert early["wasted_prefill_s"] == 0.0
+    assert early["completed"] > early["effective_requests"]  # type: ignore[operator]
+    checked = run("early+check_after_prefill")
+    assert checked["rejected_by_reason"]["tbt_slo_after_prefill"] > 0  # type: ignore[index]
+    assert checked["wasted_prefill_s"] > 0  # type: ignore[operator]

@@ -64,6 +64,9 @@ def test_overload_json_has_rejections_and_wasted_prefill_per_policy(
     for numbers in policies.values():
         assert set(numbers) == {"rejected", "wasted_prefill_s"}
         assert isinstance(numbers["rejected"], int) and numbers["wasted_prefill_s"] >= 0.0
+    checked = data["with_check_after_prefill"]
+    assert isinstance(checked, dict)
+    assert sorted(checked) == ["early+check_after_prefill", "prediction+check_after_prefill"]
     report = (tmp_path / "r" / "overload_small_speed8.md").read_text()
     assert ("| policy | rejected | at arrival (TTFT) | at arrival (decode load) | after prefill |"
             in report)
