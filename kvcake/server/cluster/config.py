@@ -72,6 +72,8 @@ class ClusterConfig:
     profile_dir: str | None = None  # None: kvcake.server.cluster.profiler.default_cache_dir()
     max_waiting_requests: int | None = None  # 429 while this many wait for a first token
     served_model_names: tuple[str, ...] = ()  # (): the model's own name
+    # each launched worker on CPUs of its own when there are enough (cpu_pinning.py)
+    pin_workers: bool = True
     # [security]: where the cluster secret is (a file, or an environment variable's name);
     # neither: `kvcake serve` makes one for the workers it launches (launch = false needs one).
     secret_file: str | None = None
@@ -181,7 +183,7 @@ class ClusterConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ClusterConfig:
         known = {"model", "mode", "frontend", "store", "engine", "conductor", "monitor",
-                 "workers", "profile_dir", "security", "etcd"}
+                 "workers", "profile_dir", "security", "etcd", "pin_workers"}
         _no_unknown(raw, known, source)
         frontend = dict(raw.get("frontend", {}))
         _no_unknown(frontend, {"host", "port", "max_waiting_requests", "served_model_name"},
@@ -216,7 +218,14 @@ class ClusterConfig:
                    max_waiting_requests=frontend.get("max_waiting_requests"),
                    served_model_names=_names(frontend.get("served_model_name", ())),
                    etcd_endpoints=_names(etcd.get("endpoints", ())),
-                   etcd_cluster=etcd.get("cluster", "kvcake"))
+                   etcd_cluster=etcd.get("cluster", "kvcake"),
+                   pin_workers=_flag(raw.get("pin_workers", True), f"{source}: pin_workers"))
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: must be true or false, got {value!r}")
+    return value
 
 
 def _names(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:

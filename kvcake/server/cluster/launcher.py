@@ -9,11 +9,13 @@
 with `in_process=True`, for tests), the cached profile (measured on first use), then the
 backend connects to every worker. `close()` shuts the workers down (SIGTERM, then SIGKILL after a
 grace period) and stops the master: no orphans. Children also exit when this process dies (they
-watch their parent's pid).
+watch their parent's pid). With `pin_workers` (the default) and a CPU per worker thread, each
+launched worker runs on CPUs of its own (cpu_pinning.py); this process stays unpinned.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -26,6 +28,7 @@ from kvcake import auth
 from kvcake.auth import ClusterSecret
 from kvcake.server.cluster.backend import DisaggBackend, DisaggConfig
 from kvcake.server.cluster.config import ClusterConfig, WorkerSpec
+from kvcake.server.cluster.cpu_pinning import plan_cpus
 from kvcake.server.cluster.membership import EtcdWorkers, start_membership
 from kvcake.server.cluster.profiler import load_or_profile
 from kvcake.server.cluster.restart_policy import RestartPolicy
@@ -40,6 +43,8 @@ from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.worker import Worker
 from kvcake.store import MasterServer, MasterService
 from kvcake.store.metrics import StoreMasterCollector
+
+log = logging.getLogger(__name__)
 
 _READY_PREFIX = "kvcake worker ready"
 _START_TIMEOUT_S = 120.0
@@ -61,6 +66,7 @@ class Cluster:
         self.backend: DisaggBackend | None = None
         self.membership: EtcdWorkers | None = None  # with etcd: the watch of its workers
         self.processes: dict[str, subprocess.Popen[str]] = {}
+        self._cpus: dict[str, tuple[int, ...]] = {}  # launched worker id -> its CPUs (pinned)
         self.workers: dict[str, Worker] = {}  # in-process workers
         self.addresses: dict[str, str] = {}  # worker id -> control address
         # [security] secret_file / secret_env, else a fresh one: every internal port (store
@@ -74,6 +80,7 @@ class Cluster:
             if cfg.mode == "disaggregated" and cfg.etcd is None:  # etcd: the elected one
                 self.master = MasterServer(MasterService(), cfg.master_host,
                                            cfg.master_port, secret=self.secret).start()
+            self._cpus = self._cpu_plan()
             for i, spec in enumerate(cfg.workers):  # children start in parallel
                 worker_id = f"{spec.role.value}-{i}"
                 if spec.launch:
@@ -143,9 +150,31 @@ class Cluster:
         # The secret travels in the child's environment, never on its command line (which
         # every user of the host can read).
         env = {**os.environ, auth.ENV_VAR: self.secret.text()}
-        self.processes[worker_id] = subprocess.Popen(
-            worker_argv(config, os.getpid()), stdout=subprocess.PIPE, text=True,
-            start_new_session=True, env=env)
+        proc = subprocess.Popen(worker_argv(config, os.getpid()), stdout=subprocess.PIPE,
+                                text=True, start_new_session=True, env=env)
+        cpus = self._cpus.get(worker_id)
+        if cpus is not None:  # before the child has started any thread (its imports take
+            try:              # far longer): every thread it starts inherits the mask
+                os.sched_setaffinity(proc.pid, cpus)
+            except OSError as exc:  # it exited already: the ready wait reports that
+                log.warning("worker %s: could not pin to CPUs %s (%s)", worker_id, cpus, exc)
+        self.processes[worker_id] = proc
+
+    def _cpu_plan(self) -> dict[str, tuple[int, ...]]:
+        """Launched worker id -> its own CPUs (`cpu_pinning.plan_cpus`), or {} (unpinned)."""
+        if self.in_process or not self.config.pin_workers or \
+                not hasattr(os, "sched_setaffinity"):
+            return {}
+        launched = [(f"{spec.role.value}-{i}", spec.num_threads)
+                    for i, spec in enumerate(self.config.workers) if spec.launch]
+        plan = plan_cpus([n for _, n in launched], sorted(os.sched_getaffinity(0)))
+        if plan is None:
+            log.info("workers not pinned: %d CPUs for worker threads %s",
+                     len(os.sched_getaffinity(0)), [n for _, n in launched])
+            return {}
+        pinned = {wid: cpus for (wid, _), cpus in zip(launched, plan, strict=True)}
+        log.info("workers pinned to CPUs: %s", pinned)
+        return pinned
 
     def _relaunch(self, worker_id: str) -> subprocess.Popen[str]:
         """A new process for launched worker `worker_id` (the supervisor's restarts)."""
