@@ -508,7 +508,7 @@ def transport_run(engine: EngineConfig, args: argparse.Namespace) -> dict[str, A
 
     from kvcake.server.cluster.launcher import worker_argv
     from kvcake.server.worker.config import Role, WorkerConfig
-    from kvcake.server.worker.messages import MessageLink
+    from kvcake.server.worker.link import MessageLink
     from kvcake.server.worker.worker import Worker
 
     decode_cfg = WorkerConfig(role=Role.DECODE, engine=engine, worker_id="bench-d",
@@ -546,7 +546,7 @@ class _Prefiller:
     SAMPLING = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
 
     def __init__(self, worker: Any, decode_link: Any, decode_pid: int) -> None:
-        from kvcake.server.worker.messages import MessageLink
+        from kvcake.server.worker.link import MessageLink
 
         self.worker, self.d, self.decode_pid = worker, decode_link, decode_pid
         self.p = MessageLink.connect(worker.address)

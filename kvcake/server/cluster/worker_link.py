@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from kvcake.auth import ClusterSecret
 from kvcake.server.cluster.monitor import MonitorConfig
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     Hello,
     LoadReport,
     Message,
     MessageError,
-    MessageLink,
     Ping,
     Shutdown,
 )

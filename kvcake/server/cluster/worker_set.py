@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from kvcake.auth import ClusterSecret
 from kvcake.server.cluster.monitor import MonitorConfig
 from kvcake.server.cluster.worker_link import WorkerLink, connect_workers
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     Hello,
     LoadReport,
     Message,
     MessageError,
-    MessageLink,
     Pong,
 )
 

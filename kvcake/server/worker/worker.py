@@ -39,13 +39,13 @@ from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.cpp_role import CppRole
 from kvcake.server.worker.decode import DecodeRole, pool_allocator
 from kvcake.server.worker.kv_event_publisher import KvEventPublisher
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     Hello,
     KvEvents,
     LoadReport,
     Message,
     MessageError,
-    MessageLink,
     Ping,
     Pong,
     Shutdown,

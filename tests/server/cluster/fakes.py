@@ -14,7 +14,8 @@ import threading
 
 from kvcake.conductor.predictor import DecodeStepPredictor, PrefillTimePredictor
 from kvcake.server.cluster.worker_set import WorkerSet
-from kvcake.server.worker.messages import Hello, Message, MessageLink, Ping
+from kvcake.server.worker.link import MessageLink
+from kvcake.server.worker.messages import Hello, Message, Ping
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64

@@ -15,7 +15,8 @@ from kvcake.server.cluster.launcher import Cluster
 from kvcake.server.cluster.monitor import MonitorConfig
 from kvcake.server.cluster.worker_link import WorkerLink
 from kvcake.server.frontend.backend import GenerateRequest
-from kvcake.server.worker.messages import Hello, MessageLink, Ping
+from kvcake.server.worker.link import MessageLink
+from kvcake.server.worker.messages import Hello, Ping
 from kvcake.types import RequestId
 from tests.server.test_disagg import (
     ENGINE,

@@ -12,11 +12,11 @@ import pytest
 
 from kvcake.server.cluster.monitor import MonitorConfig
 from kvcake.server.cluster.worker_set import WorkerSet
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     KvEvents,
     LoadReport,
     Message,
-    MessageLink,
     Ping,
     Pong,
     ReserveKv,

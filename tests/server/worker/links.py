@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar, overload
 
-from kvcake.server.worker.messages import Message, MessageLink
+from kvcake.server.worker.link import MessageLink
+from kvcake.server.worker.messages import Message
 
 M = TypeVar("M")
 

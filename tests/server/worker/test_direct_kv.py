@@ -11,13 +11,13 @@ from kvcake import LLM, SamplingParams
 from kvcake.engine.config import EngineConfig
 from kvcake.hashing import block_keys
 from kvcake.server.worker.config import Role, WorkerConfig
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     Abort,
     DecodeAdmitted,
     DecodeOrder,
     Hello,
     KvReserved,
-    MessageLink,
     PrefillDone,
     PrefillOrder,
     RequestFailed,

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from kvcake.engine.config import EngineConfig
 from kvcake.server.worker.config import Role, WorkerConfig
-from kvcake.server.worker.messages import Hello, MessageLink, Ping, Pong
+from kvcake.server.worker.link import MessageLink
+from kvcake.server.worker.messages import Hello, Ping, Pong
 from kvcake.server.worker.worker import Worker
 from kvcake.store.protocol import MAX_FRAME_BYTES
 from tests.server.worker.links import next_of

@@ -12,10 +12,10 @@ import torch
 from kvcake.engine.config import EngineConfig
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.handoff import HandoffPolicy
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     Abort,
     KvReserved,
-    MessageLink,
     PrefillDone,
     PrefillOrder,
     RequestFailed,

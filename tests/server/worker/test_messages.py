@@ -8,6 +8,7 @@ import struct
 import msgpack
 import pytest
 
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     Abort,
     DecodeAdmitted,
@@ -17,7 +18,6 @@ from kvcake.server.worker.messages import (
     KvReserved,
     LoadReport,
     MessageError,
-    MessageLink,
     Ping,
     Pong,
     PrefillDone,

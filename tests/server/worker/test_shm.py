@@ -19,12 +19,12 @@ import torch
 from kvcake import LLM, SamplingParams
 from kvcake.engine.config import EngineConfig
 from kvcake.server.worker.config import Role, WorkerConfig
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     DecodeAdmitted,
     DecodeOrder,
     Hello,
     KvReserved,
-    MessageLink,
     PrefillDone,
     PrefillOrder,
     RequestFailed,

@@ -15,7 +15,8 @@ import pytest
 from kvcake.engine.engine import RequestOutput
 from kvcake.engine.sequence import FinishReason
 from kvcake.server.worker.decode import DecodeRole
-from kvcake.server.worker.messages import LoadReport, Message, MessageLink, Tokens
+from kvcake.server.worker.link import MessageLink
+from kvcake.server.worker.messages import LoadReport, Message, Tokens
 from kvcake.server.worker.step_trace import ENV, StepTrace
 
 

@@ -10,10 +10,10 @@ import pytest
 from kvcake import LLM, SamplingParams
 from kvcake.engine.config import EngineConfig
 from kvcake.server.worker.config import Role, WorkerConfig
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     Hello,
     LoadReport,
-    MessageLink,
     PrefillDone,
     PrefillOrder,
     RequestFailed,

@@ -14,9 +14,9 @@ from kvcake.auth import AuthError, ClusterSecret
 from kvcake.engine.config import EngineConfig
 from kvcake.server.cluster.worker_link import connect_workers
 from kvcake.server.worker.config import Role, WorkerConfig
+from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
     Hello,
-    MessageLink,
     Ping,
     Pong,
     PrefillOrder,
