@@ -519,8 +519,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def exit_on_sigterm(signum: int, frame: object) -> None:
+    """`timeout`/`kill` of the benchmark: unwind, so that the running server is stopped too."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     args = parse_args()
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     config = prepare_model(args.tokenizer_dir, args.model_dir, args.seed)
     planned = trace_workload(args, config.vocab_size)
@@ -537,6 +543,10 @@ def main() -> int:
         results = {s.label: results[s.label] for s in args.systems}  # columns in --systems order
         runs.append({"repeat": repeat + 1, "order": order, "results": results,
                      "ratios": summary_ratios(results)})
+        if args.out is not None and repeat + 1 < args.repeats:  # kept if a later one fails
+            args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                            "started": started, "partial": True, "runs": runs},
+                                           indent=2) + "\n")
     load_after = os.getloadavg()
     per_system = {s.label: [run["results"][s.label] for run in runs] for s in args.systems}
     medians = {label: median_result(rs, MEDIAN_PATHS) for label, rs in per_system.items()}
