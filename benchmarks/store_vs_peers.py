@@ -10,7 +10,11 @@ The same layout for every system: one storage process, one client process that p
             `location_cache=0`; every get asks the master first). The default client
             ("ours-tcp") remembers where the objects it wrote or read live and reads them
             without asking the master, still checked by version, xxh3-64 and the node's
-            revocation mark (reader.py, master.py: linearizable with removes and evictions)
+            revocation mark (reader.py, master.py: linearizable with removes and evictions).
+            "ours-hosted-tcp": `kvcake store master --with-node 2GiB` (one storage process: the
+            master hosts the node, store/hosted.py), default client over TCP: a single put is
+            one request (`put_inline`: the master's process receives the bytes into the node's
+            segment, checks their xxh3-64, commits; acknowledged)
   redis:    `redis-server` (Debian), this script is the client through redis-py
   mooncake: `mooncake_master` + a Mooncake client process holding a segment (storage) + a second,
             pure Mooncake client process that puts and gets (PyPI
@@ -106,8 +110,9 @@ for line in sys.stdin:
 
 class Ours:
     def __init__(self, name: str, port: int, shm: bool, async_seal: bool = False,
-                 location_cache: int | None = None) -> None:
+                 location_cache: int | None = None, hosted: bool = False) -> None:
         self.name, self.port, self.shm, self.async_seal = name, port, shm, async_seal
+        self.hosted = hosted
         self.location_cache = location_cache
         self.procs: list[subprocess.Popen[Any]] = []
         self.client: StoreClient | None = None
@@ -116,6 +121,16 @@ class Ours:
     def start(self, shared: Ours | None = None) -> None:
         if shared is not None:  # the second row uses the same master and node
             address = shared.address
+        elif self.hosted:  # one process: the master hosts the node (store/hosted.py)
+            log = open(tempfile.mktemp(prefix="kvcake-hosted-", suffix=".log"), "w")  # noqa: SIM115
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "kvcake.store", "master", "--port", str(self.port),
+                 "--with-node", "2GiB", "--node-id", "bench-hosted", "--node-port",
+                 str(self.port + 1), "--node-rails", "4", "--stats-interval-s", "3600"],
+                stdout=log, stderr=subprocess.STDOUT))
+            address = f"127.0.0.1:{self.port}"
+            _wait_port(self.port)
+            _wait_port(self.port + 1)
         else:
             log = open(tempfile.mktemp(prefix="kvcake-master-", suffix=".log"), "w")  # noqa: SIM115
             self.procs.append(subprocess.Popen(
@@ -381,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=21100, help="base port (uses 20 ports)")
     parser.add_argument("--transfer-port", type=int, default=21800)
     parser.add_argument("--skip", default="",
-                        help="comma list of: redis, mooncake, transfer, seal, nocache")
+                        help="comma list of: redis, mooncake, transfer, seal, nocache, hosted")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -389,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_shm = Ours("ours-shm", args.port, shm=True)
     ours_seal = Ours("ours-tcp-seal", args.port, shm=False, async_seal=True)
     ours_nocache = Ours("ours-tcp-nocache", args.port, shm=False, location_cache=0)
+    ours_hosted = Ours("ours-hosted-tcp", args.port + 3, shm=False, hosted=True)
     systems: list[Any] = []
     started: list[Any] = []
     try:
@@ -405,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             ours_nocache.start(shared=ours_tcp)
             started.append(ours_nocache)
             systems.append(ours_nocache)
+        if "hosted" not in skip:
+            ours_hosted.start()
+            started.append(ours_hosted)
+            systems.append(ours_hosted)
         if "redis" not in skip:
             redis = Redis(args.port + 5)
             redis.start()

@@ -1,4 +1,4 @@
-"""`kvcake store master --port P` and `kvcake store node --master HOST:P --dram 4GiB [--disk DIR
+"""`kvcake store master --port P [--with-node 4GiB]` and `kvcake store node --master HOST:P --dram 4GiB [--disk DIR
 --disk-size 20GiB]`. Both log, report stats every `--stats-interval-s`, and stop cleanly on
 SIGTERM or SIGINT: a node unregisters first, so the master drops only that node's replicas."""
 
@@ -45,6 +45,15 @@ def register(subparsers: Any) -> None:
     master.add_argument("--stats-interval-s", type=float, default=30.0)
     master.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on this port of --host (0: any port)")
+    master.add_argument("--with-node", default=None, metavar="DRAM",
+                        help="host a store node with a DRAM segment of this size (e.g. 4GiB) in "
+                        "this process: a single put placed on it is one client round trip "
+                        "(store/hosted.py); other nodes join as usual")
+    master.add_argument("--node-id", default=None, help="the hosted node's id (--with-node)")
+    master.add_argument("--node-port", type=int, default=0,
+                        help="the hosted node's segment server port (--with-node; 0: any)")
+    master.add_argument("--node-rails", type=int, default=4,
+                        help="the hosted node's transfer connections per peer (--with-node)")
     _secret_flags(master)
     master.set_defaults(func=run_master)
 
@@ -121,8 +130,13 @@ def run_master(args: argparse.Namespace) -> int:
                           heartbeat_timeout_s=args.heartbeat_timeout_s,
                           default_replicas=args.replicas, strategy=Strategy(args.strategy))
     _logging()
+    if args.etcd and args.with_node:
+        raise ValueError("--with-node: not with --etcd (an elected master hosts no node); start "
+                         "`kvcake store node` processes instead")
     if args.etcd:
         return _run_elected_master(args, config)
+    if args.with_node:
+        return _run_hosting_master(args, config)
     server = MasterServer(MasterService(config), args.host, args.port, secret=_secret(args))
     server.start()
     log.info("master listening on %s", server.address)
@@ -134,6 +148,31 @@ def run_master(args: argparse.Namespace) -> int:
             metrics.shutdown()
         server.close()
         log.info("master stopped")
+    return 0
+
+
+def _run_hosting_master(args: argparse.Namespace, config: MasterConfig) -> int:
+    """A master with a node in its process (store/hosted.py) until SIGTERM / SIGINT."""
+    from kvcake.store.hosted import HostedStore
+    from kvcake.transfer import TransferConfig
+
+    secret = _secret(args)
+    node = NodeConfig(dram_bytes=parse_size(args.with_node, "--with-node"))
+    transfer = TransferConfig(host=args.host, port=args.node_port, num_rails=args.node_rails,
+                              secret=secret)
+    store = HostedStore(config, node, host=args.host, port=args.port, node_id=args.node_id,
+                        transfer_config=transfer, secret=secret)
+    store.start()
+    log.info("master listening on %s, hosting node %s (segment server %s)", store.address,
+             store.node.node_id, store.node.engine.address)
+    metrics = _serve_metrics(store.service.stats, args.host, args.metrics_port)
+    try:
+        _serve_until_signal(store.service.stats, args.stats_interval_s)
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
+        store.close()
+        log.info("master and its node stopped")
     return 0
 
 

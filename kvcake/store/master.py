@@ -203,10 +203,12 @@ class MasterService:
                   num_replicas: int | None = None,
                   local_node: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
-            replicas = self.index.put_start(key, size_bytes, checksum,
-                                            num_replicas or self.config.default_replicas,
-                                            local_node, self.clock.now_s())
-            self._run_actions()
+            try:  # a put refused (NoSpace) after evicting still revokes what it evicted
+                replicas = self.index.put_start(key, size_bytes, checksum,
+                                                num_replicas or self.config.default_replicas,
+                                                local_node, self.clock.now_s())
+            finally:
+                self._run_actions()
             return [self._desc(r) for r in replicas]
 
     def put_commit(self, key: str, checksum: int | None = None) -> None:
@@ -239,7 +241,7 @@ class MasterService:
         with self._lock:
             now_s = self.clock.now_s()
             if seal_later:
-                results = [_item(lambda c=c: self._name_slot(*c)) for c in items]
+                results = [_item(lambda c=c: self.index.name_slot(*c)) for c in items]
             else:
                 results = [_item(lambda c=c: self._commit_slot(c[0], c[1], c[2], c[3], now_s))
                            for c in items]
@@ -259,9 +261,6 @@ class MasterService:
                          for slot_id, meta in reserved]
             self._run_actions()
             return {"results": results, "slots": slots}
-
-    def _name_slot(self, key: str, slot: int, size_bytes: int, checksum: int) -> None:
-        self.index.name_slot(key, slot, size_bytes, checksum)
 
     def put_seal(self, keys: list[Any]) -> None:
         """The named objects `keys` are written and checked: make them readable (and wake the

@@ -21,7 +21,7 @@ from kvcake.auth import ClusterSecret
 from kvcake.store.config import NodeConfig
 from kvcake.store.disk import DiskTier
 from kvcake.store.errors import InvalidRequest, StoreError
-from kvcake.store.layout import HEADER_BYTES, CorruptObject, verify
+from kvcake.store.layout import HEADER_BYTES, CorruptObject, pack_header, verify
 from kvcake.store.layout import revoke as revoke_header
 from kvcake.store.master import MasterService
 from kvcake.store.rebuild import parse_entry
@@ -148,6 +148,20 @@ class StoreNode:
                 raise InvalidRequest("entries: each must be [offset, version]")
             done += int(revoke_header(view, entry[0], entry[1]))
         return done
+
+    def payload_window(self, offset: int, size_bytes: int) -> memoryview:
+        """The payload range of the replica at `offset` (its header before it) in this node's
+        segment: where a hosting master's in-process put writes the bytes (hosted.py)."""
+        view = self._view()
+        start = offset + HEADER_BYTES
+        if offset < 0 or size_bytes < 0 or start + size_bytes > len(view):
+            raise InvalidRequest(f"offset: [{offset}, {start + size_bytes}) is not inside the "
+                                 f"segment of {len(view)} bytes")
+        return view[start:start + size_bytes]
+
+    def write_header(self, offset: int, version: int, checksum: int, size_bytes: int) -> None:
+        """The header of the replica at `offset`, written once its payload is in place."""
+        self._view()[offset:offset + HEADER_BYTES] = pack_header(checksum, version, size_bytes)
 
     # ---- internals ---------------------------------------------------------------------------------
     def _view(self) -> memoryview:

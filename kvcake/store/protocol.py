@@ -46,6 +46,10 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
     "put_slots": {"commits": (_LIST, True), "reserve": (_LIST, False),
                   "seal_later": (_BOOL, False)},
     "put_seal": {"keys": (_LIST, True)},
+    # a master hosting a node (hosted.py): the whole put in one request; the payload's
+    # `size_bytes` raw bytes follow the frame (PAYLOAD_OPS)
+    "put_inline": {"key": (_STR, True), "size_bytes": (_INT, True), "checksum": (_INT, True),
+                   "num_replicas": (_INT, False), "local_node": (_STR, False)},
     "release_slots": {"slots": (_LIST, True)},
     "touch": {"keys": (_LIST, True)},
     "get": {"key": (_STR, True)},
@@ -79,6 +83,11 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
 # Ops the server never answers: the client sends them and goes on (see RpcConnection.send).
 ONE_WAY_OPS = frozenset({"release_leases", "release_slots", "touch", "put_seal", "hold",
                          "forget"})
+# Ops whose frame is followed by raw payload bytes, and the argument that says how many: the
+# server hands the handler a `Payload` to read them straight into their destination (no msgpack
+# copy), and reads what the handler left so the stream stays in step.
+PAYLOAD_OPS = {"put_inline": "size_bytes"}
+MAX_PAYLOAD_BYTES = 64 << 20
 _MAX_DEFERRED = 64  # deferred one-way frames (RpcConnection.defer) held before they are sent
 _MAX_MERGED = 1024  # items merged into one deferred frame (RpcConnection.defer_items) at most
 
@@ -186,6 +195,68 @@ class FrameReader:
                 return None
             self._buf += chunk
 
+    def read_exact_into(self, dest: memoryview) -> None:
+        """The next len(dest) bytes of the stream (after the frames read) into `dest`: what is
+        buffered first, then straight from the socket. OSError if the stream ends first."""
+        dest = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
+        have = min(len(self._buf), len(dest))
+        if have:
+            dest[:have] = self._buf[:have]
+            del self._buf[:have]
+        got = have
+        while got < len(dest):
+            n = self._sock.recv_into(dest[got:])
+            if n == 0:
+                raise ConnectionError("the stream ended inside a payload")
+            got += n
+
+    def skip(self, num_bytes: int) -> None:
+        """Discard the next `num_bytes` bytes of the stream."""
+        scratch = memoryview(bytearray(min(num_bytes, 1 << 20)))
+        while num_bytes:
+            step = min(num_bytes, len(scratch))
+            self.read_exact_into(scratch[:step])
+            num_bytes -= step
+
+
+def payload_size(message: object) -> int | None:
+    """How many raw bytes follow this request's frame: None for an op without a payload;
+    InvalidRequest when a payload op's size is missing or out of range (the stream cannot be
+    resynchronised then)."""
+    if not isinstance(message, dict) or message.get("op") not in PAYLOAD_OPS:
+        return None
+    args = message.get("args")
+    field = PAYLOAD_OPS[str(message["op"])]
+    size = args.get(field) if isinstance(args, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_PAYLOAD_BYTES:
+        raise InvalidRequest(f"{field}: a payload size from 0 to {MAX_PAYLOAD_BYTES} bytes is "
+                             f"required by op {message['op']!r}, got {size!r}")
+    return size
+
+
+class Payload:
+    """The raw bytes that follow one request's frame. `read_into(dest)` moves them (once, all of
+    them) into `dest`; `skip()` discards what was not read."""
+
+    def __init__(self, reader: FrameReader, size_bytes: int) -> None:
+        self._reader = reader
+        self.size_bytes = size_bytes
+        self._done = False
+
+    def read_into(self, dest: memoryview) -> None:
+        """Fill `dest` (exactly `size_bytes` long) with the payload; OSError if the stream ends."""
+        if self._done:
+            raise InvalidRequest("payload: already read")
+        if len(dest) != self.size_bytes:
+            raise ValueError(f"dest: {len(dest)} bytes for a payload of {self.size_bytes}")
+        self._done = True
+        self._reader.read_exact_into(dest)
+
+    def skip(self) -> None:
+        if not self._done:
+            self._done = True
+            self._reader.skip(self.size_bytes)
+
 
 def parse_address(address: str, field: str = "address") -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
@@ -255,8 +326,9 @@ class RpcConnection:
             if self._deferred or self._merged:
                 self._sendall(b"")
 
-    def _sendall(self, frame: bytes) -> None:
-        """Send the deferred frames, then `frame`, in one call (under the lock)."""
+    def _sendall(self, frame: bytes, payload: memoryview | None = None) -> None:
+        """Send the deferred frames, then `frame` (and `payload` right behind it, not copied),
+        in one call (under the lock)."""
         if self._merged:
             for (op, field), items in self._merged.items():  # one-way: never answered, so
                 self._deferred.append(encode({"id": 0, "op": op,  # no id of the call's own
@@ -266,9 +338,35 @@ class RpcConnection:
             frame = b"".join(self._deferred) + frame
             self._deferred.clear()
         try:
-            self._sock.sendall(frame)
+            if payload is None or not len(payload):
+                self._sock.sendall(frame)
+                return
+            parts = [memoryview(frame), payload]
+            while parts:
+                sent = self._sock.sendmsg(parts)
+                while parts and sent >= len(parts[0]):
+                    sent -= len(parts.pop(0))
+                if parts:
+                    parts[0] = parts[0][sent:]
         except OSError as exc:
             raise MasterUnavailable(f"{self.address}: {exc}") from None
+
+    def call_with_payload(self, op: str, payload: memoryview, **args: Any) -> Any:
+        """`call` of an op in PAYLOAD_OPS, `payload`'s bytes sent right behind its frame."""
+        field = PAYLOAD_OPS.get(op)
+        if field is None:
+            raise ValueError(f"op: {op!r} carries no payload; use call()")
+        payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+        args[field] = len(payload)
+        with self._lock:
+            self._next_id += 1
+            self._sendall(encode({"id": self._next_id, "op": op, "args": args}), payload)
+            try:
+                reply = self._reader.read()
+            except OSError as exc:
+                raise MasterUnavailable(f"{self.address}: {exc}") from None
+            req_id = self._next_id
+        return self._result(reply, req_id)
 
     def send(self, op: str, **args: Any) -> None:
         """Send a one-way request (an op in ONE_WAY_OPS): no reply is read, so it costs one send

@@ -18,6 +18,7 @@ class RemoteMaster:
                  secret: ClusterSecret | None = None) -> None:
         self.address = address  # "HOST:PORT", or "etcd://..." to follow the elected master
         self._conn = connect(address, timeout_s, secret)
+        self._inline_max: int | None = None  # inline_max_bytes, once asked
 
     def close(self) -> None:
         self._conn.close()
@@ -60,6 +61,24 @@ class RemoteMaster:
             "put_slots", {"commits": commits, "reserve": reserve, "seal_later": seal_later},
             work)
         return dict(result), value
+
+    def put_inline(self, key: str, data: memoryview, checksum: int,
+                   num_replicas: int | None = None,
+                   local_node: str | None = None) -> list[dict[str, Any]]:
+        """The whole put in one request, to a master hosting a node (hosted.py): the frame,
+        then `data`'s bytes (not copied)."""
+        assert isinstance(self._conn, RpcConnection)  # never asked of an etcd-found master
+        return list(self._conn.call_with_payload("put_inline", data, key=key, checksum=checksum,
+                                                 num_replicas=num_replicas,
+                                                 local_node=local_node))
+
+    def inline_max_bytes(self) -> int:
+        """The largest single put this master takes inline (`put_inline`), 0 if it hosts no
+        node. Asked once per connection (the master's stats say it)."""
+        if self._inline_max is None:
+            hosted = self.stats().get("hosted_node") if not self.follows_leader else None
+            self._inline_max = int(hosted["max_bytes"]) if isinstance(hosted, dict) else 0
+        return self._inline_max
 
     def put_seal(self, keys: list[Any]) -> None:
         """One-way, sent now (gets of these keys wait for it)."""

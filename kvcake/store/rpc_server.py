@@ -1,5 +1,8 @@
 """A small threaded server for control frames (see protocol.py): one thread per connection.
 
+A request of an op in `PAYLOAD_OPS` is followed by raw bytes: the handler gets them as
+`args["payload"]` (a `Payload` it reads into their destination), and what it leaves is skipped.
+
 Used by the master and by each node's control endpoint. The handler gets (op, args, session);
 `session` is a dict private to the connection, so the master can remember which node a connection
 belongs to and drop that node's replicas when the connection closes. With a cluster secret, a
@@ -18,7 +21,15 @@ from typing import Any
 from kvcake import auth
 from kvcake.auth import ClusterSecret
 from kvcake.store.errors import InvalidRequest
-from kvcake.store.protocol import ONE_WAY_OPS, FrameReader, encode, error_reply, validate
+from kvcake.store.protocol import (
+    ONE_WAY_OPS,
+    FrameReader,
+    Payload,
+    encode,
+    error_reply,
+    payload_size,
+    validate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +116,16 @@ class RpcServer:
             while not self._closed:
                 try:
                     message = reader.read()
+                    size = payload_size(message)
                 except InvalidRequest as exc:  # cannot resync a broken stream: reply, then close
                     conn.sendall(encode(error_reply(0, exc)))
                     return
                 if message is None:
                     return
-                reply = self._dispatch(message, session)
+                payload = Payload(reader, size) if size is not None else None
+                reply = self._dispatch(message, session, payload)
+                if payload is not None:
+                    payload.skip()  # what the handler did not read (e.g. it refused the op)
                 if isinstance(message, dict) and message.get("op") in ONE_WAY_OPS:
                     if not reply["ok"]:  # nobody waits for this reply: log it instead
                         log.warning("one-way %s failed: %s", message["op"], reply["error"])
@@ -125,11 +140,14 @@ class RpcServer:
             if self._on_close is not None:
                 self._on_close(session)
 
-    def _dispatch(self, message: object, session: dict[str, Any]) -> dict[str, Any]:
+    def _dispatch(self, message: object, session: dict[str, Any],
+                  payload: Payload | None = None) -> dict[str, Any]:
         req_id = message.get("id", 0) if isinstance(message, dict) else 0
         req_id = req_id if isinstance(req_id, int) else 0
         try:
             req_id, op, args = validate(message)
+            if payload is not None:  # a payload op's raw bytes (protocol.PAYLOAD_OPS)
+                args = {**args, "payload": payload}
             return {"id": req_id, "ok": True, "result": self._handler(op, args, session)}
         except Exception as exc:  # every error becomes a reply; the server keeps serving
             if not isinstance(exc, (KeyError, ValueError)) and type(exc).__module__ != __package__ \

@@ -6,7 +6,11 @@
 
 Keys name content: a key already stored or being written is not written again (False).
 
-A single put of up to `SLOT_MAX_BYTES` goes through a slot instead: a keyless allocation the
+A single put to a master that hosts a node (hosted.py) of up to its inline limit is one request
+carrying the bytes and their checksum: the master's process verifies, allocates, writes and
+commits them (PENDING -> COMPLETE) and answers once the object is readable.
+
+Otherwise a single put of up to `SLOT_MAX_BYTES` goes through a slot instead: a keyless allocation the
 master reserved beforehand (index.py), held here per object size. By default the put writes
 header + payload into the slot (the node checks the bytes' digest before it answers), then one
 master request names the key, commits it with its checksum (acknowledged before `put` returns)
@@ -89,6 +93,9 @@ class ObjectWriter:
         """One object; through a slot when it is small enough (see the module docstring)."""
         view = buffer_view(value, field=f"value of {key!r}")
         size = len(view)
+        if isinstance(self.master, RemoteMaster) and isinstance(key, str) and key \
+                and size <= self.master.inline_max_bytes() > 0:
+            return self._put_inline(key, view, num_replicas, local_node)
         if not self._use_slots or size > SLOT_MAX_BYTES or not isinstance(key, str) or not key:
             return self.put_batch([key], [view], num_replicas, local_node)[0]
         shape = (size, num_replicas, local_node)
@@ -132,6 +139,20 @@ class ObjectWriter:
         self.master.put_seal([key])
         if self._on_written is not None:
             self._on_written(key, size, checksum, slot["replicas"])
+        return True
+
+    def _put_inline(self, key: str, view: memoryview, num_replicas: int | None,
+                    local_node: str | None) -> bool:
+        """One request to a master hosting a node (hosted.py): it checks the bytes against the
+        checksum, allocates, writes and commits in its process, then answers (acknowledged)."""
+        assert isinstance(self.master, RemoteMaster)
+        checksum = payload_checksum(view)
+        try:
+            descs = self.master.put_inline(key, view, checksum, num_replicas, local_node)
+        except ObjectExists:
+            return False
+        if self._on_written is not None:
+            self._on_written(key, len(view), checksum, descs)
         return True
 
     def _put_acknowledged(self, key: str, view: memoryview, checksum: int,
