@@ -286,9 +286,8 @@ class MasterService:
             self._sealed.wait_for(lambda: self.index.sealing(key) is not meta,
                                   timeout=self.config.seal_wait_s)
 
-    def _commit_slot(self, key: str, slot: int, size_bytes: int, checksum: int,
-                     now_s: float) -> None:
-        self.index.commit_slot(key, slot, size_bytes, checksum, now_s)
+    def _commit_slot(self, key: str, slot: int, size_bytes: int, checksum: int, now: float) -> None:
+        self.index.commit_slot(key, slot, size_bytes, checksum, now)
         if self.mirror:
             self._tell_nodes("hold", key)
 
@@ -354,8 +353,10 @@ class MasterService:
         source replicas are leased for the copy; the caller releases the lease when it is done."""
         with self._lock:
             now_s = self.clock.now_s()
-            new = self.index.add_replicas(key, num_replicas, now_s)
-            self._run_actions()
+            try:  # refused (NoSpace) after evicting: what it evicted is still revoked
+                new = self.index.add_replicas(key, num_replicas, now_s)
+            finally:
+                self._run_actions()
             meta, lease_id = self.index.get_leased(key, now_s)
             source = {**self._describe(meta), "lease_id": lease_id}
             source["replicas"] = [d for d in source["replicas"]
