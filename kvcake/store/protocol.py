@@ -201,7 +201,8 @@ class FrameReader:
         dest = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
         have = min(len(self._buf), len(dest))
         if have:
-            dest[:have] = self._buf[:have]
+            with memoryview(self._buf) as buffered:  # no intermediate copy of the slice
+                dest[:have] = buffered[:have]
             del self._buf[:have]
         got = have
         while got < len(dest):
