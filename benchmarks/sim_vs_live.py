@@ -9,6 +9,13 @@ r"""The simulator against the live cluster: the same scaled trace, the same topo
 
 `--refit-decode` measures the decode step model again over the batches and contexts the live
 decode worker runs at (`decode_refit.json`, used instead of `profile.json`'s decode fit).
+`--check-capacity DIR` also compares the simulator, with the profile fitted here, against every
+probe of a live capacity search of the same regime (`serving_disagg_vs_colocated.py`'s out-dir:
+the same requests and arrival offsets, one rate per probe, each colocated probe at that search's
+chunk budget): TTFT p50/p90, TBT p50/p90 and mean TPOT per rate, and the prompt-token hit share
+(the live counters against the simulated runs); `--no-capacity` skips the simulated capacity
+search. Printed with the check: the simulated runs' hit share, mean TPOT and the elasticity of
+their TBT p50 to the decode step cost (`diagnostics`).
 `--fit-rate R` also replays at rate R (`live_fit.json`) and fits the per-host contention factors
 of the live profile (kvcake/sim/live_profile.py: decode steps and prefills take f times the
 isolated fit on a shared host) so the simulated disaggregated TTFT p50 and TBT p50 at R match
@@ -30,7 +37,8 @@ at --rate, default the capacity search's start rate 0.5 / mean prefill) replayed
 `kvcake simulate`'s cluster of the same shape (1 prefill + 1 decode node with a store tier; 2
 colocated nodes with chunked prefill at the same budget and a prefix cache), admission off.
 Compared: TTFT p50/p90, TBT p50/p90 (the paper's TBT: mean of a request's slowest 10% of gaps;
-requests with at least one gap) and the effective share at each TBT SLO. `--json` prints
+requests with at least one gap), the mean TPOT (when the live file has it: the mean decode step a
+request saw) and the effective share at each TBT SLO. `--json` prints
 {"metrics": {name: {"live": x, "sim": y, "rel_err": (y - x) / x}}}.
 """
 
@@ -56,9 +64,9 @@ from kvcake.bench.capacity import find_capacities  # noqa: E402
 from kvcake.bench.prompts import PromptBuilder  # noqa: E402
 from kvcake.bench.regime import Regime  # noqa: E402
 from kvcake.bench.replay import PlannedRequest  # noqa: E402
-from kvcake.bench.stats import RequestResult, paper_tbt_s  # noqa: E402
+from kvcake.bench.stats import RequestResult, paper_tbt_s, tpot_s  # noqa: E402
 from kvcake.sim.config import SimConfig  # noqa: E402
-from kvcake.sim.live_profile import live_cost_from_dict  # noqa: E402
+from kvcake.sim.live_profile import LiveCost, live_cost_from_dict  # noqa: E402
 from kvcake.sim.run import simulate  # noqa: E402
 from kvcake.sim.trace import Trace, TraceRequest  # noqa: E402
 
@@ -162,6 +170,9 @@ def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, floa
            "ttft_p90_ms": 1000 * float(np.percentile(ttfts, 90)),
            "tbt_p50_ms": 1000 * float(np.percentile(tbts, 50)),
            "tbt_p90_ms": 1000 * float(np.percentile(tbts, 90))}
+    tpots = [t for r in done if (t := tpot_s(r)) is not None]
+    if tpots:  # the mean decode step a request saw (its gaps' mean): what sets the batch
+        out["tpot_mean_ms"] = 1000 * float(np.mean(tpots))
     for k, share in enumerate(cap.shares(results, regime)):
         out[f"effective_share_slo{k + 1}"] = share
     return out
@@ -170,13 +181,43 @@ def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, floa
 def sim_metrics(trace: Trace, regime: Regime, config: SimConfig, cost: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for k, slo in enumerate(regime.tbt_slos_ms):
-        summary = simulate(dataclasses.replace(config, tbt_slo_ms=slo), trace, cost).summary
+        result = simulate(dataclasses.replace(config, tbt_slo_ms=slo), trace, cost)
+        summary = result.summary
         if k == 0:
             out = {"ttft_p50_ms": 1000 * summary["ttft_s"]["p50"],
                    "ttft_p90_ms": 1000 * summary["ttft_s"]["p90"],
                    "tbt_p50_ms": 1000 * summary["tbt_s"]["p50"],
-                   "tbt_p90_ms": 1000 * summary["tbt_s"]["p90"]}
+                   "tbt_p90_ms": 1000 * summary["tbt_s"]["p90"],
+                   "tpot_mean_ms": 1000 * sim_tpot_mean_s(result.states)}
         out[f"effective_share_slo{k + 1}"] = summary["effective_request_capacity"]
+    return out
+
+
+def sim_tpot_mean_s(states: Any) -> float:
+    """Mean over requests with >= 2 output tokens of (finish - first token) / (output - 1): the
+    live replay's `tpot_s`, from the simulated requests."""
+    tpots = [(s.finish_s - s.first_token_s) / (s.arrival.output_len - 1) for s in states
+             if s.arrival.output_len > 1 and s.finish_s is not None
+             and s.first_token_s is not None]
+    return float(np.mean(tpots)) if tpots else 0.0
+
+
+def diagnostics(trace: Trace, config: SimConfig, cost: Any, step: float = 1.1) -> dict[str, float]:
+    """What the simulated run says about itself: its prefix/store hit share (prompt tokens
+    reused; the live cluster's counters say the same as `prefix_cache_hits_total /
+    prefix_cache_queries_total`), its mean TPOT, and the elasticity of its TBT p50 to the decode
+    step cost, d ln TBT / d ln step (decode steps `step` times slower): ~1 where the batch does not
+    grow with the step, well above 1 near the decode worker's saturation, where the batch grows
+    with the step and the check cannot be closer than the step model (and the live run) allow."""
+    base = simulate(config, trace, cost)
+    out = {"hit_share": base.summary["cache_hit_rate"],
+           "tpot_mean_ms": 1000 * sim_tpot_mean_s(base.states)}
+    if isinstance(cost, LiveCost):
+        slower = dataclasses.replace(cost, decode_contention=cost.decode_contention * step)
+        tbt = base.summary["tbt_s"]["p50"]
+        tbt_slow = simulate(config, trace, slower.as_cost_model()).summary["tbt_s"]["p50"]
+        if tbt > 0 and tbt_slow > 0:
+            out["tbt_p50_elasticity"] = math.log(tbt_slow / tbt) / math.log(step)
     return out
 
 
@@ -260,6 +301,71 @@ def compare(live: dict[str, dict[str, float]],
     return out
 
 
+PROBE_KEYS = {"ttft_p50_ms": "median_ttft_ms", "ttft_p90_ms": "p90_ttft_ms",  # ours: the probe's
+              "tbt_p50_ms": "median_tbt_ms", "tbt_p90_ms": "p90_tbt_ms",
+              "tpot_mean_ms": "mean_tpot_ms"}
+
+
+def capacity_check(cap_dir: Path, regime: Regime, records: list[TraceRequest], cost: Any,
+                   budget: int, vocab_size: int) -> dict[str, Any]:
+    """The simulator against every probe of a live capacity search (`serving_disagg_vs_colocated.py`
+    in `cap_dir`, the same regime: the same requests and arrival offsets, one rate per probe), with
+    the profile fitted here: more live points than the one check rate, each one 40-request run.
+    Per system: rows {rate, metric: {live, sim, rel_err}}, and the prompt-token hit share of the
+    live search (its counters, all probes) against the simulated runs' mean."""
+    other = Regime.from_json((cap_dir / "regime.json").read_text())
+    if other != regime:
+        raise SystemExit(f"{cap_dir}/regime.json is not this out-dir's regime: the probes would "
+                         "not be the same requests")
+    block_len = PromptBuilder(scale_tokens=regime.scale_tokens).block_len
+    out: dict[str, Any] = {}
+    for system in ("disagg", "colocated"):
+        path = cap_dir / f"{system}.json"
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        config = sim_configs(regime, block_len, int(data.get("chunk_budget") or budget))[system]
+        rows, hits = [], []
+        for probe in sorted(data["probes"], key=lambda p: p["rate"]):
+            planned = cap.workload(records, regime, vocab_size, probe["rate"], seed=0)
+            result = simulate(config, sim_trace(records, planned, block_len), cost)
+            summary = result.summary
+            hits.append(summary["cache_hit_rate"])
+            sim = {"ttft_p50_ms": 1000 * summary["ttft_s"]["p50"],
+                   "ttft_p90_ms": 1000 * summary["ttft_s"]["p90"],
+                   "tbt_p50_ms": 1000 * summary["tbt_s"]["p50"],
+                   "tbt_p90_ms": 1000 * summary["tbt_s"]["p90"],
+                   "tpot_mean_ms": 1000 * sim_tpot_mean_s(result.states)}
+            row: dict[str, Any] = {"rate": probe["rate"]}
+            for name, key in PROBE_KEYS.items():
+                if probe.get(key) is not None:
+                    x = float(probe[key])
+                    row[name] = {"live": x, "sim": sim[name],
+                                 "rel_err": (sim[name] - x) / x if x else None}
+            rows.append(row)
+        counters = data.get("counters", {})
+        queries = counters.get("prefix_cache_queries_total")
+        out[system] = {"probes": rows, "hit_share": {
+            "live": counters["prefix_cache_hits_total"] / queries if queries else None,
+            "sim": float(np.mean(hits)) if hits else None}}
+    return out
+
+
+def print_capacity_check(check: dict[str, Any]) -> None:
+    names = list(PROBE_KEYS)
+    for system, data in check.items():
+        print(f"{system}: live / sim (error) per probe of the capacity search; prompt-token hit "
+              f"share live {data['hit_share']['live']} sim {data['hit_share']['sim']}")
+        print("| rate | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        for row in data["probes"]:
+            cells = []
+            for name in names:
+                m = row.get(name)
+                cells.append("-" if m is None else
+                             f"{m['live']:.4g} / {m['sim']:.4g} ({m['rel_err']:+.0%})")
+            print(f"| {row['rate']:.3f} | " + " | ".join(cells) + " |")
+
+
 def print_table(title: str, metrics: dict[str, dict[str, float | None]]) -> None:
     print(f"{title}\n| metric | live | sim | sim/live - 1 |\n|---|---|---|---|")
     for name, m in metrics.items():
@@ -283,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also replay at this rate (live_fit.json) and fit the per-host "
                         "contention factors to its disaggregated TTFT/TBT p50; the comparison "
                         "at --rate is then the check")
+    p.add_argument("--check-capacity", type=Path, default=None, metavar="DIR",
+                   help="also compare the simulator with every probe of the live capacity "
+                        "search in DIR (serving_disagg_vs_colocated.py's out-dir, same regime)")
+    p.add_argument("--no-capacity", action="store_true",
+                   help="skip the simulated capacity search (sim_capacity.json)")
     p.add_argument("--systems", default="disagg,colocated",
                    help="live systems to replay (the others' live results are reused)")
     args = p.parse_args(argv)
@@ -358,12 +469,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rate {rate:.3g}/s, {len(planned)} requests, block {block_len} tokens, transfer "
           f"bandwidth {bandwidth / 1e9:.2f} GB/s ({source}), colocated budget {budget}")
     print_table(f"{'check ' if contention else ''}rate {rate:.3g}/s", metrics)
-    capacity = sim_capacity(records, regime, cost, budget, cap_args.vocab_size)
-    (args.out_dir / "sim_capacity.json").write_text(json.dumps(capacity) + "\n")
-    print(f"simulated capacity (req/s) per TBT SLO {[round(x, 1) for x in regime.tbt_slos_ms]}: "
-          f"{json.dumps(capacity)}")
+    diag = {name: diagnostics(trace, config, cost) for name, config in configs.items()
+            if name in live}
+    print(f"simulated at {rate:.3g}/s: {json.dumps(diag)}")
+    check = None
+    if args.check_capacity is not None:
+        check = capacity_check(args.check_capacity, regime, records, cost, budget,
+                               cap_args.vocab_size)
+        print_capacity_check(check)
+    if not args.no_capacity:
+        capacity = sim_capacity(records, regime, cost, budget, cap_args.vocab_size)
+        (args.out_dir / "sim_capacity.json").write_text(json.dumps(capacity) + "\n")
+        print(f"simulated capacity (req/s) per TBT SLO "
+              f"{[round(x, 1) for x in regime.tbt_slos_ms]}: {json.dumps(capacity)}")
     if args.json:
-        out: dict[str, Any] = {"metrics": metrics}
+        out: dict[str, Any] = {"metrics": metrics, "diagnostics": diag}
+        if check is not None:
+            out["capacity_check"] = check
         if contention is not None:
             out |= {"contention": contention, "fit_rate": args.fit_rate,
                     "fit_metrics": fit_metrics}

@@ -78,14 +78,69 @@ def test_sim_vs_live_json_shape() -> None:
     metrics = sim_vs_live.compare(live, sim)
     assert set(metrics) == {f"{s}.{m}" for s in ("disagg", "colocated")
                             for m in ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90_ms",
-                                      "effective_share_slo1", "effective_share_slo2",
-                                      "effective_share_slo3")}
+                                      "tpot_mean_ms", "effective_share_slo1",
+                                      "effective_share_slo2", "effective_share_slo3")}
     for m in metrics.values():
         assert set(m) == {"live", "sim", "rel_err"}
         if m["rel_err"] is not None:
             assert m["rel_err"] == pytest.approx((m["sim"] - m["live"]) / m["live"])
     assert live["disagg"]["ttft_p50_ms"] == pytest.approx(550.0)
+    # (latency - ttft) / (output - 1): (0.2 - 0.1 (i + 1)) / 2 for i = 0, 1; negative ones too
+    assert live["disagg"]["tpot_mean_ms"] == pytest.approx(
+        1000 * sum((0.2 - 0.1 * (i + 1)) / 2 for i in range(10)) / 10)
     json.dumps({"metrics": metrics})
+
+
+def test_sim_vs_live_checks_every_probe_of_a_capacity_search(tmp_path: Path) -> None:
+    r = regime()
+    (tmp_path / "regime.json").write_text(r.to_json())
+    probes = [{"rate": 2.0, "median_ttft_ms": 100.0, "p90_ttft_ms": 300.0, "median_tbt_ms": 10.0,
+               "p90_tbt_ms": 20.0, "mean_tpot_ms": 8.0},
+              {"rate": 1.0, "median_ttft_ms": 90.0, "p90_ttft_ms": 200.0, "median_tbt_ms": 9.0,
+               "p90_tbt_ms": 15.0}]  # an old probe without TPOT
+    (tmp_path / "disagg.json").write_text(json.dumps({"probes": probes, "counters": {
+        "prefix_cache_queries_total": 1000.0, "prefix_cache_hits_total": 50.0}}))
+    cost = live_cost_from_dict(profile_dict()).as_cost_model()
+    check = sim_vs_live.capacity_check(tmp_path, r, RECORDS, cost, budget=256, vocab_size=258)
+    assert set(check) == {"disagg"}  # no colocated.json: not checked
+    rows = check["disagg"]["probes"]
+    assert [row["rate"] for row in rows] == [1.0, 2.0]  # by rate
+    assert "tpot_mean_ms" not in rows[0] and "tpot_mean_ms" in rows[1]
+    assert rows[1]["tbt_p50_ms"]["live"] == 10.0
+    m = rows[1]["ttft_p90_ms"]
+    assert m["rel_err"] == pytest.approx((m["sim"] - 300.0) / 300.0)
+    assert check["disagg"]["hit_share"]["live"] == pytest.approx(0.05)
+    assert 0.0 <= check["disagg"]["hit_share"]["sim"] <= 1.0
+    # the same probe simulated on its own gives the same numbers
+    block = round(512 * r.scale_tokens)
+    trace = sim_vs_live.sim_trace(RECORDS, cap.workload(RECORDS, r, 258, 2.0, seed=0), block)
+    alone = sim_vs_live.sim_metrics(trace, r, sim_vs_live.sim_configs(r, block, 256)["disagg"],
+                                    cost)
+    assert rows[1]["tbt_p50_ms"]["sim"] == pytest.approx(alone["tbt_p50_ms"])
+    json.dumps(check)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "regime.json").write_text(derive_regime(
+        lambda b, c: 0.008, lambda n: n / 4000.0, mean_input_len=2000.0, output_lens=[40],
+        max_model_len=2048, num_requests=12, max_probes=2).to_json())
+    with pytest.raises(SystemExit, match="not this out-dir's regime"):
+        sim_vs_live.capacity_check(other, r, RECORDS, cost, budget=256, vocab_size=258)
+
+
+def test_sim_vs_live_diagnostics() -> None:
+    r = regime()
+    block = round(512 * r.scale_tokens)
+    trace = sim_vs_live.sim_trace(RECORDS, cap.workload(RECORDS, r, 258, 2.0, seed=0), block)
+    config = sim_vs_live.sim_configs(r, block, 256)["disagg"]
+    cost = live_cost_from_dict(profile_dict())
+    diag = sim_vs_live.diagnostics(trace, config, cost)
+    assert set(diag) == {"hit_share", "tpot_mean_ms", "tbt_p50_elasticity"}
+    # RECORDS share hash ids 0, 1, 2: later prompts reuse their head from the store
+    assert diag["hit_share"] > 0
+    # slower decode steps never make the TBT smaller; at least proportionally larger here
+    assert diag["tbt_p50_elasticity"] >= 1.0 - 1e-9
+    assert "tbt_p50_elasticity" not in sim_vs_live.diagnostics(
+        trace, config, None)  # the paper's cost model: no decode factor to vary
 
 
 def test_capacities_from_probes_is_below_the_first_failure() -> None:
