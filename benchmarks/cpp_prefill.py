@@ -52,7 +52,7 @@ from typing import Any
 
 from kvcake.engine.config import PRESETS, EngineConfig
 from kvcake.engine.loader import dummy_weights, save_hf_dir
-from kvcake.server.worker.cpp_group import CppGroup
+from kvcake.server.worker.cpp_group import CppGroup, CppGroupConfig
 
 WARMUP_TOKENS = 512
 
@@ -104,7 +104,7 @@ def run_single(model: str, threads: int, config: EngineConfig,
 def run_cpp(model: str, members: int, config: EngineConfig, chunk_tokens: int,
             prompts: list[list[int]]) -> tuple[list[tuple[int, float]], list[float]]:
     out = []
-    with CppGroup(model, members, config, chunk_tokens=chunk_tokens, threads=1) as group:
+    with CppGroup(model, members, config, CppGroupConfig(chunk_tokens, threads=1)) as group:
         for i, prompt in enumerate(prompts):
             r = group.prefill(f"r{i}", prompt)
             out.append((r.first_token, r.ttft_s))

@@ -37,7 +37,7 @@ from kvcake.server.cluster.settings import (
     current_log_level,
     worker_argv_settings,
 )
-from kvcake.server.cluster.supervisor import Supervisor
+from kvcake.server.cluster.supervisor import Relaunch, Supervisor
 from kvcake.server.frontend.limits import HttpLimits
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.worker import Worker
@@ -101,8 +101,9 @@ class Cluster:
                 self.membership = start_membership(self.backend, cfg.etcd, cfg.etcd_cluster,
                                                    list(self.processes) + list(self.workers))
             if self.processes:
-                self.supervisor = Supervisor(self.processes, self.backend, self._relaunch,
-                                             _await_ready, self.restart).start()
+                self.supervisor = Supervisor(self.processes, self.backend,
+                                             Relaunch(self._relaunch, _await_ready),
+                                             self.restart).start()
         except BaseException:
             self.close()
             raise

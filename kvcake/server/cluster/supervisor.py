@@ -23,6 +23,7 @@ import logging
 import subprocess
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvcake.clock import Clock, SystemClock
@@ -31,7 +32,7 @@ from kvcake.transfer.segment import unlink_blocks_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Supervisor"]
+__all__ = ["Relaunch", "Supervisor"]
 
 
 class SupervisedBackend(Protocol):
@@ -42,18 +43,25 @@ class SupervisedBackend(Protocol):
     def add_worker(self, address: str) -> object: ...
 
 
+@dataclass(frozen=True)
+class Relaunch:
+    """How a worker is started again: `launch(worker_id)` starts a new process for that worker;
+    `await_ready(worker_id, process)` returns its control address once it serves
+    (RuntimeError if it does not)."""
+
+    launch: Callable[[str], subprocess.Popen[str]]
+    await_ready: Callable[[str, subprocess.Popen[str]], str]
+
+
 class Supervisor:
     def __init__(self, processes: dict[str, subprocess.Popen[str]], backend: SupervisedBackend,
-                 launch: Callable[[str], subprocess.Popen[str]],
-                 await_ready: Callable[[str, subprocess.Popen[str]], str],
-                 policy: RestartPolicy | None = None, clock: Clock | None = None,
-                 poll_s: float = 0.2) -> None:
+                 relaunch: Relaunch, policy: RestartPolicy | None = None,
+                 clock: Clock | None = None, poll_s: float = 0.2) -> None:
         """`processes`: worker id -> its process, shared with the launcher (replaced here on a
-        restart); `launch(worker_id)` starts a new process for that worker; `await_ready`
-        returns its control address once it serves (RuntimeError if it does not)."""
+        restart); `relaunch`: how a worker's new process is started and awaited."""
         self.processes = processes
         self.backend = backend
-        self._launch, self._await_ready = launch, await_ready
+        self._launch, self._await_ready = relaunch.launch, relaunch.await_ready
         self.policy = policy or RestartPolicy()
         self.book = RestartBook(self.policy)
         self.clock = clock or SystemClock()

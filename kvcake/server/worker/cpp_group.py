@@ -37,20 +37,44 @@ class CppResult:
     kv_bytes: tuple[int, ...]  # KV each member streamed to the decode side
 
 
-def _member_main(model: str, layers: range, config: EngineConfig, member: int,
-                 chunk_tokens: int, slots: int, threads: int, ctl: Connection, up: Connection,
-                 down: Connection) -> None:
-    if threads > 0:  # a process of its own (a thread member shares its process's pool)
+@dataclass(frozen=True)
+class CppGroupConfig:
+    """How a group's members run. `chunk_tokens`: prompt tokens per chunk; `slots`: chunks
+    each inbox holds; `threads`: torch threads of each member process; `in_process`: members
+    run as threads of this process instead (tests: no start-up of processes; same messages,
+    same shared-memory inboxes and transfer engines)."""
+
+    chunk_tokens: int
+    slots: int = 2
+    threads: int = 1
+    in_process: bool = False
+
+
+@dataclass(frozen=True)
+class _Member:
+    """What one member process is started with (pickled to it)."""
+
+    model: str
+    config: EngineConfig
+    layers: range
+    member: int  # its stage
+    chunk_tokens: int
+    slots: int
+    threads: int  # torch threads of its own process; 0: a thread member
+
+
+def _member_main(spec: _Member, ctl: Connection, up: Connection, down: Connection) -> None:
+    if spec.threads > 0:  # a process of its own (a thread member shares its process's pool)
         import torch
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(spec.threads)
     from kvcake.engine.stage import StageEngine
     from kvcake.transfer import SegmentDesc, TransferConfig, TransferEngine
 
-    stage = StageEngine(model, layers, config)
+    stage = StageEngine(spec.model, spec.layers, spec.config)
     with TransferEngine(TransferConfig(port=0)) as transfer:
-        m = CppMember(stage, transfer, member=member, chunk_tokens=chunk_tokens, slots=slots,
-                      tag=f"{member}-{os.getpid()}-{threading.get_ident()}")
+        m = CppMember(stage, transfer, member=spec.member, chunk_tokens=spec.chunk_tokens,
+                      slots=spec.slots, tag=f"{spec.member}-{os.getpid()}-{threading.get_ident()}")
         ctl.send(None if m.inbox is None else m.inbox.to_dict())
         nxt = ctl.recv()
         if nxt is not None:
@@ -60,28 +84,26 @@ def _member_main(model: str, layers: range, config: EngineConfig, member: int,
 
 
 class CppGroup:
-    def __init__(self, model: str, num_members: int, config: EngineConfig, *,
-                 chunk_tokens: int, threads: int = 1, in_process: bool = False,
-                 slots: int = 2) -> None:
-        """`threads`: torch threads of each member process; `slots`: chunks each inbox holds. `in_process`: members run as
-        threads of this process instead (tests: no start-up of processes; same messages,
-        same shared-memory inboxes and transfer engines)."""
+    def __init__(self, model: str, num_members: int, config: EngineConfig,
+                 group: CppGroupConfig) -> None:
+        """`num_members` stages of `model`, each started with `config` and run as `group` says."""
         from kvcake.engine.loader import resolve
         from kvcake.engine.stage import split_layers
 
         layers = split_layers(resolve(model).config.num_layers, num_members)
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens = group.chunk_tokens
         ctx = mp.get_context("spawn")
-        make = threading.Thread if in_process else ctx.Process
+        make = threading.Thread if group.in_process else ctx.Process
         self._procs: list[Any] = []
         ctls: list[Connection] = []
         self._head, up = ctx.Pipe()
         for member, span in enumerate(layers):
             down_here, down_there = ctx.Pipe()
             ctl_here, ctl_there = ctx.Pipe()
+            spec = _Member(model, config, span, member, group.chunk_tokens, group.slots,
+                           0 if group.in_process else group.threads)
             proc = make(target=_member_main, daemon=True,
-                        args=(model, span, config, member, chunk_tokens, slots,
-                              0 if in_process else threads, ctl_there, up, down_here))
+                        args=(spec, ctl_there, up, down_here))
             proc.start()
             self._procs.append(proc)
             ctls.append(ctl_here)

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvcake import auth
 from kvcake.engine.engine import Engine
-from kvcake.engine.loader import resolve
-from kvcake.engine.stage import StageEngine, split_layers
+from kvcake.engine.stage import StageEngine
+from kvcake.server.worker import components
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.cpp_role import CppRole
-from kvcake.server.worker.decode import DecodeRole, pool_allocator
+from kvcake.server.worker.decode import DecodeRole
 from kvcake.server.worker.kv_event_publisher import KvEventPublisher
 from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import (
@@ -53,9 +53,8 @@ from kvcake.server.worker.messages import (
 from kvcake.server.worker.metrics import WorkerCollector, WorkerCounts, serve_metrics
 from kvcake.server.worker.prefill import PrefillRole
 from kvcake.server.worker.role import WorkerRole
-from kvcake.store import NodeConfig, StoreClient, StoreNode
-from kvcake.store.reader import CACHE_ENTRIES
-from kvcake.transfer import TransferConfig, TransferEngine, TransportWrapper
+from kvcake.store import StoreClient, StoreNode
+from kvcake.transfer import TransferEngine, TransportWrapper
 
 if TYPE_CHECKING:
     from kvcake.server.worker.membership import WorkerMembership
@@ -116,26 +115,27 @@ class Worker:
             import torch
 
             torch.set_num_threads(cfg.num_threads)
-        self.transfer = TransferEngine(TransferConfig(host=cfg.host, num_rails=2,
-                                                      advertise_host=cfg.advertise_host,
-                                                      use_shared_memory=cfg.shared_memory,
-                                                      secret=cfg.secret),
-                                       wrap_transport=self._wrap_transport)
-        kv_allocator = pool_allocator(self.transfer, self.worker_id, shared=cfg.shared_memory) \
-            if cfg.role is Role.DECODE else None
-        if cfg.role is Role.CPP:
-            layers = split_layers(resolve(cfg.model).config.num_layers, cfg.cpp_nodes)
-            self.stage = StageEngine(cfg.model, layers[cfg.cpp_member or 0], cfg.engine)
-        else:
-            self.engine = Engine(cfg.model, cfg.engine, kv_allocator=kv_allocator)
+        self.transfer = transfer = components.transfer_engine(cfg, self._wrap_transport)
+        self.engine, self.stage = components.load_model(cfg, transfer, self.worker_id)
         model = self._model()
-        if cfg.kv_events_endpoint is not None and self.engine is not None:
-            self.kv_events = KvEventPublisher(
-                cfg.kv_events_endpoint, f"kv@{self.worker_id}@{model.model_config.name}",
-                self.engine.block_size, "GPU" if self.engine.device.type == "cuda" else "CPU")
-            log.info("%s: KV events (vLLM KVEventBatch) on %s", self.worker_id,
-                     self.kv_events.endpoint)
-        self.transfer.start()
+        if self.engine is not None:
+            self.kv_events = components.kv_event_publisher(cfg, self.worker_id, self.engine)
+        transfer.start()
+        self._serve_metrics(model)
+        master = cfg.store_master
+        if master is not None:
+            self.store_node = components.store_node(cfg, master, self.worker_id, transfer)
+            self.store = components.store_client(cfg, master, transfer, self.store_node)
+        self._serve()
+        if cfg.etcd is not None:  # checks the advertised address answers, then registers
+            self.membership = components.etcd_membership(cfg, cfg.etcd, model)
+            node = self.store_node
+            self.membership.join(self, cfg.advertise_host,
+                                 (node.node_id, transfer.address) if node else None)
+        return self
+
+    def _serve_metrics(self, model: Engine | StageEngine) -> None:
+        cfg = self.config
         if cfg.metrics_port is not None:
             self.counts.num_blocks = model.block_manager.num_blocks
             labels = {"model_name": model.model_config.name, "worker_id": self.worker_id,
@@ -143,43 +143,24 @@ class Worker:
             self._metrics_server, self.metrics_port = serve_metrics(
                 WorkerCollector(self.counts, labels), cfg.host, cfg.metrics_port)
             log.info("%s: /metrics on %s:%d", self.worker_id, cfg.host, self.metrics_port)
-        master = cfg.store_master
-        if master is not None:
-            self.store_node = StoreNode(NodeConfig(cfg.store_dram_bytes), master,
-                                        node_id=f"node-{self.worker_id}", engine=self.transfer,
-                                        host=cfg.host, secret=cfg.secret,
-                                        advertise_host=cfg.advertise_host).start()
-            self.store = StoreClient(master, engine=self.transfer,
-                                     transfer_config=TransferConfig(serve=False,
-                                                                    secret=cfg.secret),
-                                     local_node=self.store_node.node_id,
-                                     # block keys are chained hashes of their tokens: a key's
-                                     # bytes never change, so a remembered location is safe
-                                     location_cache=CACHE_ENTRIES)
+
+    def _serve(self) -> None:
+        """The role, the control port and the accept and engine-loop threads."""
+        cfg = self.config
+        role: WorkerRole
         if cfg.role is Role.DECODE:
-            self._role = DecodeRole(self)
+            role = DecodeRole(self)
         elif self.stage is not None:
-            self._role = CppRole(self, self.stage)
+            role = CppRole(self, self.stage)
         else:
-            self._role = PrefillRole(self)
+            role = PrefillRole(self)
+        self._role = role
         self._listener = socket.create_server((cfg.host, cfg.port))
         for target, name in ((self._accept_loop, "accept"), (self._engine_loop, "engine")):
             thread = threading.Thread(target=target, name=f"{self.worker_id}-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
-        self._role.start()
-        if cfg.etcd is not None:  # checks the advertised address answers, then registers
-            from kvcake.registry import Etcd  # the etcd client only where etcd is used
-            from kvcake.server.worker.membership import WorkerMembership
-
-            node, transfer = self.store_node, self.transfer
-            assert transfer is not None
-            self.membership = WorkerMembership(
-                Etcd(cfg.etcd), cfg.cluster, cfg.role.value, model.model_config.name,
-                model.namespace)
-            self.membership.join(self, cfg.advertise_host,
-                                 (node.node_id, transfer.address) if node else None)
-        return self
+        role.start()
 
     def close(self) -> None:
         """Stop serving; running requests are dropped (the frontend sees the link close)."""

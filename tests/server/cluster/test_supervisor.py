@@ -12,7 +12,7 @@ import pytest
 
 from kvcake.clock import ManualClock
 from kvcake.server.cluster.restart_policy import CrashLoop, RestartBook, RestartPolicy
-from kvcake.server.cluster.supervisor import Supervisor
+from kvcake.server.cluster.supervisor import Relaunch, Supervisor
 from kvcake.transfer.segment import SHM_DIR, block_prefix
 
 
@@ -63,7 +63,7 @@ class Rig:
         self.backend = FakeBackend(set(self.procs))
         self.launched: list[str] = []
         self.fail_starts = fail_starts
-        self.supervisor = Supervisor(self.procs, self.backend, self.launch, self.ready,
+        self.supervisor = Supervisor(self.procs, self.backend, Relaunch(self.launch, self.ready),
                                      policy, self.clock)
 
     def launch(self, worker_id: str) -> Any:

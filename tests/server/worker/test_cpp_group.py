@@ -10,7 +10,7 @@ import torch
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
 from kvcake.engine.sampling import SamplingParams
-from kvcake.server.worker.cpp_group import CppGroup
+from kvcake.server.worker.cpp_group import CppGroup, CppGroupConfig
 from kvcake.server.worker.cpp_stage import KvTarget, chunks
 from kvcake.server.worker.decode import pool_allocator
 from kvcake.transfer import TransferConfig, TransferEngine
@@ -45,7 +45,7 @@ def test_group_tokens_equal_single_engine() -> None:
         assert targets is not None and len(targets) == 10
         target = KvTarget(transfer.describe("kv-pool-d0").to_dict(), decode.num_blocks,
                           tuple(targets))
-        with CppGroup("tiny", 2, CONFIG, chunk_tokens=40, in_process=True) as group:  # 4 chunks
+        with CppGroup("tiny", 2, CONFIG, CppGroupConfig(chunk_tokens=40, in_process=True)) as group:  # 4 chunks
             result = group.prefill("r", PROMPT, max_tokens=GREEDY.max_tokens, kv_target=target)
         decode.commit_reserved("r", result.first_token)
         out = [result.first_token] + _tokens(decode)
@@ -63,7 +63,7 @@ def test_three_members_one_slot_each_back_pressure() -> None:
     single.add_request("long", PROMPT, SamplingParams(max_tokens=1))
     single.add_request("short", PROMPT[:20], SamplingParams(max_tokens=1))
     expected = {o.request_id: o.new_token_ids[0] for _ in range(3) for o in single.step()}
-    with CppGroup("tiny", 3, CONFIG, chunk_tokens=32, in_process=True, slots=1) as group:
+    with CppGroup("tiny", 3, CONFIG, CppGroupConfig(chunk_tokens=32, slots=1, in_process=True)) as group:
         assert group.prefill("a", PROMPT).first_token == expected["long"]
         assert group.prefill("b", PROMPT[:20]).first_token == expected["short"]  # one chunk
         assert group.prefill("c", PROMPT).first_token == expected["long"]  # blocks released
