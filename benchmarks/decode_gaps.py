@@ -2,6 +2,8 @@ r"""Where the time between two tokens goes on the live disaggregated decode path
 
     flock /tmp/kvcake_bench.lock .venv/bin/python benchmarks/decode_gaps.py --rate 0.197 --num-requests 15
     flock /tmp/kvcake_bench.lock .venv/bin/python benchmarks/decode_gaps.py --rate 0.787 --json
+    flock /tmp/kvcake_bench.lock .venv/bin/python benchmarks/decode_gaps.py --rate 1.113 \
+        --num-requests 40 --systems disagg,colocated --pin both
 
 The regime's first --num-requests requests (`serving_disagg_vs_colocated.py`'s regime.json in
 --out-dir, seeded Poisson arrivals at --rate) replayed once through 1P+1D (its `Served("disagg")`)
@@ -10,7 +12,10 @@ every engine step's start, end, end of sending its tokens, CPU time and rows). P
 decode batch, the engine step's wall and CPU time (per batch size too), the loop's time between
 two steps, the sending of a step's tokens, and the paper's per-request TBT (mean of the slowest
 10% of a request's gaps) as the worker sent the tokens vs as the replay client received them:
-what the frontend, its SSE and the client add to the step. Needs the bench lock (a live run).
+what the frontend, its SSE and the client add to the step. `--systems disagg,colocated` replays
+the same requests through the 2 colocated workers too (budget `--colocated-budget`, no step
+trace: shares, TTFT and client TBT), and `--pin both` runs each system with `pin_workers` off,
+then on (kvcake/server/cluster/cpu_pinning.py). Needs the bench lock (a live run).
 """
 
 from __future__ import annotations
@@ -69,6 +74,40 @@ def analyse(steps: list[dict[str, Any]], client_tbts: list[float]) -> dict[str, 
     }
 
 
+def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[Any],
+               rate: float, budget: int | None) -> dict[str, Any]:
+    """One replay of `planned` through a fresh `kind` cluster (pin_workers = `pin`)."""
+    toml = cap.kvcake_toml
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load = os.getloadavg()
+    cap.kvcake_toml = lambda *a: f"pin_workers = {str(pin).lower()}\n" + toml(*a)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
+            os.environ[ENV] = trace_dir  # the server and its workers inherit it
+            try:
+                with cap.Served(kind, cap_args, budget) as served:
+                    begun = time.monotonic()
+                    results, duration = served.replay(planned)
+            finally:
+                del os.environ[ENV]
+            steps = [json.loads(line) for path in Path(trace_dir).glob("steps-*.jsonl")
+                     for line in path.read_text().splitlines()]
+    finally:
+        cap.kvcake_toml = toml
+    steps = [s for s in steps if s["t0"] >= begun]  # the replay's, not the warm-up's
+    client = [paper_tbt_s(r.gaps_s) for r in results if r.gaps_s]
+    summary = cap.probe_summary(results, duration, regime, rate)
+    report = {"system": kind, "pin_workers": pin, "started": started, "load_before": load,
+              "load_after": os.getloadavg(), "requests": len(planned),
+              "shares": [round(x, 3) for x in summary["shares"]],
+              "ttft_ms_p50_p90": [round(summary["median_ttft_ms"], 1),
+                                  round(summary["p90_ttft_ms"], 1)],
+              "client_tbt_ms_p50_p90": pct(client, 50, 90)}
+    if steps:  # the decode worker's step trace (disaggregated only)
+        report.update(analyse(steps, client))
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.197, help="requests per second")
     p.add_argument("--num-requests", type=int, default=15)
     p.add_argument("--seed", type=int, default=7, help="prompt tokens of the replay")
+    p.add_argument("--systems", default="disagg",
+                   help="comma-separated, of disagg and colocated (the capacity run's shapes)")
+    p.add_argument("--pin", choices=("on", "off", "both"), default="on",
+                   help="pin_workers of the clusters; both: an off/on A/B per system")
+    p.add_argument("--colocated-budget", type=int, default=64,
+                   help="the colocated workers' prefill-chunk budget (the quiet run's pick)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
@@ -84,26 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     records = cap.records_of(cap_args.trace, regime.num_requests)
     planned = cap.workload(records, regime, cap_args.vocab_size, args.rate,
                            args.seed)[:args.num_requests]
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    load = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
-        os.environ[ENV] = trace_dir  # the server and its workers inherit it
-        try:
-            with cap.Served("disagg", cap_args) as served:
-                begun = time.monotonic()
-                results, _ = served.replay(planned)
-        finally:
-            del os.environ[ENV]
-        steps = [json.loads(line) for path in Path(trace_dir).glob("steps-*.jsonl")
-                 for line in path.read_text().splitlines()]
-    steps = [s for s in steps if s["t0"] >= begun]  # the replay's, not the warm-up's
-    client = [paper_tbt_s(r.gaps_s) for r in results if r.gaps_s]
-    report = {"started": started, "load_before": load, "load_after": os.getloadavg(),
-              "rate": args.rate, "requests": len(planned), **analyse(steps, client)}
-    for key, value in report.items():
-        print(f"{key}: {json.dumps(value)}")
+    pins = {"on": [True], "off": [False], "both": [False, True]}[args.pin]
+    reports = []
+    for kind in args.systems.split(","):
+        if kind not in ("disagg", "colocated"):
+            raise SystemExit(f"--systems: disagg or colocated, got {kind!r}")
+        for pin in pins:
+            budget = args.colocated_budget if kind == "colocated" else None
+            report = {"rate": args.rate, **replay_one(kind, pin, cap_args, regime, planned,
+                                                      args.rate, budget)}
+            reports.append(report)
+            for key, value in report.items():
+                print(f"{key}: {json.dumps(value)}")
+            print(flush=True)
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(reports))
     return 0
 
 
