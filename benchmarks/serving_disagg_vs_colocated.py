@@ -99,7 +99,7 @@ import serving_vs_vllm as svv  # noqa: E402
 
 from kvcake.bench.capacity import find_capacities  # noqa: E402
 from kvcake.bench.prompts import PromptBuilder  # noqa: E402
-from kvcake.bench.regime import Regime, derive_regime  # noqa: E402
+from kvcake.bench.regime import Regime, Replay, derive_regime  # noqa: E402
 from kvcake.bench.replay import PlannedRequest, ReplayConfig, replay  # noqa: E402
 from kvcake.bench.stats import RequestResult, is_effective, summarize  # noqa: E402
 from kvcake.conductor import Admission, ConductorConfig  # noqa: E402
@@ -167,9 +167,10 @@ def measure_regime(args: argparse.Namespace) -> Regime:
     records = records_of(args.trace, args.num_requests)
     regime = derive_regime(
         profile.decode.decode_step_time_s, lambda n: profile.prefill.predict(n, 0),
-        mean_input_len=float(np.mean([r.input_len for r in records])),
-        output_lens=[r.output_len for r in records], max_model_len=MAX_MODEL_LEN,
-        num_requests=args.num_requests, max_probes=args.max_probes)
+        Replay(float(np.mean([r.input_len for r in records])),
+               [r.output_len for r in records], num_requests=args.num_requests,
+               max_probes=args.max_probes),
+        max_model_len=MAX_MODEL_LEN)
     del model_config
     return regime
 

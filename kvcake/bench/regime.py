@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 PREFILL_STEPS = 32.0  # mean cold prefill / decode step (1.44 s / 45 ms)
@@ -124,19 +124,32 @@ class Regime:
                 from None
 
 
+@dataclass(frozen=True)
+class Replay:
+    """What a capacity experiment replays: the trace records' mean input length (unscaled) and
+    their output lengths, the records per replay and the capacity probes per TBT SLO."""
+
+    mean_input_len: float
+    output_lens: Sequence[int]  # kept as a tuple
+    num_requests: int
+    max_probes: int
+
+    def __post_init__(self) -> None:
+        if not self.output_lens:
+            raise ValueError("output_lens: give the replayed records' output lengths")
+        object.__setattr__(self, "output_lens", tuple(self.output_lens))
+
+
 def derive_regime(decode_step_s: Callable[[int, int], float], prefill_s: Callable[[int], float],
-                  mean_input_len: float, output_lens: list[int], max_model_len: int,
-                  num_requests: int, max_probes: int,
+                  replay: Replay, max_model_len: int,
                   max_output_len: int = MAX_OUTPUT_TOKENS) -> Regime:
-    """The regime from this machine's measured models: `decode_step_s(batch, context_tokens)`
-    (one decode worker) and `prefill_s(prompt_len)` (one prefill worker, cold).
+    """The regime of `replay` from this machine's measured models: `decode_step_s(batch,
+    context_tokens)` (one decode worker) and `prefill_s(prompt_len)` (one prefill worker, cold).
 
     s_d is taken at the typical batch, each sequence holding the scaled mean prompt plus half the
     mean output; the scaled mean prompt depends on s_d, so the two are iterated to a fixed
     point (a few rounds: the context term is small)."""
-    if not output_lens:
-        raise ValueError("output_lens: give the replayed records' output lengths")
-    capped = [min(max(1, n), max_output_len) for n in output_lens]
+    capped = [min(max(1, n), max_output_len) for n in replay.output_lens]
     mean_output = sum(capped) / len(capped)
     batch = typical_decode_batch(mean_output)
     max_prompt = max_model_len - max_output_len
@@ -157,8 +170,9 @@ def derive_regime(decode_step_s: Callable[[int, int], float], prefill_s: Callabl
     mean_prefill = prefill_s(target)
     return Regime(
         s_d_s=s_d, decode_batch=batch, decode_context_tokens=target + math.ceil(mean_output / 2),
-        mean_input_len=mean_input_len, mean_output_len=mean_output, target_prompt_len=target,
+        mean_input_len=replay.mean_input_len, mean_output_len=mean_output, target_prompt_len=target,
         mean_prefill_s=mean_prefill, prefill_tokens_per_s=target / mean_prefill,
-        scale_tokens=token_scale(target, mean_input_len), max_prompt_len=max_prompt,
+        scale_tokens=token_scale(target, replay.mean_input_len), max_prompt_len=max_prompt,
         max_output_len=max_output_len, tbt_slos_ms=tbt_slos_ms(s_d),
-        ttft_slo_s=ttft_slo_s(mean_prefill), num_requests=num_requests, max_probes=max_probes)
+        ttft_slo_s=ttft_slo_s(mean_prefill), num_requests=replay.num_requests,
+        max_probes=replay.max_probes)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import serving_disagg_vs_colocated as cap  # noqa: E402
 import sim_vs_live  # noqa: E402
 
-from kvcake.bench.regime import Regime, derive_regime  # noqa: E402
+from kvcake.bench.regime import Regime, Replay, derive_regime  # noqa: E402
 from kvcake.bench.stats import Outcome, RequestResult  # noqa: E402
 from kvcake.sim.live_profile import live_cost_from_dict  # noqa: E402
 from kvcake.sim.trace import TraceRequest  # noqa: E402
@@ -23,8 +23,8 @@ from tests.bench.test_live_profile import profile_dict  # noqa: E402
 
 def regime() -> Regime:
     return derive_regime(lambda b, c: 0.004 + 0.0005 * b + 1e-8 * c, lambda n: n / 4000.0,
-                         mean_input_len=2000.0, output_lens=[40, 60, 2000], max_model_len=2048,
-                         num_requests=12, max_probes=2)
+                         Replay(2000.0, [40, 60, 2000], num_requests=12, max_probes=2),
+                         max_model_len=2048)
 
 
 RECORDS = [TraceRequest(i, 1000.0 * i, 1500 + 100 * i, 30 + 2000 * (i == 3), (0, 1, 2, 10 + i))
@@ -121,8 +121,8 @@ def test_sim_vs_live_checks_every_probe_of_a_capacity_search(tmp_path: Path) -> 
     other = tmp_path / "other"
     other.mkdir()
     (other / "regime.json").write_text(derive_regime(
-        lambda b, c: 0.008, lambda n: n / 4000.0, mean_input_len=2000.0, output_lens=[40],
-        max_model_len=2048, num_requests=12, max_probes=2).to_json())
+        lambda b, c: 0.008, lambda n: n / 4000.0,
+        Replay(2000.0, [40], num_requests=12, max_probes=2), max_model_len=2048).to_json())
     with pytest.raises(SystemExit, match="not this out-dir's regime"):
         sim_vs_live.capacity_check(other, r, RECORDS, cost, budget=256, vocab_size=258)
 

@@ -8,6 +8,7 @@ from kvcake.bench.capacity import find_capacities
 from kvcake.bench.regime import (
     PREFILL_STEPS,
     Regime,
+    Replay,
     derive_regime,
     solve_prompt_len,
     tbt_slos_ms,
@@ -57,8 +58,8 @@ def test_derive_regime_fixed_point() -> None:
         return n / 2000.0
 
     outputs = [500, 3000, 10, 300]  # 3000 is capped at 1,024
-    regime = derive_regime(step, prefill, mean_input_len=12000.0, output_lens=outputs,
-                           max_model_len=32768, num_requests=40, max_probes=4)
+    regime = derive_regime(step, prefill, Replay(12000.0, outputs, num_requests=40, max_probes=4),
+                           max_model_len=32768)
     mean_out = (500 + 1024 + 10 + 300) / 4
     assert regime.mean_output_len == pytest.approx(mean_out)
     assert regime.decode_batch == typical_decode_batch(mean_out)
@@ -75,10 +76,10 @@ def test_derive_regime_fixed_point() -> None:
 
 
 def test_derive_regime_caps_at_the_context() -> None:
-    regime = derive_regime(lambda b, c: 1.0, lambda n: n * 1e-6, 1000.0, [100], 4096, 10, 1)
+    regime = derive_regime(lambda b, c: 1.0, lambda n: n * 1e-6, Replay(1000.0, [100], 10, 1), 4096)
     assert regime.target_prompt_len == 4096 - 1024
     with pytest.raises(ValueError, match="no room"):
-        derive_regime(lambda b, c: 1.0, lambda n: n, 1000.0, [100], 1024, 10, 1)
+        derive_regime(lambda b, c: 1.0, lambda n: n, Replay(1000.0, [100], 10, 1), 1024)
 
 
 def test_regime_file_errors_say_what_to_do() -> None:
