@@ -311,8 +311,11 @@ def capacity_check(cap_dir: Path, regime: Regime, records: list[TraceRequest], c
     """The simulator against every probe of a live capacity search (`serving_disagg_vs_colocated.py`
     in `cap_dir`, the same regime: the same requests and arrival offsets, one rate per probe), with
     the profile fitted here: more live points than the one check rate, each one 40-request run.
-    Per system: rows {rate, metric: {live, sim, rel_err}}, and the prompt-token hit share of the
-    live search (its counters, all probes) against the simulated runs' mean."""
+    Per system: rows {rate, prefill_busy_share (simulated prefill compute / makespan; colocated:
+    both workers' chunks), implied_decode_factor (where the probe has a mean TPOT: the decode
+    factor that makes the simulated mean TPOT the live one), metric: {live, sim, rel_err}}, and
+    the prompt-token hit share of the live search (its counters, all probes) against the
+    simulated runs' mean."""
     other = Regime.from_json((cap_dir / "regime.json").read_text())
     if other != regime:
         raise SystemExit(f"{cap_dir}/regime.json is not this out-dir's regime: the probes would "
@@ -336,7 +339,13 @@ def capacity_check(cap_dir: Path, regime: Regime, records: list[TraceRequest], c
                    "tbt_p50_ms": 1000 * summary["tbt_s"]["p50"],
                    "tbt_p90_ms": 1000 * summary["tbt_s"]["p90"],
                    "tpot_mean_ms": 1000 * sim_tpot_mean_s(result.states)}
-            row: dict[str, Any] = {"rate": probe["rate"]}
+            row: dict[str, Any] = {"rate": probe["rate"],
+                                   "prefill_busy_share": summary["prefill_compute_s"]
+                                   / max(1e-9, summary["makespan_s"])}
+            if probe.get("mean_tpot_ms") and isinstance(cost, LiveCost):
+                row["implied_decode_factor"] = implied_decode_factor(
+                    float(probe["mean_tpot_ms"]), config, sim_trace(records, planned, block_len),
+                    cost)
             for name, key in PROBE_KEYS.items():
                 if probe.get(key) is not None:
                     x = float(probe[key])
@@ -351,18 +360,33 @@ def capacity_check(cap_dir: Path, regime: Regime, records: list[TraceRequest], c
     return out
 
 
+def implied_decode_factor(tpot_ms: float, config: SimConfig, trace: Trace,
+                          cost: LiveCost) -> float:
+    """The decode contention factor (every other term of `cost` held) at which the simulated
+    mean TPOT equals the live one: the mean slowdown of the live decode steps against the
+    isolated step fit, as this run's requests saw it (bounds 0.5 / 8 where outside)."""
+    def measure(f: float) -> float:
+        slower = dataclasses.replace(cost, decode_contention=f).as_cost_model()
+        return 1000 * sim_tpot_mean_s(simulate(config, trace, slower).states)
+    return fit_factor(tpot_ms, measure)
+
+
 def print_capacity_check(check: dict[str, Any]) -> None:
     names = list(PROBE_KEYS)
     for system, data in check.items():
         print(f"{system}: live / sim (error) per probe of the capacity search; prompt-token hit "
               f"share live {data['hit_share']['live']} sim {data['hit_share']['sim']}")
-        print("| rate | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        print("| rate | " + " | ".join(names) + " | prefill busy | implied decode factor |\n"
+              "|---|" + "---|" * (len(names) + 2))
         for row in data["probes"]:
             cells = []
             for name in names:
                 m = row.get(name)
                 cells.append("-" if m is None else
                              f"{m['live']:.4g} / {m['sim']:.4g} ({m['rel_err']:+.0%})")
+            implied = row.get("implied_decode_factor")
+            cells += [f"{row['prefill_busy_share']:.2f}",
+                      "-" if implied is None else f"{implied:.3f}"]
             print(f"| {row['rate']:.3f} | " + " | ".join(cells) + " |")
 
 

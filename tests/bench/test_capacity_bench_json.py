@@ -3,6 +3,7 @@ their request plans, without servers or vLLM (step files and live results made u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import sim_vs_live  # noqa: E402
 from kvcake.bench.regime import Regime, Replay, derive_regime  # noqa: E402
 from kvcake.bench.stats import Outcome, RequestResult  # noqa: E402
 from kvcake.sim.live_profile import live_cost_from_dict  # noqa: E402
+from kvcake.sim.run import simulate  # noqa: E402
 from kvcake.sim.trace import TraceRequest  # noqa: E402
 from tests.bench.test_live_profile import profile_dict  # noqa: E402
 
@@ -117,6 +119,14 @@ def test_sim_vs_live_checks_every_probe_of_a_capacity_search(tmp_path: Path) -> 
     alone = sim_vs_live.sim_metrics(trace, r, sim_vs_live.sim_configs(r, block, 256)["disagg"],
                                     cost)
     assert rows[1]["tbt_p50_ms"]["sim"] == pytest.approx(alone["tbt_p50_ms"])
+    assert 0.0 <= rows[1]["prefill_busy_share"] <= 1.0
+    assert "implied_decode_factor" not in rows[0]  # no live TPOT to match
+    # the implied factor: the simulated mean TPOT at it is the probe's live 8.0 ms
+    factor = rows[1]["implied_decode_factor"]
+    config = sim_vs_live.sim_configs(r, block, 256)["disagg"]
+    at = dataclasses.replace(live_cost_from_dict(profile_dict()), decode_contention=factor)
+    tpot = 1000 * sim_vs_live.sim_tpot_mean_s(simulate(config, trace, at.as_cost_model()).states)
+    assert 0.5 < factor < 8.0 and tpot == pytest.approx(8.0, rel=2e-3)
     json.dumps(check)
     other = tmp_path / "other"
     other.mkdir()
