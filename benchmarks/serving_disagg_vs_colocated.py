@@ -252,7 +252,8 @@ class Served:
                                          str(toml)], stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         cwd=ROOT)
-            self.server = svv.Server(svv.System(self.kind, "float32"), self.url, proc, 0.0)
+            self.server = svv.Server(svv.System(self.kind, "float32"), self.url, proc, 0.0,
+                                     proc.pid)  # its session (start_new_session)
             try:
                 svv.wait_healthy(self.url, proc, 600.0, log)
             except BaseException:
