@@ -180,12 +180,11 @@ class StoreIndex:
             out.append((slot_id, meta))
         return out
 
-    def name_slot(self, key: str, slot_id: int, size_bytes: int, checksum: int) -> ObjectMeta:
+    def name_slot(self, key: str, slot_id: int, size_bytes: int, checksum: int) -> None:
         """Give slot `slot_id` its key and checksum, still PENDING (its bytes are being written;
         `seal` commits it). The same errors as `commit_slot`, which keep the slot reserved."""
         slot = self._claim_slot(key, slot_id, size_bytes)
         slot.checksum, slot.sealing = checksum, True
-        return slot
 
     def seal(self, key: str, now_s: float) -> None:
         """Commit an object named from a slot (its writer's bytes are written and checked).
