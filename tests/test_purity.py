@@ -17,6 +17,8 @@ PURE = [
     "store/index.py",
     "store/space.py",
     "store/tiering.py",
+    "store/slots.py",
+    "store/leases.py",
     "store/eviction.py",
     "store/objects.py",
     "store/placement.py",

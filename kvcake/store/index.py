@@ -3,7 +3,8 @@
 Pure: the caller passes `now_s` and carries out the `TierAction`s this index queues (copies
 between a node's DRAM segment and its disk, which only that node can do). Bytes never pass here.
 The space replicas take lives in `space.py` (`NodeSpace`), eviction and DRAM<->disk moves in
-`tiering.py` (`Tiering`); this module keeps the objects and their lifecycle.
+`tiering.py` (`Tiering`), keyless allocations in `slots.py` (`SlotTable`); this module keeps the
+objects and their lifecycle.
 
 Object lifecycle:
     put_start -> PENDING (replicas allocated) -> put_commit -> COMPLETE -> remove / evict / lost
@@ -12,9 +13,8 @@ Object lifecycle:
        |       `-- release_slot, or put_timeout_s passes -> reclaimed
        `-> name_slot(key) -> PENDING, sealing -> seal -> COMPLETE
                              `-- put_revoke, or put_timeout_s passes -> reclaimed
-A slot is a put_start made before its key is known: a writer holds one ready, writes the next
-object of that size into it and names the key in the commit (one master round trip per put). An
-uncommitted slot is invisible to readers, exactly like a PENDING object.
+A slot (slots.py) is a put_start made before its key is known; unclaimed, it is invisible to
+readers, exactly like a PENDING object.
 A COMPLETE object has one or more DRAM replicas and/or one DISK replica per node with a disk.
 Eviction drops an object's DRAM replicas, demoting one to disk first where a disk has room; a get
 of an object that lives only on disk promotes it back into that node's DRAM.
@@ -28,11 +28,13 @@ from typing import Any
 
 from kvcake.store.allocator import OffsetAllocator
 from kvcake.store.config import MasterConfig
-from kvcake.store.errors import InvalidRequest, NoSpace, ObjectExists, ObjectNotFound
+from kvcake.store.errors import InvalidRequest, ObjectExists, ObjectNotFound
 from kvcake.store.eviction import LruOrder
 from kvcake.store.layout import HEADER_BYTES
+from kvcake.store.leases import drop_expired, readers
 from kvcake.store.objects import ActionKind, ObjectMeta, Replica, Tier, TierAction
 from kvcake.store.placement import NodeInfo, order_nodes
+from kvcake.store.slots import SlotTable
 from kvcake.store.space import NodeSpace
 from kvcake.store.tiering import Tiering
 
@@ -53,11 +55,13 @@ class StoreIndex:
     _rng: random.Random = field(default_factory=random.Random)
     space: NodeSpace = field(init=False, repr=False, compare=False)  # shares nodes, actions
     tiers: Tiering = field(init=False, repr=False, compare=False)  # shares objects, lru orders
+    slot_table: SlotTable = field(init=False, repr=False, compare=False)  # shares slots, objects
 
     def __post_init__(self) -> None:
         self._rng.seed(self.config.seed)
         self.space = NodeSpace(self.nodes, self.actions)
         self.tiers = Tiering(self.config, self.objects, self.space, self.lru, self.disk_lru)
+        self.slot_table = SlotTable(self.config, self.slots, self.objects, self.space, self.tiers)
 
     @property
     def num_evicted(self) -> int:
@@ -102,9 +106,7 @@ class StoreIndex:
             for r in meta.replicas if r.node_id == node_id and r.tier is Tier.DRAM and r.complete)
         del self.nodes[node_id]
         self.space.forget_node(node_id)
-        for slot_id, slot in list(self.slots.items()):
-            if any(r.node_id == node_id for r in slot.replicas):
-                self.release_slot(slot_id)
+        self.slot_table.release_on(node_id)
         lost = []
         for meta in list(self.objects.values()):
             kept = [r for r in meta.replicas if r.node_id != node_id]
@@ -131,8 +133,7 @@ class StoreIndex:
             raise ObjectExists(f"key {key!r} is already stored or being written")
         alloc = size_bytes + HEADER_BYTES
         self.space.check_fits(alloc)
-        order = order_nodes(list(self.nodes.values()), self.config.strategy, self._rng, local_node)
-        replicas = self.tiers.allocate_on(order, alloc, num_replicas, now_s)
+        replicas = self.tiers.allocate_on(self._order(local_node), alloc, num_replicas, now_s)
         meta = ObjectMeta(key, size_bytes, checksum, replicas, deadline_s=now_s + self.config.put_timeout_s)
         self.objects[key] = meta
         self.tiers.evict_to_watermark(now_s)
@@ -160,25 +161,8 @@ class StoreIndex:
         """Up to `count` keyless allocations (slots) of `size_bytes`, each placed as put_start
         would place it but only in free space (a slot never evicts: it is taken ahead of need);
         (slot id, its pending meta). Fewer, maybe none, when free space runs out."""
-        if size_bytes < 0 or num_replicas < 1 or not 1 <= count <= _MAX_RESERVE:
-            raise InvalidRequest(f"reserve: size_bytes >= 0, num_replicas >= 1 and 1 <= count <= "
-                                 f"{_MAX_RESERVE}, got {size_bytes}, {num_replicas}, {count}")
-        alloc = size_bytes + HEADER_BYTES
-        self.space.check_fits(alloc)
-        out: list[tuple[int, ObjectMeta]] = []
-        for _ in range(count):
-            order = order_nodes(list(self.nodes.values()), self.config.strategy, self._rng,
-                                local_node)
-            try:
-                replicas = self.tiers.allocate_on(order, alloc, num_replicas, now_s, evict=False)
-            except NoSpace:
-                break
-            slot_id = replicas[0].version  # never reused
-            meta = ObjectMeta("", size_bytes, None, replicas,
-                              deadline_s=now_s + self.config.put_timeout_s)
-            self.slots[slot_id] = meta
-            out.append((slot_id, meta))
-        return out
+        return self.slot_table.reserve(size_bytes, count, num_replicas,
+                                       lambda: self._order(local_node), now_s)
 
     def name_slot(self, key: str, slot_id: int, size_bytes: int, checksum: int) -> None:
         """Give slot `slot_id` its key and checksum, still PENDING (its bytes are being written;
@@ -212,25 +196,11 @@ class StoreIndex:
     def _claim_slot(self, key: str, slot_id: int, size_bytes: int) -> ObjectMeta:
         """Slot `slot_id` becomes the uncommitted object `key`; on any error it stays a slot."""
         self._check_key(key)
-        slot = self.slots.get(slot_id)
-        if slot is None:
-            raise ObjectNotFound(f"slot {slot_id} is not reserved (timed out or released?)")
-        if size_bytes != slot.size_bytes:
-            raise InvalidRequest(f"size_bytes: slot {slot_id} holds {slot.size_bytes} bytes, "
-                                 f"got {size_bytes}")
-        if key in self.objects:
-            raise ObjectExists(f"key {key!r} is already stored or being written")
-        del self.slots[slot_id]
-        slot.key = key
-        self.objects[key] = slot
-        return slot
+        return self.slot_table.claim(key, slot_id, size_bytes)
 
     def release_slot(self, slot_id: int) -> None:
         """Free a slot that will not be used (unknown ids are ignored)."""
-        slot = self.slots.pop(slot_id, None)
-        if slot is not None:
-            for replica in slot.replicas:
-                self.space.free_range("", replica)
+        self.slot_table.release(slot_id)
 
     # ---- get / exists / remove -----------------------------------------------------------------
     def get(self, key: str, now_s: float) -> ObjectMeta:
@@ -245,7 +215,7 @@ class StoreIndex:
         meta = self._committed(key)
         lease_id = self._next_lease
         self._next_lease += 1
-        _drop_expired_leases(meta.leases, now_s)
+        drop_expired(meta.leases, now_s)
         meta.leases[lease_id] = now_s + self.config.lease_s
         if meta.disk():
             self.disk_lru.touch(key)
@@ -278,16 +248,7 @@ class StoreIndex:
         self.space.release(lease_id)
 
     def promote_done(self, key: str, version: int, ok: bool, now_s: float) -> None:
-        meta = self.objects.get(key)
-        replica = next((r for r in meta.replicas if r.version == version), None) if meta else None
-        if meta is None or replica is None:
-            return
-        if ok:
-            replica.complete = True
-            self.lru.touch(key)
-        else:
-            meta.replicas.remove(replica)
-            self.space.free_range(key, replica)
+        self.tiers.promote_done(key, version, ok)
 
     def demote_done(self, key: str, disk_version: int, ok: bool) -> None:
         """A node carried out (`ok`) or failed a DEMOTE: count it, or forget that disk copy."""
@@ -298,15 +259,7 @@ class StoreIndex:
 
     def disk_lost(self, key: str, disk_version: int) -> None:
         """A demote failed: forget that disk copy (and the object, if it was the last one)."""
-        meta = self.objects.get(key)
-        replica = next((r for r in meta.replicas if r.version == disk_version), None) if meta else None
-        if meta is None or replica is None:
-            return
-        meta.replicas.remove(replica)
-        node = self.nodes.get(replica.node_id)
-        if node is not None:
-            node.disk_used_bytes -= replica.alloc_bytes
-        if not meta.replicas:
+        if self.tiers.drop_disk_copy(key, disk_version):
             self._forget(key)
 
     def exists(self, key: str) -> bool:
@@ -336,8 +289,7 @@ class StoreIndex:
         missing = num_replicas - len(have)
         if missing <= 0:
             return []
-        order = [n for n in order_nodes(list(self.nodes.values()), self.config.strategy,
-                                        self._rng, None) if n.node_id not in have]
+        order = [n for n in self._order(None) if n.node_id not in have]
         if not order:
             return []
         new = self.tiers.allocate_on(order, meta.size_bytes + HEADER_BYTES, missing, now_s)
@@ -364,7 +316,7 @@ class StoreIndex:
         release = meta.lease_until_s if meta.lease_until_s > now_s else 0.0
         for replica in extra:
             meta.replicas.remove(replica)
-            self.space.free_range(key, replica, release, _readers(meta, now_s))
+            self.space.free_range(key, replica, release, readers(meta, now_s))
         return len(extra)
 
     # ---- time ----------------------------------------------------------------------------------
@@ -374,8 +326,7 @@ class StoreIndex:
         for meta in [m for m in self.objects.values() if not m.committed]:
             if meta.deadline_s <= now_s:
                 self._forget(meta.key)
-        for slot_id in [i for i, m in self.slots.items() if m.deadline_s <= now_s]:
-            self.release_slot(slot_id)
+        self.slot_table.expire(now_s)
         self.space.expire(now_s)
         dead = [n.node_id for n in self.nodes.values()
                 if now_s - n.last_heartbeat_s > self.config.heartbeat_timeout_s]
@@ -399,9 +350,7 @@ class StoreIndex:
         capacity = sum(n.allocator.capacity_bytes for n in self.nodes.values())
         allocated = sum(n.allocator.used_bytes for n in self.nodes.values())
         # space writers hold for their next puts (slots) is reserved, not used: it holds no object
-        reserved = sum(self.nodes[r.node_id].allocator.aligned(r.alloc_bytes)
-                       for slot in self.slots.values() for r in slot.replicas
-                       if r.tier is Tier.DRAM and r.node_id in self.nodes)
+        reserved = self.slot_table.reserved_bytes(self.nodes)
         return {"num_nodes": len(self.nodes), "num_objects": sum(m.committed for m in
                 self.objects.values()), "capacity_bytes": capacity,
                 "used_bytes": allocated - reserved, "slot_bytes": reserved,
@@ -410,6 +359,10 @@ class StoreIndex:
                 "num_disk_evicted": self.num_disk_evicted}
 
     # ---- internals -----------------------------------------------------------------------------
+    def _order(self, local_node: str | None) -> list[NodeInfo]:
+        """The nodes for a new replica, best first (the random strategy draws from `_rng`)."""
+        return order_nodes(list(self.nodes.values()), self.config.strategy, self._rng, local_node)
+
     def _check_key(self, key: object) -> None:
         if not isinstance(key, str) or not key:
             raise InvalidRequest("key: must be a non-empty string")
@@ -428,27 +381,7 @@ class StoreIndex:
         meta = self.objects.pop(key)
         self.lru.discard(key)
         self.disk_lru.discard(key)
-        readers = _readers(meta, now_s)
+        holders = readers(meta, now_s)
         for replica in meta.replicas:
-            self.space.free_range(key, replica, release_s, readers)
+            self.space.free_range(key, replica, release_s, holders)
 
-
-_MAX_RESERVE = 64  # slots one reserve may ask for
-
-
-def _drop_expired_leases(leases: dict[int, float], now_s: float) -> None:
-    """Forget the leases on one object that ended by `now_s`. Each lease runs `lease_s` from
-    the get that took it and the dict keeps insertion order, so the ended ones are the oldest:
-    dropping from the front costs O(1) per get, where rebuilding the dict made a hot key's
-    unreleased reads quadratic. (Should the clock step back, a lease left behind is harmless:
-    every reader checks `end > now_s`.)"""
-    while leases:
-        oldest = next(iter(leases))
-        if leases[oldest] > now_s:
-            return
-        del leases[oldest]
-
-
-def _readers(meta: ObjectMeta, now_s: float) -> frozenset[int]:
-    """The ids of the read leases on `meta` still running at `now_s`."""
-    return frozenset(i for i, end in meta.leases.items() if end > now_s)

@@ -79,6 +79,33 @@ class Tiering:
                                                      replica.version, disk.version))
                 return
 
+    def promote_done(self, key: str, version: int, ok: bool) -> None:
+        """A node filled (`ok`) or failed the pending DRAM replica `version` of a PROMOTE: it
+        becomes readable, or is dropped and its range freed. Unknown ones are ignored."""
+        meta = self.objects.get(key)
+        replica = next((r for r in meta.replicas if r.version == version), None) if meta else None
+        if meta is None or replica is None:
+            return
+        if ok:
+            replica.complete = True
+            self.lru.touch(key)
+        else:
+            meta.replicas.remove(replica)
+            self.space.free_range(key, replica)
+
+    def drop_disk_copy(self, key: str, disk_version: int) -> bool:
+        """Forget the disk copy `disk_version` of `key` (its demote failed) and give its node
+        the disk bytes back; True if the object has no replica left (the caller forgets it)."""
+        meta = self.objects.get(key)
+        replica = next((r for r in meta.replicas if r.version == disk_version), None) if meta else None
+        if meta is None or replica is None:
+            return False
+        meta.replicas.remove(replica)
+        node = self.space.nodes.get(replica.node_id)
+        if node is not None:
+            node.disk_used_bytes -= replica.alloc_bytes
+        return not meta.replicas
+
     def _try_allocate(self, node: NodeInfo, alloc: int, evict: bool, now_s: float) -> int | None:
         while True:
             try:
