@@ -12,21 +12,9 @@ read is over. A remote master gets that message with the client's next request (
 no system call or master wake-up of its own), so a client that goes quiet holds its last leases
 until then or `lease_s`; holding a lease longer is always safe, it only delays eviction.
 
-Location cache: the reader remembers where each object it wrote or read lives (size, checksum,
-replica version and offset; up to `cache_entries` keys), and `get`, `get_into` and the batch gets
-read a remembered key's replica straight away, without asking the master: one round trip instead
-of two.
-Only replicas the master describes as `revocable` are remembered: their node marks a replica's
-header revoked before the master answers the request that dropped it (a remove, an eviction, a
-drop to fewer replicas, the node leaving; master.py). A remembered read is checked like any other
-(the header must carry the remembered version, the payload the remembered checksum) and, since it
-holds no lease, also that its header is not revoked (`verify(live=True)`); any failure drops the
-entry and the get goes to the master as usual. So a read served from a remembered location is
-linearizable with removes and overwrites by any client: once a remove is acknowledged, no
-remembered location serves the removed object; a range reused by a new object carries a new
-version. A location whose header a read through the master found revoked is not remembered.
-Cached reads are told to the master (one-way `touch`, merged and sent before this client's next
-request) so that its LRU order still sees them. `cache_entries=0` turns the cache off.
+Location cache (locations.py): `get`, `get_into` and the batch gets read a key this client wrote
+or read from its remembered replica first, without asking the master (one round trip instead of
+two), checked as strictly; any failure sends the get to the master as usual.
 """
 
 from __future__ import annotations
@@ -34,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from kvcake.store.errors import (
     InvalidRequest,
@@ -43,16 +31,13 @@ from kvcake.store.errors import (
     StoreError,
     TransferFailed,
 )
-from kvcake.store.layout import HEADER_BYTES, CorruptObject, is_revoked, verify
+from kvcake.store.layout import HEADER_BYTES
+from kvcake.store.locations import CACHE_ENTRIES, Location, LocationCache, RememberedRead
 from kvcake.store.master_api import Master, unwrap
 from kvcake.store.replica_io import check_room, read_requests, segment_of, valid
-from kvcake.transfer import (
-    SegmentDesc,
-    TransferError,
-    TransferOp,
-    TransferRequest,
-    buffer_view,
-)
+from kvcake.transfer import TransferError, TransferOp, TransferRequest, buffer_view
+
+__all__ = ["CACHE_ENTRIES", "Leased", "ObjectReader", "Transfer"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +45,6 @@ log = logging.getLogger(__name__)
 # a larger batch reads into a buffer of its own.
 _BATCH_SCRATCH_BYTES = 256 << 20
 _READ_ROUNDS = 3  # how many times the reader asks the master again after every replica failed
-CACHE_ENTRIES = 1 << 15  # keys whose location a reader remembers by default (~200 bytes each)
 
 Leased = list[tuple[str, dict[str, Any]]]  # (key, descriptor with its "lease_id") to release
 
@@ -83,129 +67,32 @@ class ObjectReader:
     def __init__(self, master: Master, transfer: Transfer,
                  recheck: Callable[[list[TransferRequest]], None] | None,
                  cache_entries: int = CACHE_ENTRIES) -> None:
-        if cache_entries < 0:
-            raise InvalidRequest(f"cache_entries: must be >= 0, got {cache_entries}")
         self.master = master
         self._transfer = transfer
         self._recheck = recheck
         self._local = threading.local()
-        self._cache_entries = cache_entries
-        self._cache: dict[str, _Location] = {}
+        self._locations = LocationCache(master, transfer, cache_entries)
 
-    # ---- location cache ------------------------------------------------------------------------
+    # ---- location cache (locations.py) -------------------------------------------------------
     def remember(self, key: str, size_bytes: int, checksum: int,
                  replicas: list[dict[str, Any]]) -> None:
         """Where object `key` lives (after this client wrote or read it): its first revocable
         replica; nothing if none is."""
-        if self._cache_entries == 0:
-            return
-        first = next((r for r in replicas if r.get("revocable")), None)
-        if first is None:
-            return
-        cache = self._cache
-        if key not in cache and len(cache) >= self._cache_entries:
-            try:
-                del cache[next(iter(cache))]  # the oldest entry
-            except (KeyError, StopIteration, RuntimeError):  # another thread got there first
-                pass
-        cache[key] = _Location(size_bytes, checksum, int(first["version"]), int(first["offset"]),
-                               segment_of(first["segment"]))
+        self._locations.remember(key, size_bytes, checksum, replicas)
 
     def forget(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            self._cache.pop(key, None)
-
-    def _remember_meta(self, key: str, meta: dict[str, Any],
-                       header: bytes | bytearray | memoryview) -> None:
-        """Remember `meta`'s first replica, whose `header` a read just brought back intact,
-        unless that header says the replica is revoked already (it would only fail later)."""
-        if self._cache_entries and meta.get("checksum") is not None and meta.get("replicas") \
-                and not is_revoked(header):
-            self.remember(key, int(meta["size_bytes"]), int(meta["checksum"]), meta["replicas"])
-
-    def _cached_read(self, key: str, dest: memoryview, whole: memoryview | None) -> int | None:
-        """Read `key` from its remembered location, checked; its size, or None (not
-        remembered, or the check failed: the entry is dropped and the caller asks the master)."""
-        where = self._cache.get(key)
-        if where is None:
-            return None
-        size = where.size_bytes
-        if len(dest) < size:
-            return None  # the master path raises the error that says so
-        if whole is not None:
-            header = whole[:HEADER_BYTES]
-            requests = [TransferRequest(TransferOp.READ, whole, where.segment, where.offset)]
-        else:
-            header = memoryview(bytearray(HEADER_BYTES))
-            requests = [TransferRequest(TransferOp.READ, header, where.segment, where.offset)]
-            if size:
-                requests.append(TransferRequest(TransferOp.READ, dest, where.segment,
-                                                where.offset + HEADER_BYTES, size))
-        try:
-            self._transfer(requests)
-            verify(header, dest[:size], where.version, where.checksum, live=True)
-        except (TransferError, ValueError, CorruptObject):
-            # revoked (removed, evicted), reused or unreachable (not a corruption to report: the
-            # master path checks the replicas it names, and reports those)
-            self._cache.pop(key, None)
-            return None
-        self._touch(key)
-        return size
-
-    def _read_remembered(self, items: list[tuple[int, str, _Location, memoryview, memoryview,
-                                                  memoryview | None]]) -> dict[int, int]:
-        """Read remembered objects in one transfer batch, each checked like `_cached_read`.
-        `items`: (index, key, location, header view, payload view, whole view or None: header +
-        payload contiguous, read as one request). Returns {index: size} of those served; an
-        entry that fails is dropped (its key goes to the master)."""
-        if not items:
-            return {}
-        requests = []
-        for _, _, where, header, payload, whole in items:
-            if whole is not None:
-                requests.append(TransferRequest(TransferOp.READ, whole, where.segment,
-                                                where.offset))
-                continue
-            requests.append(TransferRequest(TransferOp.READ, header, where.segment, where.offset))
-            if where.size_bytes:
-                requests.append(TransferRequest(TransferOp.READ, payload, where.segment,
-                                                where.offset + HEADER_BYTES, where.size_bytes))
-        try:
-            self._transfer(requests)
-        except (TransferError, ValueError):
-            self.forget([key for _, key, _, _, _, _ in items])
-            return {}
-        served: dict[int, int] = {}
-        for i, key, where, header, payload, _ in items:
-            try:
-                verify(header, payload, where.version, where.checksum, live=True)
-            except CorruptObject:  # revoked, reused or corrupted: the master path decides
-                self._cache.pop(key, None)
-                continue
-            served[i] = where.size_bytes
-        self._touch(*dict.fromkeys(key for i, key, *_ in items if i in served))
-        return served
-
-    def _touch(self, *keys: str) -> None:
-        """Tell the master of cached reads (a remote one merges them into one one-way message
-        that goes before this client's next request, so every eviction it decides sees them)."""
-        if not keys:
-            return
-        try:
-            self.master.touch(list(keys))
-        except StoreError as exc:  # only the LRU order misses these reads
-            log.warning("telling the master of %d cached reads failed: %s", len(keys), exc)
+        self._locations.forget(keys)
 
     # ---- gets --------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
         """The object's bytes; ObjectNotFound (a KeyError) if the key is not stored."""
         # One contiguous read (header + payload: one request, fewer slices) into a reused buffer
         # whose pages are already mapped; the only copy is the final bytes().
-        cached = self._cache.get(key)
+        cached = self._locations.get(key)
         if cached is not None:
             size = cached.size_bytes
             scratch = self._buffer("scratch", HEADER_BYTES + size)
-            if self._cached_read(key, scratch[HEADER_BYTES:], scratch) is not None:
+            if self._locations.read(key, scratch[HEADER_BYTES:], scratch) is not None:
                 return bytes(scratch[HEADER_BYTES:])
         meta = self.master.get(key)
         size = int(meta["size_bytes"])
@@ -217,8 +104,8 @@ class ObjectReader:
         """Read the object into the start of `buffer` (writable, large enough); returns its
         size in bytes."""
         dest = buffer_view(buffer, writable=True, field="buffer")
-        if key in self._cache:
-            size = self._cached_read(key, dest, None)
+        if key in self._locations:
+            size = self._locations.read(key, dest, None)
             if size is not None:
                 return size
         meta = self.master.get(key)
@@ -235,13 +122,13 @@ class ObjectReader:
         dests = [buffer_view(b, writable=True, field=f"buffer of {k!r}")
                  for k, b in zip(keys, buffers, strict=True)]
         sizes: list[int | None] = [None] * len(keys)
-        remembered: list[tuple[int, str, _Location, memoryview, memoryview, memoryview | None]] = []
+        remembered: list[RememberedRead] = []
         for i, key in enumerate(keys):
-            where = self._cache.get(key)
+            where = self._locations.get(key)
             if where is not None and len(dests[i]) >= where.size_bytes:
                 remembered.append((i, key, where, memoryview(bytearray(HEADER_BYTES)),
                                    dests[i][:where.size_bytes], None))
-        served = self._read_remembered(remembered)  # index -> size
+        served = self._locations.read_many(remembered)  # index -> size
         for i, size in served.items():
             sizes[i] = size
         rest = [i for i in range(len(keys)) if i not in served]
@@ -266,9 +153,10 @@ class ObjectReader:
         already mapped, then checked and copied out once; a replica that fails its check is read
         again alone."""
         values: list[bytes | None] = [None] * len(keys)
-        remembered, total = [], 0
+        remembered: list[tuple[int, str, Location, int]] = []
+        total = 0
         for i, key in enumerate(keys):
-            where = self._cache.get(key)
+            where = self._locations.get(key)
             if where is not None:
                 remembered.append((i, key, where, total))
                 total += HEADER_BYTES + where.size_bytes
@@ -278,7 +166,7 @@ class ObjectReader:
                 else memoryview(bytearray(total))
             wholes = [scratch[at:at + HEADER_BYTES + where.size_bytes]
                       for _, _, where, at in remembered]
-            served = self._read_remembered([
+            served = self._locations.read_many([
                 (i, key, where, whole[:HEADER_BYTES], whole[HEADER_BYTES:], whole)
                 for (i, key, where, _), whole in zip(remembered, wholes, strict=True)])
             for (i, _, _, _), whole in zip(remembered, wholes, strict=True):
@@ -322,7 +210,7 @@ class ObjectReader:
                 if not batch_ok or not valid(meta["replicas"][0], meta, header, payload):
                     self.read(key, meta, payload)  # replica by replica, asking the master again
                 else:
-                    self._remember_meta(key, meta, header)
+                    self._locations.remember_meta(key, meta, header)
                 values.append(bytes(payload))
         finally:
             self.release(jobs)
@@ -387,14 +275,7 @@ class ObjectReader:
             if not batch_ok or not valid(meta["replicas"][0], meta, header, dest):
                 self.read(key, meta, dest)  # replica by replica, asking the master again
             else:
-                self._remember_meta(key, meta, header)
-
-    def _remember_good(self, key: str, meta: dict[str, Any], replica: dict[str, Any],
-                       header: bytes | bytearray | memoryview) -> None:
-        """Remember `meta`'s location with the replica that just read intact (`header`) first."""
-        if self._cache_entries:
-            replicas = [replica] + [r for r in meta["replicas"] if r is not replica]
-            self._remember_meta(key, {**meta, "replicas": replicas}, header)
+                self._locations.remember_meta(key, meta, header)
 
     def _read_replicas(self, key: str, meta: dict[str, Any], dest: memoryview,
                        whole: memoryview | None, leased: Leased) -> int:
@@ -413,7 +294,7 @@ class ObjectReader:
                 try:
                     self._transfer(requests)
                     if valid(replica, meta, header, dest):
-                        self._remember_good(key, meta, replica, header)
+                        self._locations.remember_good(key, meta, replica, header)
                         return int(meta["size_bytes"])
                     if self._recheck is not None:
                         # The direct path reads without a transport checksum (the check above
@@ -421,7 +302,7 @@ class ObjectReader:
                         # this replica is called corrupt.
                         self._recheck(requests)
                         if valid(replica, meta, header, dest):
-                            self._remember_good(key, meta, replica, header)
+                            self._locations.remember_good(key, meta, replica, header)
                             return int(meta["size_bytes"])
                 except (TransferError, ValueError) as exc:
                     errors.append(f"{replica['node_id']}: {exc}")
@@ -435,14 +316,3 @@ class ObjectReader:
             raise ObjectUnavailable(f"no replica of {key!r} is reachable (nodes down?): "
                                     f"{errors[-2:]}")
         raise TransferFailed(f"no replica of {key!r} could be read intact: {errors[-3:]}")
-
-
-
-class _Location(NamedTuple):
-    """Where a remembered object lives: its first replica (as the master described it)."""
-
-    size_bytes: int
-    checksum: int
-    version: int
-    offset: int
-    segment: SegmentDesc

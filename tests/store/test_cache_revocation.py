@@ -318,7 +318,7 @@ def test_a_corrupted_remembered_replica_in_a_batch_goes_to_the_master() -> None:
         for key, value in values.items():
             assert reader.put(key, value)
         for replica in store.master.get("a")["replicas"][:1]:  # the remembered one
-            assert reader._reader._cache["a"].offset == replica["offset"]
+            assert reader._reader._locations.entries["a"].offset == replica["offset"]
             node = next(n for n in store.nodes if n.node_id == replica["node_id"])
             node._view()[replica["offset"] + HEADER_BYTES] ^= 0xFF
         assert reader.get_batch(["a", "b"]) == [values["a"], values["b"]]
