@@ -7,15 +7,23 @@
         ...
 
 Modules: index (pure metadata and lifecycle), space (replica ranges, versions, deferred frees),
-tiering (eviction, demote / promote plans), eviction (LRU order), allocator (segment ranges),
-placement (strategies), layout (object header + checksum), protocol / rpc_server (control frames),
-master, node, disk (SSD tier), client, master_api (what the client needs of a master), writer
-(put path), reader (checked get path), tensors, direct (small transfers on the caller's thread),
-remote, embedded, cli.
+tiering (eviction, demote / promote plans), slots (keyless allocations), leases (read leases),
+eviction (LRU order), allocator (segment ranges), placement (strategies), layout (object header +
+checksum), protocol / rpc_server (control frames), master, node, disk (SSD tier), client,
+master_api (what the client needs of a master), writer (put path), reader (checked get path),
+locations (the reader's location cache), tensors, direct (small transfers on the caller's
+thread), remote, embedded, elected, config, cli.
 """
 
 from kvcake.store.client import StoreClient
-from kvcake.store.config import EmbeddedConfig, MasterConfig, NodeConfig, Strategy
+from kvcake.store.config import (
+    ClientConfig,
+    ElectionConfig,
+    EmbeddedConfig,
+    MasterConfig,
+    NodeConfig,
+    Strategy,
+)
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.errors import (
     InvalidRequest,
@@ -32,7 +40,7 @@ from kvcake.store.master import MasterServer, MasterService
 from kvcake.store.node import StoreNode
 
 __all__ = [
-    "EmbeddedConfig", "EmbeddedStore", "InvalidRequest", "MasterConfig", "MasterServer",
+    "ClientConfig", "ElectionConfig", "EmbeddedConfig", "EmbeddedStore", "InvalidRequest", "MasterConfig", "MasterServer",
     "MasterService",
     "MasterUnavailable", "NoNodes", "NoSpace", "NodeConfig", "ObjectExists", "ObjectNotFound",
     "ObjectUnavailable", "StoreClient", "StoreError", "StoreNode", "Strategy", "TransferFailed",

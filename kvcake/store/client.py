@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcake.clock import Clock
+from kvcake.store.config import ClientConfig, override
 from kvcake.store.direct import DirectPath
 from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
 from kvcake.store.master_api import Master, unwrap
-from kvcake.store.reader import CACHE_ENTRIES, ObjectReader
+from kvcake.store.reader import ObjectReader
 from kvcake.store.remote import RemoteMaster
 from kvcake.store.replica_io import write_requests
 from kvcake.store.tensors import pack_tensor, unpack_tensor
@@ -55,21 +56,24 @@ class StoreClient:
     `transfer_config.use_shared_memory=False` to force TCP even to nodes on this host. A client
     with its own engine moves batches of up to `slice_bytes` on the calling thread (`DirectPath`);
     `wrap_transport` wraps every endpoint of both (tests inject faults with it).
-    `location_cache`: how many keys' locations the reader remembers (reader.py; default
-    `CACHE_ENTRIES`, 0: none). A remembered location is read without asking the master, checked
-    by the replica's version, xxh3-64 and that its node has not revoked it: the master has a
-    node revoke every replica it drops before it acknowledges the drop, so such reads stay
-    linearizable with removes, evictions and overwrites by any client (master.py);
-    `clock`: how old the writer's reserved slots are; `async_seal`: a small put returns once its
-    one-way seal is sent, not acknowledged (writer.py; off by default).
+    `config` (`ClientConfig`): replicas per put, this client's node, the location cache and
+    async seals; its fields may also be given as keywords (`num_replicas=2`), which override
+    those of `config`. `location_cache`: how many keys' locations the reader remembers
+    (locations.py; default `CACHE_ENTRIES`, 0: none). A remembered location is read without
+    asking the master, checked by the replica's version, xxh3-64 and that its node has not
+    revoked it: the master has a node revoke every replica it drops before it acknowledges the
+    drop, so such reads stay linearizable with removes, evictions and overwrites by any client
+    (master.py); `async_seal`: a small put returns once its one-way seal is sent, not
+    acknowledged (writer.py; off by default). `clock`: how old the writer's reserved slots are.
     """
 
-    def __init__(self, master: str | Master, *, engine: TransferEngine | None = None,
-                 transfer_config: TransferConfig | None = None, num_replicas: int | None = None,
-                 local_node: str | None = None,
-                 wrap_transport: TransportWrapper | None = None,
-                 location_cache: int = CACHE_ENTRIES, clock: Clock | None = None,
-                 async_seal: bool = False) -> None:
+    def __init__(self, master: str | Master, config: ClientConfig | None = None, *,
+                 engine: TransferEngine | None = None,
+                 transfer_config: TransferConfig | None = None,
+                 wrap_transport: TransportWrapper | None = None, clock: Clock | None = None,
+                 **options: Any) -> None:
+        config = override(config or ClientConfig(), options)
+        self.config = config
         if isinstance(master, str):  # proves transfer_config.secret to the master, if set
             master = RemoteMaster(master, secret=transfer_config.secret if transfer_config
                                   else None)
@@ -82,16 +86,17 @@ class StoreClient:
         self._direct = DirectPath(self._transfer_config, wrap_transport) if engine is None \
             else None
         self._started = engine is not None
-        self.num_replicas = num_replicas
-        self.local_node = local_node
+        self.num_replicas = config.num_replicas
+        self.local_node = config.local_node
         self._embedded: EmbeddedStore | None = None
         self._start_lock = threading.Lock()
         direct = self._direct is not None
         self._reader = ObjectReader(master, self._transfer,
                                     self._engine_transfer if direct else None,
-                                    cache_entries=location_cache)
+                                    cache_entries=config.location_cache)
         self._writer = ObjectWriter(master, self._transfer, direct, clock=clock,
-                                    on_written=self._reader.remember, async_seal=async_seal)
+                                    on_written=self._reader.remember,
+                                    async_seal=config.async_seal)
 
     @classmethod
     def embedded(cls, config: EmbeddedConfig | int, **kwargs: Any) -> StoreClient:

@@ -1,11 +1,14 @@
-"""Frozen, validated configs of the store master and a store node. The CLI reads its defaults here."""
+"""Frozen, validated configs of the store master, a store node, an elected master and a client.
+The CLI reads its defaults here."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
+
+CACHE_ENTRIES = 1 << 15  # keys whose location a reader remembers by default (~200 bytes each)
 
 
 class Strategy(StrEnum):
@@ -117,9 +120,74 @@ class EmbeddedConfig:
         return _from_dict(cls, data)
 
 
-def _from_dict(cls: Any, data: dict[str, Any]) -> Any:
+@dataclass(frozen=True)
+class ElectionConfig:
+    """How an `ElectedMaster` (elected.py) serves and stands for election."""
+
+    host: str = "127.0.0.1"  # the RPC port's interface
+    port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # what peers dial (in etcd); None: `host`
+    recovery_s: float = 10.0  # once elected, client requests wait at most this long for nodes
+    lease_ttl_s: int = 2  # the etcd lease behind the leadership key
+    tick_interval_s: float | None = 0.5  # the reaper thread's period; None: no reaper
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host: must be a non-empty interface address")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.recovery_s < 0:
+            raise ValueError(f"recovery_s: must be >= 0, got {self.recovery_s}")
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"lease_ttl_s: must be >= 1, got {self.lease_ttl_s}")
+        if self.tick_interval_s is not None and self.tick_interval_s <= 0:
+            raise ValueError(f"tick_interval_s: must be > 0 or None, got {self.tick_interval_s}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ElectionConfig:
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How a `StoreClient` (client.py) places its puts and remembers locations."""
+
+    num_replicas: int | None = None  # DRAM replicas per put; None: the master's default_replicas
+    local_node: str | None = None  # this client's node, first for the local_first strategy
+    # keys whose location the reader remembers (locations.py); 0: none
+    location_cache: int = CACHE_ENTRIES
+    async_seal: bool = False  # a small put returns once its one-way seal is sent (writer.py)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas is not None and self.num_replicas < 1:
+            raise ValueError(f"num_replicas: must be >= 1 or None, got {self.num_replicas}")
+        if self.location_cache < 0:
+            raise ValueError(f"location_cache: must be >= 0, got {self.location_cache}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClientConfig:
+        return _from_dict(cls, data)
+
+
+_Config = TypeVar("_Config", ElectionConfig, ClientConfig)
+
+
+def override(config: _Config, options: dict[str, Any]) -> _Config:
+    """`config` with the fields named in `options` replaced (validated again); unknown keys are
+    errors, as in `from_dict`."""
+    if not options:
+        return config
+    _check_keys(type(config), options)
+    return dataclasses.replace(config, **options)
+
+
+def _check_keys(cls: Any, data: dict[str, Any]) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known keys are {sorted(known)}")
+
+
+def _from_dict(cls: Any, data: dict[str, Any]) -> Any:
+    _check_keys(cls, data)
     return cls(**data)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from kvcake.auth import ClusterSecret
 from kvcake.registry import Election, Etcd
 from kvcake.registry.members import list_members
-from kvcake.store.config import MasterConfig
+from kvcake.store.config import ElectionConfig, MasterConfig, override
 from kvcake.store.leader import leader_key
 from kvcake.store.master import MasterServer, MasterService
 
@@ -29,20 +30,26 @@ log = logging.getLogger(__name__)
 
 
 class ElectedMaster:
-    def __init__(self, etcd: Etcd, cluster: str, config: MasterConfig | None = None, *,
-                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 secret: ClusterSecret | None = None, recovery_s: float = 10.0,
-                 lease_ttl_s: int = 2, tick_interval_s: float | None = 0.5) -> None:
+    """A candidate master of `cluster` in `etcd`, with policy `config`. `election`
+    (`ElectionConfig`): where it serves and how it stands; its fields may also be given as
+    keywords (`recovery_s=5.0`), which override those of `election`. `secret`: only peers that
+    prove it are served."""
+
+    def __init__(self, etcd: Etcd, cluster: str, config: MasterConfig | None = None,
+                 election: ElectionConfig | None = None, *,
+                 secret: ClusterSecret | None = None, **options: Any) -> None:
+        election = override(election or ElectionConfig(), options)
         self.etcd = etcd
         self.cluster = cluster
         self.ready = threading.Event()
         self.lost = threading.Event()
         self.service = MasterService(config, mirror=True)
-        self.server = MasterServer(self.service, host, port, tick_interval_s=tick_interval_s,
-                                   secret=secret, ready=self.ready)
-        self._advertise_host = advertise_host or host
-        self._recovery_s = recovery_s
-        self._lease_ttl_s = lease_ttl_s
+        self.server = MasterServer(self.service, election.host, election.port,
+                                   tick_interval_s=election.tick_interval_s, secret=secret,
+                                   ready=self.ready)
+        self._advertise_host = election.advertise_host or election.host
+        self._recovery_s = election.recovery_s
+        self._lease_ttl_s = election.lease_ttl_s
         self.address = ""
         self.election: Election | None = None
         self.elected_at_s: float | None = None

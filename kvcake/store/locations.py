@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from kvcake.store.config import CACHE_ENTRIES
 from kvcake.store.errors import InvalidRequest, StoreError
 from kvcake.store.layout import HEADER_BYTES, CorruptObject, is_revoked, verify
 from kvcake.store.master_api import Master
@@ -29,8 +30,6 @@ from kvcake.store.replica_io import segment_of
 from kvcake.transfer import SegmentDesc, TransferError, TransferOp, TransferRequest
 
 log = logging.getLogger(__name__)
-
-CACHE_ENTRIES = 1 << 15  # keys whose location a reader remembers by default (~200 bytes each)
 
 
 class Location(NamedTuple):
