@@ -53,7 +53,9 @@ class SimConfig:
         start the request at once (its KV reserved beside the batch's and the requests already
         sent to it), or the request goes to a node that can, or is rejected there: the decode
         pool keeps its TBT SLO instead of queueing the request for memory (a wait that lands in
-        the request's slowest token gaps). False: the Conductor's forecast alone decides.
+        the request's slowest token gaps). False: the Conductor's forecast alone decides. True
+        also has the decode nodes report the KV they hold to the Conductor
+        (`on_decode_kv`); without a decode check after prefill, that report is all it does.
     """
 
     num_prefill: int = 8
