@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -74,6 +75,11 @@ def analyse(steps: list[dict[str, Any]], client_tbts: list[float]) -> dict[str, 
     }
 
 
+def port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[Any],
                rate: float, budget: int | None) -> dict[str, Any]:
     """One replay of `planned` through a fresh `kind` cluster (pin_workers = `pin`)."""
@@ -85,7 +91,11 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
         with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
             os.environ[ENV] = trace_dir  # the server and its workers inherit it
             try:
-                with cap.Served(kind, cap_args, budget) as served:
+                served = cap.Served(kind, cap_args, budget)
+                if port_in_use(served.port):  # a stale server would answer the health check
+                    raise SystemExit(f"127.0.0.1:{served.port} is in use: stop what listens "
+                                     f"there (an earlier run's server?) or pass another port")
+                with served:
                     begun = time.monotonic()
                     results, duration = served.replay(planned)
             finally:
