@@ -109,6 +109,7 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
     summary = cap.probe_summary(results, duration, regime, rate)
     report = {"system": kind, "pin_workers": pin, "started": started, "load_before": load,
               "load_after": os.getloadavg(), "requests": len(planned),
+              "completed": summary["completed"], "failed": summary["failed"],
               "shares": [round(x, 3) for x in summary["shares"]],
               "ttft_ms_p50_p90": [round(summary["median_ttft_ms"], 1),
                                   round(summary["p90_ttft_ms"], 1)],
