@@ -1,0 +1,100 @@
+"""The overload report's runs: each admission policy as a `PolicyRun`, the SimConfig changes it
+makes (`run_changes`), and running them all on one load (`run_policies`): each run's
+rejections, SLOs, lag and its pools' loads in the steady window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvcake.sim.pool_loads import PoolLoads, pool_loads, swing, window_mean
+
+if TYPE_CHECKING:
+    from kvcake.sim.records import RequestState
+    from kvcake.sim.reproduce import Context
+    from kvcake.sim.run import SimResult
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """One run of the report: the Conductor's admission mode, and whether the decode side is
+    checked (and the decode node guarded) again when the prefill ends."""
+
+    admission: str
+    decode_check_after_prefill: bool
+
+
+POLICIES: dict[str, PolicyRun] = {
+    "decode_after_prefill": PolicyRun("decode_after_prefill", True),
+    "early": PolicyRun("slo", False),
+    "prediction": PolicyRun("early", False)}
+# The arrival policies with the decode check kept after prefill as well (a second filter in
+# front of the baseline's): what the report ran as early and prediction before.
+CHECKED: dict[str, PolicyRun] = {
+    "early+check_after_prefill": PolicyRun("slo", True),
+    "prediction+check_after_prefill": PolicyRun("early", True)}
+
+
+def run_changes(run: PolicyRun, t_d: float, mean_out: int) -> dict[str, Any]:
+    """The SimConfig changes of one run: every run is told the trace's mean output and t_d, and
+    has its decode nodes report their KV (`decode_node_guard`, which places requests only where
+    the decode side is checked after prefill)."""
+    return {"policy": "global_cache", "admission": run.admission, "uniform_decode_s": t_d,
+            "predicted_output_len": mean_out,
+            "decode_check_after_prefill": run.decode_check_after_prefill,
+            "decode_node_guard": True}
+
+
+def mean_decode_s(states: list[RequestState]) -> float | None:
+    """Mean seconds from joining a decode batch to the last token, over finished requests."""
+    spans = [s.finish_s - s.decode_join_s for s in states
+             if s.decode_join_s is not None and s.finish_s is not None]
+    return sum(spans) / len(spans) if spans else None
+
+
+def mean_lag_s(states: list[RequestState]) -> float | None:
+    """Mean seconds from arrival (the admission decision) to joining a decode batch, over the
+    requests that joined: how stale a decode load read at arrival is when the request lands."""
+    lags = [s.decode_join_s - s.arrival.arrival_s for s in states if s.decode_join_s is not None]
+    return sum(lags) / len(lags) if lags else None
+
+
+def run_policies(ctx: Context, mean_out: int, kv_capacity: int, window: float
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, PoolLoads], float]:
+    """Each run's results, its pools' loads, and t_d (learned from the baseline's run, which
+    runs first; the bound mean output x TBT SLO until then)."""
+    base = ctx.base
+    t_d = mean_out * base.tbt_slo_ms / 1000.0
+    results: dict[str, dict[str, Any]] = {}
+    loads: dict[str, PoolLoads] = {}
+    for name, run in {**POLICIES, **CHECKED}.items():
+        res = ctx.sim(**run_changes(run, t_d, mean_out))
+        if name == "decode_after_prefill":
+            t_d = mean_decode_s(res.states) or t_d
+        loads[name] = pool_loads(res.states, base.num_prefill, base.num_decode, kv_capacity,
+                                 res.summary["makespan_s"])
+        results[name] = policy_result(res, loads[name], window)
+    return results, loads, t_d
+
+
+def policy_result(res: SimResult, pl: PoolLoads, window: float) -> dict[str, Any]:
+    """One policy's rejections, SLOs, lag and its pools' loads in the steady window."""
+    s = res.summary
+    # Means, swings and correlation in the steady part, the second half of the arrival
+    # window: past the ramp-up (the decode pool fills from empty in a decode lifetime or
+    # two, and the prefix caches warm up: ~200 s of 521 on the balanced trace).
+    steady = (window / 2, window)
+    corr, kv_cv = swing(pl.times, pl.prefill_queue, pl.decode_kv, *steady)
+    _, queue_cv = swing(pl.times, pl.decode_kv, pl.prefill_queue, *steady)
+    return {"rejected": s["rejected"], "wasted_prefill_s": s["wasted_prefill_s"],
+            "rejected_by_reason": s["rejected_by_reason"],
+            "effective_share": s["effective_request_capacity"],
+            "served_late": s["completed"] - s["effective_requests"],
+            "mean_tbt_ms": 1000 * s["tbt_s"]["mean"],
+            "mean_ttft_s": s["ttft_s"]["mean"], "corr": corr, "decode_kv_cv": kv_cv,
+            "prefill_queue_cv": queue_cv, "lag_s": mean_lag_s(res.states),
+            "prefill_busy": window_mean(pl.times, pl.prefill_busy, *steady),
+            "prefill_queue": window_mean(pl.times, pl.prefill_queue, *steady),
+            "decode_kv": window_mean(pl.times, pl.decode_kv, *steady),
+            "decode_batch": window_mean(pl.times, pl.decode_batch, *steady),
+            "decode_wait": window_mean(pl.times, pl.decode_wait, *steady)}

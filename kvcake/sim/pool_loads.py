@@ -1,0 +1,141 @@
+"""Each pool's load in the overload report: what the offered load asks of each pool on the cost
+model (`pool_demand`), and the load each pool carries over time, from the requests' records
+(`pool_loads`, in BUCKET_S buckets), with the window means and swings the report reads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvcake.conductor.cost import CostModel
+from kvcake.sim.trace import Trace
+
+if TYPE_CHECKING:
+    from kvcake.sim.records import RequestState
+
+BUCKET_S = 10.0
+
+
+@dataclass(frozen=True)
+class PoolDemand:
+    """What one request asks of each pool on average, in node-seconds, and the rate it fills.
+
+    prefill_s: prefill compute of its uncached tokens, the cache holding every block seen
+        before (the most reuse any policy gets). decode_s: the share of a decode node it holds:
+        (prompt + output) KV tokens for output steps of a memory-full node, over the node's KV
+        capacity (decode here is bound by memory, not by the TBT SLO: a full node's step is
+        under 100 ms).
+    """
+
+    prefill_s: float
+    decode_s: float
+    arrival_rate: float  # requests per second at the trace's own speed
+
+    def capacity(self, num_prefill: int, num_decode: int) -> tuple[float, float]:
+        """Requests per second each pool can serve at 100% busy."""
+        return num_prefill / self.prefill_s, num_decode / self.decode_s
+
+
+def pool_demand(trace: Trace, cost: CostModel, kv_capacity_tokens: int,
+                block_size: int) -> PoolDemand:
+    seen: set[int] = set()
+    prefill = decode = 0.0
+    requests = trace.requests
+    for r in requests:
+        hit = 0
+        for key in r.hash_ids:
+            if key not in seen:
+                break
+            hit += 1
+        seen.update(r.hash_ids)
+        prefill += cost.prefill_time_s(r.input_len, min(hit * block_size, r.input_len - 1))
+        context = r.input_len + r.output_len
+        step_s = cost.decode_step_time_s(max(1, kv_capacity_tokens // context), kv_capacity_tokens)
+        decode += context * r.output_len * step_s / kv_capacity_tokens
+    n = max(1, len(requests))
+    span_s = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 0.0
+    return PoolDemand(prefill / n, decode / n, (n - 1) / span_s if span_s > 0 else math.inf)
+
+
+@dataclass(frozen=True)
+class PoolLoads:
+    """Each pool's load per BUCKET_S bucket (time-averaged over the bucket).
+
+    prefill_queue: requests placed on the prefill pool and not prefilled yet (fetching, queued
+        or running), per prefill node: what the Conductor's TTFT estimate grows with, and a load
+        that can rise above 1 (a busy share cannot: it is 1 whenever a queue exists).
+    prefill_busy: share of the prefill nodes' time spent prefilling.
+    decode_kv: share of the decode pool's KV memory reserved by decoding requests (prompt +
+        output each): the resource that binds a decode node in this cost model (a node full of
+        KV still steps under the TBT SLO).
+    decode_batch: mean decoding requests per decode node.
+    decode_wait: requests prefilled and not decoding yet (their KV on its way, or waiting at
+        their decode node for memory), per decode node.
+    """
+
+    times: list[float]
+    prefill_queue: list[float]
+    prefill_busy: list[float]
+    decode_kv: list[float]
+    decode_batch: list[float]
+    decode_wait: list[float]
+
+
+def pool_loads(states: list[RequestState], num_prefill: int, num_decode: int,
+               kv_capacity_tokens: int, end_s: float) -> PoolLoads:
+    """Both pools' loads over [0, end_s) in BUCKET_S buckets, from the requests' records."""
+    num = max(1, int(end_s // BUCKET_S) + 1)
+    queue = [0.0] * num
+    busy = [0.0] * num
+    kv = [0.0] * num
+    batch = [0.0] * num
+    wait = [0.0] * num
+    for s in states:
+        if s.prefill_start_s is not None:
+            done_s = s.prefill_start_s + s.prefill_s
+            _spread(queue, s.arrival.arrival_s, done_s)
+            _spread(busy, s.prefill_start_s, done_s)
+            if s.decode_join_s is not None:
+                _spread(wait, done_s, s.decode_join_s)
+        if s.decode_join_s is not None and s.finish_s is not None:
+            _spread(batch, s.decode_join_s, s.finish_s)
+            _spread(kv, s.decode_join_s, s.finish_s, s.arrival.input_len + s.arrival.output_len)
+    times = [i * BUCKET_S for i in range(num)]
+    p, d = BUCKET_S * num_prefill, BUCKET_S * num_decode
+    return PoolLoads(times, [x / p for x in queue], [x / p for x in busy],
+                     [x / (d * kv_capacity_tokens) for x in kv], [x / d for x in batch],
+                     [x / d for x in wait])
+
+
+def window_mean(times: list[float], values: list[float], begin_s: float, end_s: float) -> float:
+    """Mean of the buckets inside [begin_s, end_s)."""
+    inside = [v for t, v in zip(times, values, strict=True) if begin_s <= t and t + BUCKET_S <= end_s]
+    return sum(inside) / len(inside) if inside else 0.0
+
+
+def _spread(buckets: list[float], begin_s: float, end_s: float, weight: float = 1.0) -> None:
+    """Add `weight` x the seconds of [begin_s, end_s) to the buckets they fall in."""
+    i = int(begin_s // BUCKET_S)
+    while begin_s < end_s and i < len(buckets):
+        edge = (i + 1) * BUCKET_S
+        buckets[i] += weight * (min(end_s, edge) - begin_s)
+        begin_s, i = edge, i + 1
+
+
+def swing(times: list[float], prefill: list[float], decode: list[float], begin_s: float,
+          end_s: float) -> tuple[float, float]:
+    """Over the buckets inside [begin_s, end_s): the correlation of the prefill and decode loads
+    (-1: anti-phase) and the decode load's coefficient of variation (its swing)."""
+    pairs = [(p, d) for t, p, d in zip(times, prefill, decode, strict=True)
+             if begin_s <= t and t + BUCKET_S <= end_s]
+    if len(pairs) < 3:
+        return 0.0, 0.0
+    n = len(pairs)
+    mp = sum(p for p, _ in pairs) / n
+    md = sum(d for _, d in pairs) / n
+    cov = sum((p - mp) * (d - md) for p, d in pairs) / n
+    sp = math.sqrt(sum((p - mp) ** 2 for p, _ in pairs) / n)
+    sd = math.sqrt(sum((d - md) ** 2 for _, d in pairs) / n)
+    corr = cov / (sp * sd) if sp > 0 and sd > 0 else 0.0
+    return corr, (sd / md if md > 0 else 0.0)
