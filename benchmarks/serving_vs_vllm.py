@@ -6,12 +6,18 @@ r"""`kvcake serve` vs vLLM's CPU build on this machine: the same weights, the sa
         --trace-requests 24 --rate 0.25 --out /tmp/serving_vs_vllm.json
     .venv/bin/python benchmarks/serving_vs_vllm.py --systems vllm:float32,vllm:bfloat16 \
         --trace-requests 1       # which dtype vLLM runs best in here (KIND:DTYPE)
+    .venv/bin/python benchmarks/serving_vs_vllm.py --systems kvcake-single,vllm:float32 \
+        --json-summary --repeats 4   # A B, B A, A B, B A: medians, spread, order effect
 
 One model directory serves both: the peer setup's config.json and WordLevel tokenizer (vocab
 32000) plus seeded random weights that this script writes as `model.safetensors` (vLLM loads
 them with `--load-format safetensors`, not dummy weights). The systems run one at a time on
 127.0.0.1 (never two at once: 2 cores), each started, waited for on /health, given the same
-warm-up, measured, then stopped:
+warm-up, measured, then stopped, and waited for until every process of its session has exited
+(vLLM's engine core and worker too; `kvcake/bench/proctree.py`). Before each start the host's
+CPU busy share over `--settle-s`, free memory and one core's speed are recorded. With
+`--repeats N` the systems run N times in alternating order and every figure is the per-system
+median (min-max shown), so whichever system runs second is not systematically favoured:
 
 - `kvcake-single`: `kvcake serve --mode single` (one engine in the frontend process), the fair
   match for one vLLM server; `--kvcake-threads` torch threads (2: vLLM's worker gets both cores).
