@@ -1,4 +1,5 @@
-"""Which CPUs each launched worker process runs on (`ClusterConfig.pin_workers`). Pure policy.
+"""Which CPUs each launched worker process runs on (`ClusterConfig.pin_workers`, off by
+default). Pure policy.
 
 The rule: when the CPUs this launcher may use hold a CPU for every thread of every launched
 worker (each worker's `num_threads`), each worker gets its own disjoint CPUs, in the config's
@@ -6,10 +7,15 @@ worker order over the CPUs in ascending order; otherwise nobody is pinned (pinni
 CPUs would only fix which workers share one). The launcher's own process (the HTTP frontend,
 the Conductor, the store master) stays unpinned and runs where the scheduler finds room.
 
-Why: a decode worker's step is its TBT; a worker that the scheduler moves between cores, or
-that shares a core with another engine for a while, pays cold caches and waits. One core per
-engine thread is what a worker's `num_threads` asks for, and it applies to every role alike, so a
-colocated baseline's workers get the same treatment as a disaggregated pair's.
+Why it exists: a decode worker's step is its TBT; a worker that the scheduler moves between
+cores, or that shares a core with another engine for a while, pays cold caches and waits. One
+core per engine thread is what a worker's `num_threads` asks for, and it applies to every role
+alike, so a colocated baseline's workers get the same treatment as a disaggregated pair's.
+Why it is off by default: on the 2-core machine, 1P+1D and 2 colocated workers at 1.113 req/s
+showed no gain from it (docs/benchmarks.md, issue 11 part 2: TBT and shares within one run's
+noise), and a pinned worker cannot leave a core that another process (the frontend, another
+tenant) occupies, which the scheduler otherwise does for it. Turn it on for a host whose cores
+the cluster has to itself.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ def test_too_few_cpus_or_unbounded_threads_pin_nobody() -> None:
 
 def test_pin_workers_is_read_from_the_config_and_checked() -> None:
     workers = [{"role": "prefill"}, {"role": "decode"}]
-    assert ClusterConfig.from_dict({"workers": workers}).pin_workers is True
-    assert ClusterConfig.from_dict({"workers": workers, "pin_workers": False}).pin_workers \
-        is False
+    assert ClusterConfig.from_dict({"workers": workers}).pin_workers is False
+    assert ClusterConfig.from_dict({"workers": workers, "pin_workers": True}).pin_workers \
+        is True
     with pytest.raises(ValueError, match="pin_workers: must be true or false"):
         ClusterConfig.from_dict({"workers": workers, "pin_workers": "yes"})
 
@@ -64,10 +64,11 @@ def _launch_all(monkeypatch: pytest.MonkeyPatch, config: ClusterConfig,
 def test_launcher_pins_disagg_and_colocated_workers_alike(monkeypatch: pytest.MonkeyPatch,
                                                           roles: Any) -> None:
     mode = "colocated" if roles[0] is Role.COLOCATED else "disaggregated"
-    config = ClusterConfig(mode=mode, workers=tuple(WorkerSpec(r) for r in roles))
+    config = ClusterConfig(mode=mode, workers=tuple(WorkerSpec(r) for r in roles),
+                           pin_workers=True)
     assert _launch_all(monkeypatch, config, {0, 1}) == {1000: (0,), 1001: (1,)}
     assert _launch_all(monkeypatch, config, {0}) == {}  # too few: nobody
-    off = ClusterConfig(mode=mode, workers=config.workers, pin_workers=False)
+    off = ClusterConfig(mode=mode, workers=config.workers)  # the default: off
     assert _launch_all(monkeypatch, off, {0, 1}) == {}
 
 
