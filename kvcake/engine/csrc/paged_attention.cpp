@@ -15,7 +15,9 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
+#endif
 
 #include "fast_exp.h"
 
@@ -49,12 +51,16 @@ inline void axpy(float a, const T* v, float* out, int64_t d) {
 inline float lane_sum(kvcake::vfloat v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps(v);
-#else
+#elif defined(__AVX__)
   const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   __m128 s = _mm_add_ps(lo, hi);
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+#else  // other CPUs: the compiler's lane extraction
+  float s = 0.f;
+  for (int64_t i = 0; i < kvcake::VLEN; ++i) s += v[i];
+  return s;
 #endif
 }
 
