@@ -433,18 +433,21 @@ def print_positions(runs: list[dict[str, Any]], labels: list[str]) -> None:
 
 
 def print_runs(runs: list[dict[str, Any]]) -> None:
-    """One line per repeat: its order, each system's host state before it started and how long
-    its teardown took after the stop returned, and that repeat's summary ratios."""
+    """One line per repeat: its order, that repeat's summary ratios, each system's host state
+    before it started, the CPU busy and steal shares while it was measured (the same work busies
+    the host about as much every time: a share well above the system's others is someone else's
+    work) and how long its teardown took after the stop returned."""
     keys = [k for k, _ in SUMMARY]
     print(f"| repeat | order | {' | '.join(keys)} | host before each (busy, MiB free, spin ms) "
-          f"| steal while measured | teardown after stop (s, procs left) |")
+          f"| while measured (CPU busy, steal) | teardown after stop (s, procs left) |")
     print("|---" * (5 + len(keys)) + "|")
     for run in runs:
         rs = run["ratios"]
         host = "; ".join(f"{n}: {r['host_before']['cpu_busy']}, "
                          f"{r['host_before']['mem_available_mib']:.0f}, "
                          f"{r['host_before']['spin_ms']}" for n, r in run["results"].items())
-        steal = "; ".join(f"{n}: {fmt(r.get('host_during', {}).get('steal'))}"
+        steal = "; ".join(f"{n}: {fmt(r.get('host_during', {}).get('cpu_busy'))}, "
+                          f"{fmt(r.get('host_during', {}).get('steal'))}"
                           for n, r in run["results"].items())
         down = "; ".join(f"{n}: -" if r.get("teardown") is None else
                          f"{n}: {r['teardown']['wait_s']:.2f}, {r['teardown']['left_at_start']}"
