@@ -153,14 +153,14 @@ def run_master(args: argparse.Namespace) -> int:
 
 def _run_hosting_master(args: argparse.Namespace, config: MasterConfig) -> int:
     """A master with a node in its process (store/hosted.py) until SIGTERM / SIGINT."""
-    from kvcake.store.hosted import HostedStore
+    from kvcake.store.hosted import HostedConfig, HostedStore
     from kvcake.transfer import TransferConfig
 
     secret = _secret(args)
     node = NodeConfig(dram_bytes=parse_size(args.with_node, "--with-node"))
     transfer = TransferConfig(host=args.host, port=args.node_port, num_rails=args.node_rails,
                               secret=secret)
-    store = HostedStore(config, node, host=args.host, port=args.port, node_id=args.node_id,
+    store = HostedStore(HostedConfig(config, node, args.host, args.port, args.node_id),
                         transfer_config=transfer, secret=secret)
     store.start()
     log.info("master listening on %s, hosting node %s (segment server %s)", store.address,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvcake.auth import ClusterSecret
@@ -38,7 +39,7 @@ from kvcake.store.errors import InvalidRequest, StoreError, TransferFailed
 from kvcake.store.layout import payload_checksum
 from kvcake.store.master import MasterServer, MasterService
 from kvcake.store.node import StoreNode
-from kvcake.store.protocol import Payload
+from kvcake.store.payload import Payload
 from kvcake.store.replica_io import write_requests
 from kvcake.transfer import TransferConfig, TransferError
 
@@ -131,24 +132,44 @@ class HostingMasterServer(MasterServer):
         return result
 
 
+@dataclass(frozen=True)
+class HostedConfig:
+    """What `HostedStore` runs: the master's config, the hosted node's, where the master listens
+    (`host:port`; 0: any port), the node's id, and how often the reaper ticks (None: never;
+    tests call `service.tick()`)."""
+
+    master: MasterConfig
+    node: NodeConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    node_id: str | None = None
+    tick_interval_s: float | None = 0.5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.master, MasterConfig) or not isinstance(self.node, NodeConfig):
+            raise ValueError("master, node: must be a MasterConfig and a NodeConfig")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be 0..65535, got {self.port}")
+        if self.tick_interval_s is not None and self.tick_interval_s <= 0:
+            raise ValueError(f"tick_interval_s: must be > 0 or None, got {self.tick_interval_s}")
+
+
 class HostedStore:
     """A master and one node in this process (`kvcake store master --with-node`): the master on
-    `host:port`, the node's segment served by its own transfer engine (`transfer_config`).
-    `clock` and `tick_interval_s` as for `MasterService` / `MasterServer` (tests: a ManualClock
-    and None, then `service.tick()`)."""
+    `config.host:config.port`, the node's segment served by its own transfer engine
+    (`transfer_config`, default: on `config.host`). `clock` drives the master (tests: a
+    ManualClock); `secret` is asked of every connection and proved to other nodes."""
 
-    def __init__(self, master_config: MasterConfig, node_config: NodeConfig, *,
-                 host: str = "127.0.0.1", port: int = 0, node_id: str | None = None,
-                 transfer_config: TransferConfig | None = None,
-                 secret: ClusterSecret | None = None, clock: Clock | None = None,
-                 tick_interval_s: float | None = 0.5) -> None:
-        self.service = MasterService(master_config, clock)
-        transfer = transfer_config or TransferConfig(host=host, secret=secret)
-        self.node = StoreNode(node_config, self.service, node_id=node_id,
-                              transfer_config=transfer, host=host, secret=secret)
+    def __init__(self, config: HostedConfig, *, transfer_config: TransferConfig | None = None,
+                 secret: ClusterSecret | None = None, clock: Clock | None = None) -> None:
+        self.config = config
+        self.service = MasterService(config.master, clock)
+        transfer = transfer_config or TransferConfig(host=config.host, secret=secret)
+        self.node = StoreNode(config.node, self.service, node_id=config.node_id,
+                              transfer_config=transfer, host=config.host, secret=secret)
         self.server = HostingMasterServer(self.service, InlinePuts(self.service, self.node),
-                                          host, port, secret=secret,
-                                          tick_interval_s=tick_interval_s)
+                                          config.host, config.port, secret=secret,
+                                          tick_interval_s=config.tick_interval_s)
 
     @property
     def address(self) -> str:

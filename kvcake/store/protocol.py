@@ -23,6 +23,7 @@ import msgpack
 from kvcake import auth
 from kvcake.auth import ClusterSecret
 from kvcake.store.errors import WIRE_ERRORS, InvalidRequest, MasterUnavailable, StoreError
+from kvcake.store.payload import PAYLOAD_OPS
 
 T = TypeVar("T")
 MAX_FRAME_BYTES = 16 << 20
@@ -83,11 +84,6 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
 # Ops the server never answers: the client sends them and goes on (see RpcConnection.send).
 ONE_WAY_OPS = frozenset({"release_leases", "release_slots", "touch", "put_seal", "hold",
                          "forget"})
-# Ops whose frame is followed by raw payload bytes, and the argument that says how many: the
-# server hands the handler a `Payload` to read them straight into their destination (no msgpack
-# copy), and reads what the handler left so the stream stays in step.
-PAYLOAD_OPS = {"put_inline": "size_bytes"}
-MAX_PAYLOAD_BYTES = 64 << 20
 _MAX_DEFERRED = 64  # deferred one-way frames (RpcConnection.defer) held before they are sent
 _MAX_MERGED = 1024  # items merged into one deferred frame (RpcConnection.defer_items) at most
 
@@ -218,45 +214,6 @@ class FrameReader:
             step = min(num_bytes, len(scratch))
             self.read_exact_into(scratch[:step])
             num_bytes -= step
-
-
-def payload_size(message: object) -> int | None:
-    """How many raw bytes follow this request's frame: None for an op without a payload;
-    InvalidRequest when a payload op's size is missing or out of range (the stream cannot be
-    resynchronised then)."""
-    if not isinstance(message, dict) or message.get("op") not in PAYLOAD_OPS:
-        return None
-    args = message.get("args")
-    field = PAYLOAD_OPS[str(message["op"])]
-    size = args.get(field) if isinstance(args, dict) else None
-    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_PAYLOAD_BYTES:
-        raise InvalidRequest(f"{field}: a payload size from 0 to {MAX_PAYLOAD_BYTES} bytes is "
-                             f"required by op {message['op']!r}, got {size!r}")
-    return size
-
-
-class Payload:
-    """The raw bytes that follow one request's frame. `read_into(dest)` moves them (once, all of
-    them) into `dest`; `skip()` discards what was not read."""
-
-    def __init__(self, reader: FrameReader, size_bytes: int) -> None:
-        self._reader = reader
-        self.size_bytes = size_bytes
-        self._done = False
-
-    def read_into(self, dest: memoryview) -> None:
-        """Fill `dest` (exactly `size_bytes` long) with the payload; OSError if the stream ends."""
-        if self._done:
-            raise InvalidRequest("payload: already read")
-        if len(dest) != self.size_bytes:
-            raise ValueError(f"dest: {len(dest)} bytes for a payload of {self.size_bytes}")
-        self._done = True
-        self._reader.read_exact_into(dest)
-
-    def skip(self) -> None:
-        if not self._done:
-            self._done = True
-            self._reader.skip(self.size_bytes)
 
 
 def parse_address(address: str, field: str = "address") -> tuple[str, int]:

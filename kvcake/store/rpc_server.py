@@ -21,15 +21,8 @@ from typing import Any
 from kvcake import auth
 from kvcake.auth import ClusterSecret
 from kvcake.store.errors import InvalidRequest
-from kvcake.store.protocol import (
-    ONE_WAY_OPS,
-    FrameReader,
-    Payload,
-    encode,
-    error_reply,
-    payload_size,
-    validate,
-)
+from kvcake.store.payload import Payload, payload_size
+from kvcake.store.protocol import ONE_WAY_OPS, FrameReader, encode, error_reply, validate
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,12 @@ from kvcake.clock import ManualClock
 from kvcake.store import StoreClient
 from kvcake.store.config import MasterConfig, NodeConfig
 from kvcake.store.errors import InvalidRequest, ObjectExists, ObjectNotFound
-from kvcake.store.hosted import HostedStore, InlinePuts
+from kvcake.store.hosted import HostedConfig, HostedStore, InlinePuts
 from kvcake.store.layout import HEADER_BYTES, payload_checksum, verify
 from kvcake.store.master import MasterServer, MasterService
 from kvcake.store.node import StoreNode
-from kvcake.store.protocol import MAX_PAYLOAD_BYTES, FrameReader, encode
+from kvcake.store.payload import MAX_PAYLOAD_BYTES
+from kvcake.store.protocol import FrameReader, encode
 from kvcake.store.remote import RemoteMaster
 from kvcake.transfer import TransferConfig
 
@@ -38,8 +39,8 @@ def clock() -> ManualClock:
 
 def _hosted(clock: ManualClock, dram: int = 8 << 20,
             config: MasterConfig = CONFIG) -> HostedStore:
-    return HostedStore(config, NodeConfig(dram_bytes=dram), node_id="hosted", clock=clock,
-                       tick_interval_s=None,
+    return HostedStore(HostedConfig(config, NodeConfig(dram_bytes=dram), node_id="hosted",
+                                    tick_interval_s=None), clock=clock,
                        transfer_config=TransferConfig(host="127.0.0.1", num_rails=1))
 
 
@@ -142,6 +143,10 @@ def test_bad_inline_requests_say_what_to_change(hosted: HostedStore) -> None:
                         lambda view: view.__setitem__(slice(None), b"0123456789"))
     with pytest.raises(ValueError, match="max_bytes"):
         InlinePuts(hosted.service, hosted.node, max_bytes=0)
+    with pytest.raises(ValueError, match="tick_interval_s"):
+        HostedConfig(CONFIG, NodeConfig(dram_bytes=1 << 20), tick_interval_s=0.0)
+    with pytest.raises(ValueError, match="port"):
+        HostedConfig(CONFIG, NodeConfig(dram_bytes=1 << 20), port=70000)
     # a payload size the server cannot trust: an error reply, then the connection is closed
     host, port = hosted.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
