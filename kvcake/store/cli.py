@@ -140,15 +140,7 @@ def run_master(args: argparse.Namespace) -> int:
     server = MasterServer(MasterService(config), args.host, args.port, secret=_secret(args))
     server.start()
     log.info("master listening on %s", server.address)
-    metrics = _serve_metrics(server.service.stats, args.host, args.metrics_port)
-    try:
-        _serve_until_signal(server.service.stats, args.stats_interval_s)
-    finally:
-        if metrics is not None:
-            metrics.shutdown()
-        server.close()
-        log.info("master stopped")
-    return 0
+    return _serve_then_close(args, server.service.stats, server.close, "master stopped")
 
 
 def _run_hosting_master(args: argparse.Namespace, config: MasterConfig) -> int:
@@ -165,14 +157,21 @@ def _run_hosting_master(args: argparse.Namespace, config: MasterConfig) -> int:
     store.start()
     log.info("master listening on %s, hosting node %s (segment server %s)", store.address,
              store.node.node_id, store.node.engine.address)
-    metrics = _serve_metrics(store.service.stats, args.host, args.metrics_port)
+    return _serve_then_close(args, store.service.stats, store.close,
+                             "master and its node stopped")
+
+
+def _serve_then_close(args: argparse.Namespace, stats: Any, close: Callable[[], None],
+                      stopped: str) -> int:
+    """Serve /metrics (with --metrics-port) and log stats until SIGTERM / SIGINT, then close."""
+    metrics = _serve_metrics(stats, args.host, args.metrics_port)
     try:
-        _serve_until_signal(store.service.stats, args.stats_interval_s)
+        _serve_until_signal(stats, args.stats_interval_s)
     finally:
         if metrics is not None:
             metrics.shutdown()
-        store.close()
-        log.info("master and its node stopped")
+        close()
+        log.info(stopped)
     return 0
 
 

@@ -319,10 +319,7 @@ class RpcConnection:
         with self._lock:
             self._next_id += 1
             self._sendall(encode({"id": self._next_id, "op": op, "args": args}), payload)
-            try:
-                reply = self._reader.read()
-            except OSError as exc:
-                raise MasterUnavailable(f"{self.address}: {exc}") from None
+            reply = self._read_reply()
             req_id = self._next_id
         return self._result(reply, req_id)
 
@@ -346,10 +343,7 @@ class RpcConnection:
             try:
                 value = work()
             finally:
-                try:
-                    reply = self._reader.read()
-                except OSError as exc:
-                    raise MasterUnavailable(f"{self.address}: {exc}") from None
+                reply = self._read_reply()
             req_id = self._next_id
         return self._result(reply, req_id), value
 
@@ -357,12 +351,16 @@ class RpcConnection:
         with self._lock:
             self._next_id += 1
             self._sendall(encode({"id": self._next_id, "op": op, "args": args}))
-            try:
-                reply = self._reader.read()
-            except OSError as exc:
-                raise MasterUnavailable(f"{self.address}: {exc}") from None
+            reply = self._read_reply()
             req_id = self._next_id
         return self._result(reply, req_id)
+
+    def _read_reply(self) -> object:
+        """The next reply on this connection; a broken connection is MasterUnavailable."""
+        try:
+            return self._reader.read()
+        except OSError as exc:
+            raise MasterUnavailable(f"{self.address}: {exc}") from None
 
     def _result(self, reply: object, req_id: int) -> Any:
         if not isinstance(reply, dict) or reply.get("id") != req_id:
