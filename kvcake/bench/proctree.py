@@ -67,12 +67,20 @@ class Teardown:
                 "killed": self.killed, "still_alive": self.still_alive}
 
 
+@dataclass(frozen=True)
+class ProcessTable:
+    """How wait_gone sees and ends processes: the host's by default, a fake one in tests."""
+
+    list_pids: Callable[[int], list[int]] = session_pids
+    kill: Callable[[int, int], None] = os.kill
+
+
 def wait_gone(sid: int, timeout_s: float = 60.0, poll_s: float = 0.05,
-              list_pids: Callable[[int], list[int]] = session_pids,
-              kill: Callable[[int, int], None] = os.kill,
+              processes: ProcessTable = ProcessTable(),
               sleep: Callable[[float], None] | None = None,
               clock: Clock | None = None) -> Teardown:
     """Wait until no process of session `sid` is alive; SIGKILL the rest after `timeout_s`."""
+    list_pids, kill = processes.list_pids, processes.kill
     clock = clock or SystemClock()
     if sleep is None:
         import time

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvcake.bench.hoststate import busy_share, parse_cpu_line, steal_share
-from kvcake.bench.proctree import parse_stat, session_pids, wait_gone
+from kvcake.bench.proctree import ProcessTable, parse_stat, session_pids, wait_gone
 from kvcake.bench.repeats import alternating_orders, median_result, ratios, spread
 from kvcake.clock import ManualClock
 
@@ -79,9 +79,9 @@ def test_wait_gone_waits_for_a_lingering_child_then_reports() -> None:
         return alive.pop(0) if len(alive) > 1 else alive[0]
 
     killed: list[tuple[int, int]] = []
-    gone = wait_gone(100, timeout_s=60.0, poll_s=0.5, list_pids=list_pids,
-                     kill=lambda pid, sig: killed.append((pid, sig)), sleep=clock.advance,
-                     clock=clock)
+    gone = wait_gone(100, timeout_s=60.0, poll_s=0.5,
+                     processes=ProcessTable(list_pids, lambda pid, sig: killed.append((pid, sig))),
+                     sleep=clock.advance, clock=clock)
     assert (gone.wait_s, gone.left_at_start, gone.killed, gone.still_alive) == (1.5, 2, 0, 0)
     assert not killed
 
@@ -95,16 +95,18 @@ def test_wait_gone_kills_after_the_deadline() -> None:
         killed.append((pid, sig))
         state["alive"] = [p for p in state["alive"] if p != pid]
 
-    gone = wait_gone(7, timeout_s=2.0, poll_s=1.0, list_pids=lambda sid: list(state["alive"]),
-                     kill=kill, sleep=clock.advance, clock=clock)
+    gone = wait_gone(7, timeout_s=2.0, poll_s=1.0,
+                     processes=ProcessTable(lambda sid: list(state["alive"]), kill),
+                     sleep=clock.advance, clock=clock)
     assert killed == [(7, signal.SIGKILL), (8, signal.SIGKILL)]
     assert gone.killed == 2 and gone.still_alive == 0 and gone.wait_s == 3.0
 
 
 def test_wait_gone_gives_up_on_an_unkillable_process() -> None:
     clock = ManualClock()
-    gone = wait_gone(7, timeout_s=1.0, poll_s=1.0, list_pids=lambda sid: [7],
-                     kill=lambda pid, sig: None, sleep=clock.advance, clock=clock)
+    gone = wait_gone(7, timeout_s=1.0, poll_s=1.0,
+                     processes=ProcessTable(lambda sid: [7], lambda pid, sig: None),
+                     sleep=clock.advance, clock=clock)
     assert gone.killed == 1 and gone.still_alive == 1 and gone.wait_s == 11.0
 
 
