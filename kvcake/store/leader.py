@@ -75,7 +75,7 @@ class LeaderResolver:
 
 
 class FailoverConnection:
-    """`RpcConnection` to whichever master etcd names; one retry on a new leader."""
+    """`RpcConnection` to whichever master etcd names; retried on the new leader after a loss."""
 
     def __init__(self, address: str, timeout_s: float = 30.0,
                  secret: ClusterSecret | None = None, failover_wait_s: float = 20.0) -> None:
@@ -106,18 +106,28 @@ class FailoverConnection:
                 time.sleep(0.1)
 
     def _retry(self, attempt: Callable[[RpcConnection], T]) -> T:
+        """`attempt` on the leader's connection; on a lost master, on the leader etcd names
+        next, until one answers or `failover_wait_s` has passed. Retried more than once: right
+        after a SIGKILL etcd still names the dead leader, whose socket may accept and then reset."""
         with self._lock:
             conn = self._conn or self._connect()
-        try:
-            return attempt(conn)
-        except MasterUnavailable as exc:
-            log.warning("store master %s lost (%s): finding the new leader", conn.address, exc)
-            with self._lock:
-                if self._conn is conn:
-                    conn.close()
-                    self._conn = None
-                conn = self._conn or self._connect()
-            return attempt(conn)
+        deadline = time.monotonic() + self._failover_wait_s
+        retries = 0
+        while True:
+            try:
+                return attempt(conn)
+            except MasterUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("store master %s lost (%s): finding the new leader", conn.address, exc)
+                if retries:
+                    time.sleep(0.1)
+                retries += 1
+                with self._lock:
+                    if self._conn is conn:
+                        conn.close()
+                        self._conn = None
+                    conn = self._conn or self._connect()
 
     def call(self, op: str, **args: Any) -> Any:
         return self._retry(lambda c: c.call(op, **args))
