@@ -86,12 +86,17 @@ void decode_item_f32(const float* qb, const float* kv_ptr, const int64_t* tab, i
   float* sc = scores.data();
   float row_max[G];
   for (int g = 0; g < G; ++g) row_max[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t p0 = 0; p0 < ctx; p0 += block_size) {  // pass 1: scores, block by block
-    const float* kb = kv_ptr + tab[p0 / block_size] * s_blk + h_off;
-    const int64_t n = std::min(block_size, ctx - p0);
-    if (p0 + block_size < ctx)  // the next block's K rows: scattered blocks defeat the prefetcher
-      prefetch_block<NC>(kv_ptr + tab[p0 / block_size + 1] * s_blk + h_off,
+  // the rows (K at offset 0, V at s_kv) of the block holding position p0, and a prefetch of the
+  // next block's: scattered blocks defeat the hardware prefetcher
+  auto rows_at = [&](int64_t p0, int64_t off) {
+    if (p0 + block_size < ctx)
+      prefetch_block<NC>(kv_ptr + tab[p0 / block_size + 1] * s_blk + off + h_off,
                          std::min(block_size, ctx - p0 - block_size), s_tok);
+    return kv_ptr + tab[p0 / block_size] * s_blk + off + h_off;
+  };
+  for (int64_t p0 = 0; p0 < ctx; p0 += block_size) {  // pass 1: scores, block by block
+    const float* kb = rows_at(p0, 0);
+    const int64_t n = std::min(block_size, ctx - p0);
     for (int64_t t = 0; t < n; ++t) {
       const float* k = kb + t * s_tok;
       vfloat kc[NC];
@@ -122,11 +127,8 @@ void decode_item_f32(const float* qb, const float* kv_ptr, const int64_t* tab, i
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = vfloat{};
   for (int64_t p0 = 0; p0 < ctx; p0 += block_size) {  // pass 2: probabilities x V
-    const float* vb = kv_ptr + tab[p0 / block_size] * s_blk + s_kv + h_off;
+    const float* vb = rows_at(p0, s_kv);
     const int64_t n = std::min(block_size, ctx - p0);
-    if (p0 + block_size < ctx)
-      prefetch_block<NC>(kv_ptr + tab[p0 / block_size + 1] * s_blk + s_kv + h_off,
-                         std::min(block_size, ctx - p0 - block_size), s_tok);
     for (int64_t t = 0; t < n; ++t) {
       const float* v = vb + t * s_tok;
       vfloat vc[NC];
