@@ -9,8 +9,9 @@
 Modules: index (pure metadata and lifecycle), space (replica ranges, versions, deferred frees),
 tiering (eviction, demote / promote plans), slots (keyless allocations), leases (read leases),
 eviction (LRU order), allocator (segment ranges), placement (strategies), layout (object header +
-checksum), protocol / rpc_server (control frames), master, node, disk (SSD tier), client,
-master_api (what the client needs of a master), writer (put path), reader (checked get path),
+checksum), protocol / rpc_server (control frames), master (the service), master_server (its
+TCP server), node_handle (the master's handles on nodes), master_args (its list arguments), node,
+disk (SSD tier), client, master_api (what the client needs of a master), writer (put path), reader (checked get path),
 locations (the reader's location cache), tensors, direct (small transfers on the caller's
 thread), remote, embedded, elected, config, cli.
 """
@@ -36,7 +37,8 @@ from kvcake.store.errors import (
     StoreError,
     TransferFailed,
 )
-from kvcake.store.master import MasterServer, MasterService
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 
 __all__ = [

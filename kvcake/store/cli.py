@@ -123,7 +123,8 @@ def _logging() -> None:
 
 
 def run_master(args: argparse.Namespace) -> int:
-    from kvcake.store.master import MasterServer, MasterService
+    from kvcake.store.master import MasterService
+    from kvcake.store.master_server import MasterServer
 
     config = MasterConfig(high_watermark=args.high_watermark, low_watermark=args.low_watermark,
                           lease_s=args.lease_s, put_timeout_s=args.put_timeout_s,

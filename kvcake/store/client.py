@@ -31,7 +31,7 @@ from kvcake.store.reader import ObjectReader
 from kvcake.store.remote import RemoteMaster
 from kvcake.store.replica_io import write_requests
 from kvcake.store.tensors import pack_tensor, unpack_tensor
-from kvcake.store.writer import ObjectWriter
+from kvcake.store.writer import ObjectWriter, WriterOptions
 from kvcake.transfer import (
     TransferConfig,
     TransferEngine,
@@ -94,9 +94,9 @@ class StoreClient:
         self._reader = ObjectReader(master, self._transfer,
                                     self._engine_transfer if direct else None,
                                     cache_entries=config.location_cache)
-        self._writer = ObjectWriter(master, self._transfer, direct, clock=clock,
-                                    on_written=self._reader.remember,
-                                    async_seal=config.async_seal)
+        self._writer = ObjectWriter(master, self._transfer,
+                                    WriterOptions(direct=direct, async_seal=config.async_seal),
+                                    clock=clock, on_written=self._reader.remember)
 
     @classmethod
     def embedded(cls, config: EmbeddedConfig | int, **kwargs: Any) -> StoreClient:

@@ -63,14 +63,22 @@ class MasterConfig:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """One store node: its DRAM segment and optional SSD tier."""
+    """One store node: its DRAM segment and optional SSD tier, and where it serves its control
+    port: `host` (bind address; also its transfer engine's unless a transfer config is given) and
+    `advertise_host`, what the master dials (default: `host`)."""
 
     dram_bytes: int
     disk_dir: str | None = None
     disk_bytes: int = 0
     heartbeat_interval_s: float = 1.0
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host: must be an address to bind, e.g. 127.0.0.1 or 0.0.0.0")
+        if self.advertise_host == "":
+            raise ValueError("advertise_host: must be an address peers can dial, or None")
         if self.dram_bytes <= 0:
             raise ValueError(f"dram_bytes: must be > 0, got {self.dram_bytes}")
         if self.disk_bytes < 0:
@@ -169,7 +177,7 @@ class ClientConfig:
         return _from_dict(cls, data)
 
 
-_Config = TypeVar("_Config", ElectionConfig, ClientConfig)
+_Config = TypeVar("_Config", ElectionConfig, ClientConfig, NodeConfig)
 
 
 def override(config: _Config, options: dict[str, Any]) -> _Config:

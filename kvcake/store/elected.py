@@ -24,7 +24,8 @@ from kvcake.registry import Election, Etcd
 from kvcake.registry.members import list_members
 from kvcake.store.config import ElectionConfig, MasterConfig, override
 from kvcake.store.leader import leader_key
-from kvcake.store.master import MasterServer, MasterService
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import MasterServer, ReadyGate
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class ElectedMaster:
         self.service = MasterService(config, mirror=True)
         self.server = MasterServer(self.service, election.host, election.port,
                                    tick_interval_s=election.tick_interval_s, secret=secret,
-                                   ready=self.ready)
+                                   ready=ReadyGate(self.ready))
         self._advertise_host = election.advertise_host or election.host
         self._recovery_s = election.recovery_s
         self._lease_ttl_s = election.lease_ttl_s

@@ -37,7 +37,8 @@ from kvcake.clock import Clock
 from kvcake.store.config import MasterConfig, NodeConfig
 from kvcake.store.errors import InvalidRequest, StoreError, TransferFailed
 from kvcake.store.layout import payload_checksum
-from kvcake.store.master import MasterServer, MasterService
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.store.payload import Payload
 from kvcake.store.replica_io import write_requests

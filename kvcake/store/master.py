@@ -1,4 +1,5 @@
-"""The store master: a thread-safe service around the pure `StoreIndex`, and its TCP server.
+"""The store master: `MasterService`, a thread-safe service around the pure `StoreIndex` (its TCP
+server is master_server.py, its handles on nodes node_handle.py, its list arguments master_args.py).
 
 The master holds metadata only. Replica descriptors it hands out name a node's segment, an offset
 and a version; clients move the bytes themselves through the transfer engine. The work the master
@@ -19,100 +20,24 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Protocol
+from typing import Any
 
-from kvcake.auth import ClusterSecret
 from kvcake.clock import Clock, SystemClock
 from kvcake.store.config import MasterConfig
-from kvcake.store.errors import (
-    InvalidRequest,
-    NoSpace,
-    ObjectNotFound,
-    StoreError,
-    TransferFailed,
-)
+from kvcake.store.errors import InvalidRequest, NoSpace, StoreError, TransferFailed
 from kvcake.store.index import ActionKind, ObjectMeta, Replica, StoreIndex, TierAction
-from kvcake.store.protocol import RpcConnection
+from kvcake.store.master_args import (
+    batch_entry,
+    commit_item,
+    key_arg,
+    key_checksum,
+    key_size_checksum,
+    reserve_spec,
+)
+from kvcake.store.node_handle import NodeHandle, RemoteNode
 from kvcake.store.rebuild import adopt
-from kvcake.store.rpc_server import RpcServer
 
 log = logging.getLogger(__name__)
-
-
-class NodeHandle(Protocol):
-    """What the master may ask of a node. Each call returns when the copy is done or raises."""
-
-    def demote(self, key: str, offset: int, alloc_bytes: int, version: int,
-               disk_version: int) -> None: ...
-
-    def promote(self, key: str, offset: int, alloc_bytes: int, version: int,
-                disk_version: int) -> None: ...
-
-    def drop_disk(self, key: str, disk_version: int) -> None: ...
-
-    def revoke(self, entries: list[list[int]]) -> int:
-        """Mark the replicas [[offset, version], ...] revoked (those still holding that
-        version); returns how many were."""
-        ...
-
-
-_REVOKE_TIMEOUT_S = 5.0  # a revoke is a few header writes: a node slower than this is stuck
-
-
-class RemoteNode:
-    """A node reached through its control server (proving `secret` to it, if given)."""
-
-    def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
-        self._address = address
-        self._secret = secret
-        self._conn: RpcConnection | None = None
-        self._revoke_conn: RpcConnection | None = None  # short timeout: it runs under the lock
-
-    def _call(self, op: str, **args: Any) -> None:
-        if self._conn is None:
-            self._conn = RpcConnection(self._address, secret=self._secret)
-        self._conn.call(op, **args)
-
-    def demote(self, key: str, offset: int, alloc_bytes: int, version: int,
-               disk_version: int) -> None:
-        self._call("demote", key=key, offset=offset, alloc_bytes=alloc_bytes, version=version,
-                   disk_version=disk_version)
-
-    def promote(self, key: str, offset: int, alloc_bytes: int, version: int,
-                disk_version: int) -> None:
-        self._call("promote", key=key, offset=offset, alloc_bytes=alloc_bytes, version=version,
-                   disk_version=disk_version)
-
-    def drop_disk(self, key: str, disk_version: int) -> None:
-        self._call("drop_disk", key=key, disk_version=disk_version)
-
-    def revoke(self, entries: list[list[int]]) -> int:
-        try:
-            if self._revoke_conn is None:
-                self._revoke_conn = RpcConnection(self._address, timeout_s=_REVOKE_TIMEOUT_S,
-                                                  secret=self._secret)
-            return int(self._revoke_conn.call("revoke", entries=entries))
-        except (StoreError, OSError):
-            conn, self._revoke_conn = self._revoke_conn, None  # reconnect next time
-            if conn is not None:
-                conn.close()
-            raise
-
-    def tell(self, op: str, objects: list[list[Any]]) -> None:
-        """One-way `hold` / `forget` of catalogue entries (failover on); a node that cannot be
-        reached misses them (it re-registers, or is declared dead, anyway)."""
-        try:
-            if self._conn is None:
-                self._conn = RpcConnection(self._address, secret=self._secret)
-            self._conn.send(op, objects=objects)
-        except (StoreError, OSError) as exc:
-            log.warning("could not tell node %s to %s %d objects: %s", self._address, op,
-                        len(objects), exc)
-
-    def close(self) -> None:
-        for conn in (self._conn, self._revoke_conn):
-            if conn is not None:
-                conn.close()
 
 
 def replica_desc(index: StoreIndex, replica: Replica, revocable: bool = False) -> dict[str, Any]:
@@ -236,14 +161,14 @@ class MasterService:
         `count` new slots, less one for each commit that kept its slot (the writer reuses it),
         and fewer, maybe none, when free space runs out.
         -> {"results": [entry per commit], "slots": [{"slot", "replicas", "ttl_s"}, ...]}"""
-        items = [_commit_item(c) for c in commits]
-        spec = _reserve_spec(reserve) if reserve is not None else None
+        items = [commit_item(c) for c in commits]
+        spec = reserve_spec(reserve) if reserve is not None else None
         with self._lock:
             now_s = self.clock.now_s()
             if seal_later:
-                results = [_item(lambda c=c: self.index.name_slot(*c)) for c in items]
+                results = [batch_entry(lambda c=c: self.index.name_slot(*c)) for c in items]
             else:
-                results = [_item(lambda c=c: self._commit_slot(c[0], c[1], c[2], c[3], now_s))
+                results = [batch_entry(lambda c=c: self._commit_slot(c[0], c[1], c[2], c[3], now_s))
                            for c in items]
             slots: list[dict[str, Any]] = []
             if spec is not None:
@@ -385,21 +310,21 @@ class MasterService:
     # ---- batches: one item's failure does not stop the others -------------------------------
     def put_start_batch(self, items: list[Any], num_replicas: int | None = None,
                         local_node: str | None = None) -> list[Any]:
-        return [_item(lambda it=it: self.put_start(*_key_size_checksum(it), num_replicas,
+        return [batch_entry(lambda it=it: self.put_start(*key_size_checksum(it), num_replicas,
                                                    local_node)) for it in items]
 
     def put_commit_batch(self, keys: list[Any]) -> list[Any]:
         """Each entry is a key, or [key, checksum] when put_start had no checksum."""
-        return [_item(lambda k=k: self.put_commit(*_key_checksum(k))) for k in keys]
+        return [batch_entry(lambda k=k: self.put_commit(*key_checksum(k))) for k in keys]
 
     def get_batch(self, keys: list[Any]) -> list[Any]:
-        return [_item(lambda k=k: self.get(_key(k))) for k in keys]
+        return [batch_entry(lambda k=k: self.get(key_arg(k))) for k in keys]
 
     def exists_batch(self, keys: list[Any]) -> list[Any]:
-        return [_item(lambda k=k: self.exists(_key(k))) for k in keys]
+        return [batch_entry(lambda k=k: self.exists(key_arg(k))) for k in keys]
 
     def remove_batch(self, keys: list[Any]) -> list[Any]:
-        return [_item(lambda k=k: self.remove(_key(k))) for k in keys]
+        return [batch_entry(lambda k=k: self.remove(key_arg(k))) for k in keys]
 
     # ---- internals -----------------------------------------------------------------------------
     def _describe(self, meta: ObjectMeta) -> dict[str, Any]:
@@ -471,122 +396,3 @@ class MasterService:
             return False
 
 
-def _key(value: Any) -> str:
-    if not isinstance(value, str):
-        raise InvalidRequest(f"key: must be a string, got {type(value).__name__}")
-    return value
-
-
-def _key_size_checksum(item: Any) -> tuple[str, int, int | None]:
-    if not (isinstance(item, list | tuple) and len(item) in (2, 3) and isinstance(item[0], str)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])):
-        raise InvalidRequest("items: each must be [key, size_bytes] or [key, size_bytes, checksum]")
-    return item[0], item[1], item[2] if len(item) == 3 else None
-
-
-def _key_checksum(item: Any) -> tuple[str, int | None]:
-    if isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[1], int) \
-            and not isinstance(item[1], bool):
-        return _key(item[0]), item[1]
-    return _key(item), None
-
-
-def _commit_item(item: Any) -> tuple[str, int, int, int]:
-    if not (isinstance(item, list | tuple) and len(item) == 4 and isinstance(item[0], str)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])):
-        raise InvalidRequest("commits: each must be [key, slot, size_bytes, checksum]")
-    return item[0], item[1], item[2], item[3]
-
-
-def _reserve_spec(spec: Any) -> tuple[int, int, int | None, str | None]:
-    ok = isinstance(spec, list | tuple) and len(spec) == 4 \
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in spec[:2]) \
-        and (spec[2] is None or isinstance(spec[2], int) and not isinstance(spec[2], bool)) \
-        and (spec[3] is None or isinstance(spec[3], str))
-    if not ok:
-        raise InvalidRequest("reserve: must be [size_bytes, count, num_replicas or null, "
-                             "local_node or null]")
-    return spec[0], spec[1], spec[2], spec[3]
-
-
-def _item(call: Any) -> dict[str, Any]:
-    """One batch entry: {"ok": True, "result": ...} or {"ok": False, "error": {...}}."""
-    try:
-        return {"ok": True, "result": call()}
-    except (StoreError, KeyError, ValueError) as exc:
-        name = type(exc).__name__ if isinstance(exc, StoreError) else "StoreError"
-        if isinstance(exc, KeyError) and not isinstance(exc, StoreError):
-            name, exc = "ObjectNotFound", ObjectNotFound(str(exc))
-        return {"ok": False, "error": {"type": name, "message": str(exc)}}
-
-
-class MasterServer:
-    """`MasterService` on TCP, plus a reaper thread that calls `tick()` every `tick_interval_s`
-    (None: no reaper; tests call `service.tick()` after moving their clock). With `secret`, only
-    clients and nodes that prove it are served, and the master proves it to nodes' control ports."""
-
-    def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 0,
-                 tick_interval_s: float | None = 0.5,
-                 secret: ClusterSecret | None = None, ready: threading.Event | None = None,
-                 ready_wait_s: float = 30.0) -> None:
-        """`ready` (a new leader rebuilding from its nodes): until it is set (or `ready_wait_s`
-        passes), only node operations are served; the others wait, so no client is told an
-        object is missing that a node has not re-registered yet."""
-        self.service = service
-        self._ready = ready
-        self._ready_wait_s = ready_wait_s
-        self._secret = secret
-        self._server = RpcServer(self._handle, host, port, on_close=self._on_close,
-                                 secret=secret)
-        self._tick_interval_s = tick_interval_s
-        self._stop = threading.Event()
-        self._reaper: threading.Thread | None = None
-
-    @property
-    def address(self) -> str:
-        return self._server.address
-
-    def start(self) -> MasterServer:
-        self._server.start()
-        if self._tick_interval_s is not None:
-            self._reaper = threading.Thread(target=self._reap, name="store-reaper", daemon=True)
-            self._reaper.start()
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-        self._server.close()
-        if self._reaper is not None:
-            self._reaper.join(timeout=5)
-
-    def __enter__(self) -> MasterServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _reap(self) -> None:
-        assert self._tick_interval_s is not None
-        while not self._stop.wait(self._tick_interval_s):
-            self.service.tick()
-
-    def _handle(self, op: str, args: dict[str, Any], session: dict[str, Any]) -> Any:
-        if op == "register_node":
-            address = args.pop("control_address", None)
-            handle = RemoteNode(address, self._secret) if address else None
-            self.service.register_node(handle=handle, **args)
-            session["node_id"] = args["node_id"]
-            return None
-        if op == "unregister_node":
-            session.pop("node_id", None)
-        if op in ("demote", "promote", "drop_disk", "revoke", "hold", "forget"):
-            raise InvalidRequest(f"op: {op!r} is a node operation, not a master one")
-        if self._ready is not None and op not in ("heartbeat", "unregister_node"):
-            self._ready.wait(self._ready_wait_s)
-        return getattr(self.service, op)(**args)
-
-    def _on_close(self, session: dict[str, Any]) -> None:
-        node_id = session.get("node_id")
-        if node_id is not None and not self._stop.is_set():
-            log.warning("node %s closed its connection: dropping its replicas", node_id)
-            self.service.unregister_node(node_id)

@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 from kvcake.auth import ClusterSecret
-from kvcake.store.config import NodeConfig
+from kvcake.store.config import NodeConfig, override
 from kvcake.store.disk import DiskTier
 from kvcake.store.errors import InvalidRequest, StoreError
 from kvcake.store.layout import HEADER_BYTES, CorruptObject, pack_header, verify
@@ -42,9 +42,12 @@ class StoreNode:
 
     def __init__(self, config: NodeConfig, master: str | MasterService, *,
                  node_id: str | None = None, engine: TransferEngine | None = None,
-                 transfer_config: TransferConfig | None = None, host: str = "127.0.0.1",
-                 secret: ClusterSecret | None = None,
-                 advertise_host: str | None = None) -> None:
+                 transfer_config: TransferConfig | None = None,
+                 secret: ClusterSecret | None = None, **options: Any) -> None:
+        """`options`: `NodeConfig` fields replacing `config`'s (e.g. `host=`,
+        `advertise_host=`); an unknown one is a ValueError."""
+        config = override(config, options)
+        host = config.host
         self.config = config
         self.node_id = node_id or f"node-{uuid.uuid4().hex[:8]}"
         self._master_arg = master
@@ -56,7 +59,7 @@ class StoreNode:
             transfer = dataclasses.replace(transfer, secret=self._secret)
         self.engine = engine or TransferEngine(transfer)
         self._host = host
-        self._advertise_host = advertise_host  # what the master dials (default: the bind host)
+        self._advertise_host = config.advertise_host  # what the master dials
         self._segment_name = f"store-{self.node_id}"
         self._disk = DiskTier(config.disk_dir) if config.disk_dir and config.disk_bytes else None
         self._control: RpcServer | None = None

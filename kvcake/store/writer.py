@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvcake.clock import Clock, SystemClock
@@ -66,27 +67,63 @@ OnWritten = Callable[[str, int, int, list[dict[str, Any]]], None]
 SLOT_MAX_BYTES = 4 << 20  # single puts up to this size go through a reserved slot
 _MAX_SHAPES = 8  # (size, replicas, local node) combinations a writer holds a slot for
 _SLOTS_PER_SHAPE = 2  # slots held per combination (more come only from concurrent puts)
+Shape = tuple[int, int | None, str | None]  # (size, num_replicas, local_node): what a slot fits
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """How an `ObjectWriter` writes. `direct`: its transfer may take the direct path, which moves
+    a single-replica put as one pipelined header + payload write; `slots`: single puts go through
+    reserved slots (module docstring); `async_seal`: a slot put is sealed one-way."""
+
+    direct: bool = False
+    slots: bool = True
+    async_seal: bool = False
+
+
+@dataclass(frozen=True)
+class SlotPut:
+    """One single put through a slot: the object, the slot it goes into, and what the commit
+    request reserves next."""
+
+    key: str
+    view: memoryview
+    checksum: int
+    slot: dict[str, Any]
+    num_replicas: int | None
+    local_node: str | None
+
+    @property
+    def shape(self) -> Shape:
+        return (len(self.view), self.num_replicas, self.local_node)
+
+    @property
+    def reserve(self) -> list[Any]:
+        return [len(self.view), 1, self.num_replicas, self.local_node]
+
+    @property
+    def commit(self) -> list[Any]:
+        return [self.key, self.slot["slot"], len(self.view), self.checksum]
 
 
 class ObjectWriter:
-    """Writes objects for one client through `transfer`. `direct`: `transfer` may take the
-    direct path, which moves a single-replica put as one pipelined header + payload write."""
+    """Writes objects for one client through `transfer`, as `options` say."""
 
-    def __init__(self, master: Master, transfer: Transfer, direct: bool, *,
-                 clock: Clock | None = None, on_written: OnWritten | None = None,
-                 slots: bool = True, async_seal: bool = False) -> None:
+    def __init__(self, master: Master, transfer: Transfer,
+                 options: WriterOptions | None = None, *, clock: Clock | None = None,
+                 on_written: OnWritten | None = None) -> None:
+        options = options or WriterOptions()
         self.master = master
         self._transfer = transfer
-        self._direct = direct
+        self._direct = options.direct
         self._clock = clock or SystemClock()
         self._on_written = on_written
-        self._use_slots = slots and not getattr(master, "follows_leader", False) \
+        self._use_slots = options.slots and not getattr(master, "follows_leader", False) \
             and hasattr(master, "put_slots")
         # (size, num_replicas, local_node) -> [(slot descriptor, this clock when received)]
-        self._slots: dict[tuple[int, int | None, str | None],
-                          list[tuple[dict[str, Any], float]]] = {}
+        self._slots: dict[Shape, list[tuple[dict[str, Any], float]]] = {}
         self._slot_lock = threading.Lock()
-        self._async_seal = async_seal
+        self._async_seal = options.async_seal
 
     def put(self, key: str, value: Any, num_replicas: int | None,
             local_node: str | None) -> bool:
@@ -109,10 +146,10 @@ class ObjectWriter:
                 return self.put_batch([key], [view], num_replicas, local_node)[0]
         else:
             checksum = payload_checksum(view)
+        put = SlotPut(key, view, checksum, slot, num_replicas, local_node)
         requests, digests = self._put_requests([(key, view, checksum, slot["replicas"])])
         if not self._async_seal:
-            return self._put_acknowledged(key, view, checksum, slot, shape, reserve,
-                                          requests, digests, num_replicas, local_node)
+            return self._put_acknowledged(put, requests, digests)
 
         def write() -> BaseException | None:  # the error, so that the master's reply is read
             try:
@@ -123,14 +160,13 @@ class ObjectWriter:
 
         # Name the slot (sent first: the master handles it while the bytes go to the node),
         # write, then seal it one-way; a get of the key meanwhile waits for the seal.
-        commits = [[key, slot["slot"], size, checksum]]
         if isinstance(self.master, RemoteMaster):
-            result, failed = self.master.put_slots_overlapped(commits, reserve, write,
+            result, failed = self.master.put_slots_overlapped([put.commit], reserve, write,
                                                               seal_later=True)
         else:
-            result = self.master.put_slots(commits, reserve, seal_later=True)
+            result = self.master.put_slots([put.commit], reserve, seal_later=True)
             failed = write()
-        refused = self._refused(result, slot, shape, key, view, num_replicas, local_node)
+        refused = self._refused(result, put)
         if refused is not None:
             return refused
         if failed is not None:  # named but not written: nobody may read it
@@ -155,40 +191,35 @@ class ObjectWriter:
             self._on_written(key, len(view), checksum, descs)
         return True
 
-    def _put_acknowledged(self, key: str, view: memoryview, checksum: int,
-                          slot: dict[str, Any], shape: tuple[int, int | None, str | None],
-                          reserve: list[Any], requests: list[TransferRequest],
-                          digests: list[int | None], num_replicas: int | None,
-                          local_node: str | None) -> bool:
+    def _put_acknowledged(self, put: SlotPut, requests: list[TransferRequest],
+                          digests: list[int | None]) -> bool:
         """Write into the slot, then one request commits it (acknowledged) and reserves the
         next: two round trips."""
         try:
             self._transfer(requests, digests)
         except (TransferError, ValueError) as exc:
-            self._release([slot["slot"]])
-            raise TransferFailed(f"put of {key!r} failed: {exc}") from exc
-        result = self.master.put_slots([[key, slot["slot"], len(view), checksum]], reserve)
-        refused = self._refused(result, slot, shape, key, view, num_replicas, local_node)
+            self._release([put.slot["slot"]])
+            raise TransferFailed(f"put of {put.key!r} failed: {exc}") from exc
+        result = self.master.put_slots([put.commit], put.reserve)
+        refused = self._refused(result, put)
         if refused is not None:
             return refused
         if self._on_written is not None:
-            self._on_written(key, len(view), checksum, slot["replicas"])
+            self._on_written(put.key, len(put.view), put.checksum, put.slot["replicas"])
         return True
 
-    def _refused(self, result: dict[str, Any], slot: dict[str, Any],
-                 shape: tuple[int, int | None, str | None], key: str, view: memoryview,
-                 num_replicas: int | None, local_node: str | None) -> bool | None:
+    def _refused(self, result: dict[str, Any], put: SlotPut) -> bool | None:
         """Keep the slots a `put_slots` answer reserved; None if it named the key, else what the
         put returns: False when the key exists (the slot is kept for the next put), the ordinary
         put's answer when the slot is gone (its node left)."""
-        self._keep(shape, result["slots"])
+        self._keep(put.shape, result["slots"])
         try:
             unwrap(result["results"][0])
         except ObjectExists:
-            self._keep(shape, [slot], slot["_at"])  # still reserved: the next put reuses it
+            self._keep(put.shape, [put.slot], put.slot["_at"])  # still reserved: reused next
             return False
         except ObjectNotFound:
-            return self.put_batch([key], [view], num_replicas, local_node)[0]
+            return self.put_batch([put.key], [put.view], put.num_replicas, put.local_node)[0]
         return None
 
     def close(self) -> None:
@@ -207,7 +238,7 @@ class ObjectWriter:
         value = work()
         return self.master.put_slots(commits, reserve), value
 
-    def _take(self, shape: tuple[int, int | None, str | None]) -> dict[str, Any] | None:
+    def _take(self, shape: Shape) -> dict[str, Any] | None:
         """A slot of this shape still in the first half of its time, or None."""
         now_s = self._clock.now_s()
         stale: list[int] = []
@@ -224,7 +255,7 @@ class ObjectWriter:
             self._release(stale)
         return found
 
-    def _keep(self, shape: tuple[int, int | None, str | None], slots: list[dict[str, Any]],
+    def _keep(self, shape: Shape, slots: list[dict[str, Any]],
               at_s: float | None = None) -> None:
         if not slots:
             return

@@ -10,7 +10,8 @@ from kvcake.clock import ManualClock
 from kvcake.store import StoreClient
 from kvcake.store.config import MasterConfig
 from kvcake.store.errors import StoreError
-from kvcake.store.master import MasterServer, MasterService
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import MasterServer
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ from kvcake.clock import ManualClock
 from kvcake.store import StoreClient
 from kvcake.store.config import MasterConfig, NodeConfig
 from kvcake.store.errors import MasterUnavailable
-from kvcake.store.master import MasterServer, MasterService
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.store.protocol import RpcConnection, encode, parse_address
 from kvcake.transfer import TransferConfig, TransportError

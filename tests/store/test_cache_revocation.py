@@ -28,7 +28,8 @@ from kvcake.store.layout import (
     revoke,
     verify,
 )
-from kvcake.store.master import MasterServer, MasterService
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.transfer import TransferConfig
 

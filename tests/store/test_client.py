@@ -14,7 +14,7 @@ from kvcake.store import StoreClient
 from kvcake.store.config import EmbeddedConfig, MasterConfig, NodeConfig
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.errors import InvalidRequest, NoSpace, ObjectNotFound
-from kvcake.store.master import MasterServer
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.transfer import TransferConfig
 

@@ -1,7 +1,10 @@
-"""`ClientConfig` and `ElectionConfig` (config.py): validated, and given either whole or as the
-constructor keywords `StoreClient` and `ElectedMaster` always took (`override`)."""
+"""`ClientConfig`, `ElectionConfig` and `NodeConfig` (config.py): validated, and given either whole
+or as the constructor keywords `StoreClient`, `ElectedMaster` and `StoreNode` always took
+(`override`)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -12,10 +15,14 @@ from kvcake.store.config import (
     ClientConfig,
     ElectionConfig,
     EmbeddedConfig,
+    NodeConfig,
     override,
 )
 from kvcake.store.elected import ElectedMaster
 from kvcake.store.embedded import EmbeddedStore
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import ReadyGate
+from kvcake.store.node import StoreNode
 
 
 @pytest.mark.parametrize("bad, field", [
@@ -85,3 +92,26 @@ def test_an_elected_master_takes_an_election_config_or_its_fields_as_keywords() 
             ("127.0.0.2", 3.0, 2)
     with pytest.raises(ValueError, match=r"unknown keys \['recovery'\]"):
         ElectedMaster(etcd, "c", recovery=3.0)
+
+
+def test_a_store_node_takes_its_address_as_config_fields_or_keywords() -> None:
+    service = MasterService()  # an in-process master: nothing is bound until start()
+    keywords = StoreNode(NodeConfig(1 << 20), service, host="127.0.0.2",
+                         advertise_host="10.0.0.1")
+    whole = StoreNode(NodeConfig(1 << 20, host="127.0.0.2", advertise_host="10.0.0.1"), service)
+    for node in (keywords, whole):
+        assert node.config == NodeConfig(1 << 20, host="127.0.0.2", advertise_host="10.0.0.1")
+        assert node._host == "127.0.0.2" and node._advertise_host == "10.0.0.1"
+        node.engine.close()
+    with pytest.raises(ValueError, match=r"unknown keys \['bind'\]"):
+        StoreNode(NodeConfig(1 << 20), service, bind="0.0.0.0")
+    with pytest.raises(ValueError, match="host"):
+        NodeConfig(1 << 20, host="")
+    with pytest.raises(ValueError, match="advertise_host"):
+        NodeConfig(1 << 20, advertise_host="")
+
+
+def test_a_ready_gate_needs_a_positive_wait() -> None:
+    assert ReadyGate().wait_s == 30.0 and not ReadyGate().event.is_set()
+    with pytest.raises(ValueError, match="wait_s"):
+        ReadyGate(threading.Event(), 0.0)

@@ -14,7 +14,7 @@ from kvcake.store import StoreClient
 from kvcake.store.config import NodeConfig
 from kvcake.store.direct import DirectPath
 from kvcake.store.errors import StoreError
-from kvcake.store.master import MasterServer
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.transfer import (
     EndpointKey,

@@ -13,7 +13,7 @@ from kvcake.store.config import EmbeddedConfig, MasterConfig, NodeConfig
 from kvcake.store.disk import DiskTier
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.layout import HEADER_BYTES, CorruptObject, pack_header
-from kvcake.store.master import MasterServer
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.transfer import TransferConfig
 

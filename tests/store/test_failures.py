@@ -15,7 +15,7 @@ from kvcake.store.config import EmbeddedConfig, NodeConfig
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.errors import ObjectNotFound, StoreError, TransferFailed
 from kvcake.store.layout import HEADER_BYTES
-from kvcake.store.master import MasterServer
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.transfer import (
     EndpointKey,

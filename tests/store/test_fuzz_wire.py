@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from kvcake.clock import ManualClock
 from kvcake.store import StoreClient
 from kvcake.store.config import MasterConfig, NodeConfig
-from kvcake.store.master import MasterServer, MasterService
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.store.protocol import MAX_FRAME_BYTES, SCHEMA, FrameReader, encode, parse_address
 from kvcake.transfer import TransferConfig

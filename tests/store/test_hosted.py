@@ -21,7 +21,8 @@ from kvcake.store.config import MasterConfig, NodeConfig
 from kvcake.store.errors import InvalidRequest, ObjectExists, ObjectNotFound
 from kvcake.store.hosted import HostedConfig, HostedStore, InlinePuts
 from kvcake.store.layout import HEADER_BYTES, payload_checksum, verify
-from kvcake.store.master import MasterServer, MasterService
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.store.payload import MAX_PAYLOAD_BYTES
 from kvcake.store.protocol import FrameReader, encode

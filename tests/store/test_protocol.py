@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from kvcake.store.errors import InvalidRequest, MasterUnavailable, NoNodes, ObjectNotFound
-from kvcake.store.master import MasterServer
+from kvcake.store.master_server import MasterServer
 from kvcake.store.protocol import (
     FrameReader,
     RpcConnection,

@@ -20,7 +20,8 @@ from kvcake.store.config import EmbeddedConfig, MasterConfig, NodeConfig
 from kvcake.store.embedded import EmbeddedStore
 from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
 from kvcake.store.layout import HEADER_BYTES, payload_checksum
-from kvcake.store.master import MasterServer, MasterService
+from kvcake.store.master import MasterService
+from kvcake.store.master_server import MasterServer
 from kvcake.store.node import StoreNode
 from kvcake.store.protocol import ONE_WAY_OPS
 from kvcake.store.reader import CACHE_ENTRIES
