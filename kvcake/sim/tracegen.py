@@ -1,6 +1,11 @@
 """A seeded generator of conversation-like traces in the Mooncake format.
 
-Requests arrive as a Poisson process. Each one either opens a new session (a chat that starts
+Requests arrive as a Poisson process, or, with `burst_rate_factor` above 1, as a two-state
+Markov-modulated Poisson process (MMPP): the rate alternates between a burst state (rate_per_s x
+burst_rate_factor) and a calm state (rate_per_s x calm_rate_factor, the factor that keeps the
+mean rate at rate_per_s), each state lasting an exponentially distributed time of mean
+burst_mean_s / calm_mean_s (trace time: a replay at speed k divides them by k). Real traces
+are bursty; a Poisson process at the same mean has none of their peaks. Each request either opens a new session (a chat that starts
 with one of a few global system prompts, picked with Zipf-like popularity, then a first user
 message) or continues an open session: its prompt is the session's previous prompt, plus the
 previous answer, plus a new user message. Hash ids are chained as in the published traces: full
@@ -21,7 +26,14 @@ from kvcake.sim.trace import DEFAULT_BLOCK_SIZE, Trace, TraceRequest
 
 @dataclass(frozen=True)
 class TraceGenConfig:
-    """Shape of a generated trace. Lengths in tokens; defaults resemble the conversation trace."""
+    """Shape of a generated trace. Lengths in tokens; defaults resemble the conversation trace.
+
+    burst_rate_factor: the arrival rate in a burst as a multiple of rate_per_s; 1 (the default)
+        is a plain Poisson process (and the same bytes as before the MMPP existed).
+    burst_mean_s, calm_mean_s: mean duration of a burst and of the calm between bursts, seconds
+        of trace time (each duration exponential; the first state drawn from the stationary
+        share burst_mean_s / (burst_mean_s + calm_mean_s)). Only read when burst_rate_factor > 1.
+    """
 
     num_requests: int = 1000
     rate_per_s: float = 3.4
@@ -36,6 +48,9 @@ class TraceGenConfig:
     max_input_len: int = 128_000
     block_size: int = DEFAULT_BLOCK_SIZE
     seed: int = 0
+    burst_rate_factor: float = 1.0
+    burst_mean_s: float = 60.0
+    calm_mean_s: float = 180.0
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "num_system_prompts", "system_prompt_len",
@@ -49,6 +64,29 @@ class TraceGenConfig:
             raise ValueError(f"new_session_prob must be in (0, 1], got {self.new_session_prob}")
         if self.max_input_len < self.system_prompt_len + 1:
             raise ValueError("max_input_len must exceed system_prompt_len")
+        if not self.burst_rate_factor >= 1:
+            raise ValueError(f"burst_rate_factor must be >= 1 (1: plain Poisson), "
+                             f"got {self.burst_rate_factor}")
+        if not (self.burst_mean_s > 0 and self.calm_mean_s > 0):
+            raise ValueError(f"burst_mean_s and calm_mean_s must be > 0, got "
+                             f"{self.burst_mean_s} and {self.calm_mean_s}")
+        if self.calm_rate_factor < 0:
+            raise ValueError(
+                f"burst_rate_factor {self.burst_rate_factor} x burst share "
+                f"{self.burst_share:.3f} exceeds 1: the calm rate would be negative; lower "
+                f"burst_rate_factor or burst_mean_s, or raise calm_mean_s")
+
+    @property
+    def burst_share(self) -> float:
+        """Long-run share of time in the burst state."""
+        return self.burst_mean_s / (self.burst_mean_s + self.calm_mean_s)
+
+    @property
+    def calm_rate_factor(self) -> float:
+        """The calm state's rate as a multiple of rate_per_s, so that the mean rate is
+        rate_per_s: share x burst + (1 - share) x calm = 1."""
+        share = self.burst_share
+        return (1.0 - share * self.burst_rate_factor) / (1.0 - share)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TraceGenConfig:
@@ -117,12 +155,48 @@ class _Generator:
         return TraceRequest(index, float(timestamp_ms), input_len, output_len, tuple(ids))
 
 
+class _Modulation:
+    """The MMPP's rate over time: the state (burst or calm) and when it ends, drawn from its own
+    seeded stream, so the requests' contents use the generator's stream exactly as a Poisson
+    trace of the same seed does (same lengths and ids, other timestamps)."""
+
+    def __init__(self, cfg: TraceGenConfig) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(f"mmpp-{cfg.seed}")
+        self.burst = self.rng.random() < cfg.burst_share
+        self.ends_s = self._duration()
+
+    def _duration(self) -> float:
+        cfg = self.cfg
+        return self.rng.expovariate(1.0 / (cfg.burst_mean_s if self.burst else cfg.calm_mean_s))
+
+    def rate(self) -> float:
+        cfg = self.cfg
+        return cfg.rate_per_s * (cfg.burst_rate_factor if self.burst else cfg.calm_rate_factor)
+
+    def advance(self, t_s: float, work: float) -> float:
+        """The time at which `work` units of the integrated rate have passed after t_s (a
+        unit-rate exponential `work` gives the next arrival of the modulated process)."""
+        while True:
+            rate = self.rate()
+            if rate > 0 and rate * (self.ends_s - t_s) >= work:
+                return t_s + work / rate
+            work -= rate * (self.ends_s - t_s)
+            t_s = self.ends_s
+            self.burst = not self.burst
+            self.ends_s = t_s + self._duration()
+
+
 def generate_trace(cfg: TraceGenConfig) -> Trace:
     """A seeded conversation-like trace (integer millisecond timestamps)."""
     gen = _Generator(cfg)
     t_s = 0.0
     requests = []
+    modulation = _Modulation(cfg) if cfg.burst_rate_factor > 1 else None
     for index in range(cfg.num_requests):
         requests.append(gen.request(index, round(t_s * 1000)))
-        t_s += gen.rng.expovariate(cfg.rate_per_s)
+        if modulation is None:
+            t_s += gen.rng.expovariate(cfg.rate_per_s)
+        else:  # one draw of the generator's stream per gap, as the Poisson case
+            t_s = modulation.advance(t_s, gen.rng.expovariate(1.0))
     return Trace(tuple(requests), f"generated(seed={cfg.seed})", cfg.block_size)
