@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -118,11 +119,12 @@ class Ours:
         self.client: StoreClient | None = None
         self.address = ""
 
-    def start(self, shared: Ours | None = None) -> None:
+    def start(self, logs: Path, shared: Ours | None = None) -> None:
+        """`logs`: the run's directory for the master's and node's output."""
         if shared is not None:  # the second row uses the same master and node
             address = shared.address
         elif self.hosted:  # one process: the master hosts the node (store/hosted.py)
-            log = open(tempfile.mktemp(prefix="kvcake-hosted-", suffix=".log"), "w")  # noqa: SIM115
+            log = open(logs / f"{self.name}-hosted.log", "w")  # noqa: SIM115
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvcake.store", "master", "--port", str(self.port),
                  "--with-node", "2GiB", "--node-id", "bench-hosted", "--node-port",
@@ -132,13 +134,13 @@ class Ours:
             _wait_port(self.port)
             _wait_port(self.port + 1)
         else:
-            log = open(tempfile.mktemp(prefix="kvcake-master-", suffix=".log"), "w")  # noqa: SIM115
+            log = open(logs / f"{self.name}-master.log", "w")  # noqa: SIM115
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvcake.store", "master", "--port", str(self.port),
                  "--stats-interval-s", "3600"], stdout=log, stderr=subprocess.STDOUT))
             address = f"127.0.0.1:{self.port}"
             _wait_port(self.port)
-            node_log = open(tempfile.mktemp(prefix="kvcake-node-", suffix=".log"), "w")  # noqa: SIM115
+            node_log = open(logs / f"{self.name}-node.log", "w")  # noqa: SIM115
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvcake.store", "node", "--master", address, "--dram",
                  "2GiB", "--node-id", "bench", "--port", str(self.port + 1), "--rails", "4",
@@ -244,7 +246,7 @@ class Mooncake:
         self.port = port
         self.procs: list[subprocess.Popen[Any]] = []
 
-    def start(self) -> None:
+    def start(self, logs: Path) -> None:
         python = MOONCAKE_VENV / "bin" / "python"
         master = MOONCAKE_VENV / "bin" / "mooncake_master"
         if not python.exists() or not master.exists():
@@ -257,7 +259,7 @@ class Mooncake:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait_port(self.port)
         _wait_port(self.port + 1)
-        worker = Path(tempfile.mktemp(prefix="mooncake-worker-", suffix=".py"))
+        worker = logs / "mooncake_worker.py"
         worker.write_text(MOONCAKE_WORKER)
         self.storage = self._worker(python, worker, "storage", 2 << 30, 16 << 20)
         self.client = self._worker(python, worker, "client", 0, 1 << 30)
@@ -407,22 +409,26 @@ def main(argv: list[str] | None = None) -> int:
     ours_hosted = Ours("ours-hosted-tcp", args.port + 3, shm=False, hosted=True)
     systems: list[Any] = []
     started: list[Any] = []
+    # The servers' logs (and Mooncake's worker script): removed after a clean run, kept (and
+    # named) when the run fails.
+    logs = Path(tempfile.mkdtemp(prefix="store_vs_peers-"))
+    clean = False
     try:
-        ours_tcp.start()
+        ours_tcp.start(logs)
         started.append(ours_tcp)
-        ours_shm.start(shared=ours_tcp)
+        ours_shm.start(logs, shared=ours_tcp)
         started.append(ours_shm)
         systems += [ours_tcp, ours_shm]
         if "seal" not in skip:
-            ours_seal.start(shared=ours_tcp)
+            ours_seal.start(logs, shared=ours_tcp)
             started.append(ours_seal)
             systems.append(ours_seal)
         if "nocache" not in skip:
-            ours_nocache.start(shared=ours_tcp)
+            ours_nocache.start(logs, shared=ours_tcp)
             started.append(ours_nocache)
             systems.append(ours_nocache)
         if "hosted" not in skip:
-            ours_hosted.start()
+            ours_hosted.start(logs)
             started.append(ours_hosted)
             systems.append(ours_hosted)
         if "redis" not in skip:
@@ -432,15 +438,20 @@ def main(argv: list[str] | None = None) -> int:
             systems.append(redis)
         if "mooncake" not in skip:
             mooncake = Mooncake(args.port + 10)
-            mooncake.start()
+            mooncake.start(logs)
             started.append(mooncake)
             systems.append(mooncake)
         print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} interleaved rounds, best "
               "of each", flush=True)
         best = measure(systems, args.rounds)
+        clean = True
     finally:
         for system in reversed(started):
             system.stop()
+        if clean:
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            print(f"run failed: the servers' logs are kept in {logs}", file=sys.stderr)
     print(report(best))
     if "transfer" not in skip:
         print(transfer_alone(args.transfer_port))
