@@ -119,8 +119,9 @@ def test_concurrent_long_and_short_prompts(cluster: Cluster, backend: DisaggBack
 
 def test_a_group_prompt_reaches_the_store_for_later_prompts(backend: DisaggBackend,
                                                             llm: LLM) -> None:
-    """No stage holds a whole block: the decode worker writes the group's prompt to the store
-    once committed; a later short prompt with that prefix fetches it on the plain worker."""
+    """No stage holds a whole block: each stage stores its layers of the group's prompt (a slice
+    object per block); a later short prompt with that prefix fetches it on the plain worker,
+    which puts the slices together."""
     first = ids(90, 230)
     run(backend, first, 4)
     wait_until(lambda: store_blocks(backend, first) == 230 // 16)

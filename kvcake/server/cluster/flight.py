@@ -61,15 +61,17 @@ class Flight:
         """The prefill worker, or every stage of a CPP group."""
         return self.placement.prefill_group or (self.placement.prefill_id,)
 
-    def prefill_order(self) -> PrefillOrder:
+    def prefill_order(self, layer_bounds: list[int] | None = None) -> PrefillOrder:
         """The order for the prefill worker: write into `targets` of the decode worker's pool
-        (no targets: the request decodes where it prefills)."""
+        (no targets: the request decodes where it prefills). `layer_bounds`: the layer slices a
+        CPP group stores blocks in (a fetch may read those)."""
         fetch = self.placement.fetch
         request = self.request
         return PrefillOrder(request.request_id, list(request.prompt_token_ids),
                             asdict(self.sampling),
                             [cast(int, k) for k in fetch.keys] if fetch is not None else [],
-                            self.kv_pool, self.targets, self.num_pool_blocks)
+                            self.kv_pool, self.targets, self.num_pool_blocks,
+                            list(layer_bounds or []) if fetch is not None else [])
 
     def cpp_order(self, next_inbox: dict[str, Any]) -> CppOrder:
         """The order for one stage of the request's CPP group (`next_inbox`: the next stage's
@@ -82,8 +84,8 @@ class Flight:
     def decode_order(self, first_token_id: int,
                      sampler_state: bytes | None = None) -> DecodeOrder:
         return DecodeOrder(self.request.request_id, list(self.request.prompt_token_ids),
-                           first_token_id, asdict(self.sampling), sampler_state,
-                           store_prompt=bool(self.placement.prefill_group))
+                           first_token_id, asdict(self.sampling), sampler_state)
+        # (a CPP group's prompt: its stages store it, cpp_role.py; not the decode worker)
 
     def emit(self, item: TokenEvent | BaseException) -> None:
         """Hand an event (or the error that ends the stream) to the HTTP side; any thread."""

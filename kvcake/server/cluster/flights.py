@@ -210,7 +210,8 @@ class Flights:
         if placement.prefill_group:
             self._send_cpp(flight)
             return
-        if not self._workers.send(placement.prefill_id, flight.prefill_order()):
+        if not self._workers.send(placement.prefill_id,
+                                  flight.prefill_order(self._router.store_layer_bounds())):
             self._fail(flight, RuntimeError(f"prefill worker {placement.prefill_id} is gone"))
 
     def _send_cpp(self, flight: Flight) -> None:

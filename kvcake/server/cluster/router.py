@@ -27,6 +27,7 @@ from kvcake.conductor import (
 )
 from kvcake.conductor.predictor import DecodeModel, PrefillModel
 from kvcake.hashing import block_keys
+from kvcake.server.cluster.stage_stores import StageStores
 from kvcake.server.cluster.store_audit import StoreAudit
 from kvcake.server.frontend.backend import GenerateRequest, Rejected
 from kvcake.server.worker.messages import Hello, KvEvents, PrefillDone, StoreEvents
@@ -46,10 +47,12 @@ def schedule_request(request: GenerateRequest, layout: Hello) -> ScheduleRequest
 
 class Router:
     def __init__(self, conductor: Conductor, block_size: int,
-                 store_audit: StoreAudit | None = None) -> None:
+                 store_audit: StoreAudit | None = None, num_layers: int | None = None) -> None:
         self.conductor = conductor
         self.block_size = block_size
         self.store_audit = store_audit
+        # CPP stages' layer slices, listed once a block's are all in (None: no layer count)
+        self.stage_stores = StageStores(num_layers) if num_layers else None
 
     @classmethod
     def for_workers(cls, config: ConductorConfig, workers: Sequence[Hello],
@@ -76,7 +79,7 @@ class Router:
         for hello in workers:  # CPP stages: placed only as their group (conductor/cpp.py)
             if hello.role == "cpp":
                 conductor.add_prefill_instance(hello.worker_id, cpp_member=hello.cpp_member)
-        return cls(conductor, layout.block_size, store_audit)
+        return cls(conductor, layout.block_size, store_audit, layout.num_layers)
 
     # -- admission -----------------------------------------------------------------------------
     def place(self, request: ScheduleRequest, now_s: float) -> Placement:
@@ -122,9 +125,33 @@ class Router:
             self.conductor.on_blocks_removed(worker_id, events.removed)
 
     def on_store_events(self, events: StoreEvents) -> None:
-        self.conductor.on_blocks_stored(STORE_HOLDER, events.stored)
+        """Blocks the store holds now: whole, or (a CPP stage's) a slice of their layers, listed
+        only once every slice of a block is in (`StageStores`): never a block in part."""
+        stored = events.stored
+        slices: tuple[range, ...] = ()
+        if events.layers:
+            if self.stage_stores is None:
+                return
+            stored = self.stage_stores.add(events.stored, events.layers)
+            slices = self.stage_stores.split
+        if not stored:
+            return
+        self.conductor.on_blocks_stored(STORE_HOLDER, stored)
         if self.store_audit is not None:  # keys the audit dropped to stay bounded
-            self.conductor.on_blocks_removed(STORE_HOLDER, self.store_audit.track(events.stored))
+            self.conductor.on_blocks_removed(STORE_HOLDER,
+                                             self.store_audit.track(stored, slices))
+
+    def store_layer_bounds(self) -> list[int]:
+        """The layer slices CPP stages store blocks in, as bounds [0, .., num_layers] ([]: none
+        reported, or not one split of all the layers)."""
+        stores = self.stage_stores
+        if stores is None or not stores.split:
+            return []
+        bounds = [0, *(r.stop for r in stores.split)]
+        if bounds[-1] != stores.num_layers or any(
+                r.start != b for r, b in zip(stores.split, bounds, strict=False)):
+            return []
+        return bounds
 
     def on_store_gone(self, keys: list[int]) -> None:
         """The store audit found these blocks gone from the store."""

@@ -15,6 +15,10 @@ Races: a key stored again between the master's answer and the report must stay l
 tracking entry carries a generation, and a removal is reported only if the generation is the
 one that was checked. Memory is bounded by `max_tracked`: past it the oldest-checked keys are
 reported removed without asking (a possible miss, never a wrong fetch).
+
+A block a CPP group stored is held as slices of its layers, one object per stage
+(block_fetch.range_key): tracked with those slices, it is present while its whole object or
+every one of its slices is.
 """
 
 from __future__ import annotations
@@ -25,9 +29,8 @@ from contextlib import AbstractContextManager
 from itertools import count
 from typing import Any
 
-from kvcake.hashing import key_hex
+from kvcake.server.worker.block_fetch import block_key, range_key
 from kvcake.store import StoreError
-from kvcake.types import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class StoreAudit:
         self.max_keys = max_keys
         self.max_tracked = max_tracked
         self._tracked: dict[int, int] = {}  # key -> generation; order: least recently checked
+        self._slices: dict[int, tuple[range, ...]] = {}  # keys stored as layer slices
         self._generations = count(1)
         self.num_checked = 0
         self.num_removed = 0
@@ -52,16 +56,22 @@ class StoreAudit:
     def __len__(self) -> int:
         return len(self._tracked)
 
-    def track(self, keys: Sequence[int]) -> list[int]:
-        """The store holds `keys` (again); returns keys dropped from tracking to stay bounded
-        (the caller reports them removed)."""
+    def track(self, keys: Sequence[int], slices: Sequence[range] = ()) -> list[int]:
+        """The store holds `keys` (again): whole, or as the layer `slices` a CPP group's stages
+        stored; returns keys dropped from tracking to stay bounded (the caller reports them
+        removed)."""
         for key in keys:
             self._tracked.pop(key, None)
             self._tracked[key] = next(self._generations)  # checked last: it was just written
+            if slices:
+                self._slices[key] = tuple(slices)
+            else:
+                self._slices.pop(key, None)
         dropped = []
         while len(self._tracked) > self.max_tracked:
             key = next(iter(self._tracked))
             del self._tracked[key]
+            self._slices.pop(key, None)
             dropped.append(key)
         self.num_removed += len(dropped)
         return dropped
@@ -83,7 +93,12 @@ class StoreAudit:
         return batch
 
     def store_key(self, key: int) -> str:
-        return f"{self.namespace}:{key_hex(BlockKey(key))}"
+        return block_key(self.namespace, key)
+
+    def store_names(self, key: int) -> list[str]:
+        """The objects that hold `key`: its whole block, then its layer slices if any."""
+        return [self.store_key(key), *(range_key(self.namespace, key, r)
+                                       for r in self._slices.get(key, ()))]
 
     def settle(self, batch: Sequence[tuple[int, int]], present: Sequence[bool]) -> list[int]:
         """The master's answers for `batch`; returns the keys to report removed."""
@@ -91,6 +106,7 @@ class StoreAudit:
         for (key, generation), exists in zip(batch, present, strict=True):
             if not exists and self._tracked.get(key) == generation:
                 del self._tracked[key]
+                self._slices.pop(key, None)
                 gone.append(key)
         self.num_checked += len(batch)
         self.num_removed += len(gone)
@@ -102,13 +118,19 @@ class StoreAudit:
         A master that does not answer skips the round (logged)."""
         with lock:
             batch = self.take_round()
+            names = [self.store_names(k) for k, _ in batch]
         if not batch:
             return []
         try:
-            present = exists_batch([self.store_key(k) for k, _ in batch])
+            found = exists_batch([n for each in names for n in each])
         except (StoreError, OSError) as exc:
             log.warning("store audit: the master did not answer (%s); next round", exc)
             return []
+        present, at = [], 0
+        for each in names:  # the whole block, or every slice of it
+            mine = found[at:at + len(each)]
+            at += len(each)
+            present.append(mine[0] or (len(mine) > 1 and all(mine[1:])))
         with lock:
             gone = self.settle(batch, present)
             if gone:

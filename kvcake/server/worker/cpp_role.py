@@ -7,12 +7,13 @@ stage-to-stage messages; hidden states themselves go straight into the next stag
 transfer segment: shared memory on one host, TCP across hosts):
 
   CppOrder     (F, to every stage at once) with `fetch_keys` (the Conductor planned a prefix
-               from the store): the fetcher thread reads those blocks whole while the stage
-               keeps computing; then (or at once) allocate the request's blocks in this
-               stage's pool (no room now: it waits, in order, until the requests before it
-               finish) and import this stage's layers of the fetched prefix (the longest run
-               read intact). Stage 0 queues the chunks of the prompt after its prefix (it
-               embeds the tokens itself).
+               from the store): the fetcher thread reads this stage's layers of those blocks
+               (its slice objects, else its part of whole blocks: block_fetch.read_layers)
+               while the stage keeps computing; then (or at once) allocate the request's
+               blocks in this stage's pool (no room now: it waits, in order, until the requests
+               before it finish) and import the fetched prefix (the longest run read intact).
+               Stage 0 queues the chunks of the prompt after its prefix (it embeds the tokens
+               itself).
   CppHidden    (stage s-1) chunk i's hidden states are in slot k of this stage's inbox: queue it.
   first chunk  its start is the prefix the group reuses (stage 0's): this stage writes its
                layers of the prefix blocks into the decode worker's reserved blocks (a stage
@@ -23,7 +24,10 @@ transfer segment: shared memory on one host, TCP across hosts):
                and the chunk's hidden states into a free slot of s+1's inbox + `CppHidden` to
                s+1. With no free slot the output waits and this stage runs nothing more until
                s+1 frees one (back-pressure; `SLOTS` = 2 is double buffering).
-  last chunk   wait for this stage's KV writes, free its blocks, `PrefillDone`: the last stage
+  last chunk   this stage's layers of the prompt's full blocks after the reused prefix to the
+               store (`StageStoreWriter`, its own thread; the frontend lists a block once all
+               stages stored their slices), wait for this stage's KV writes, free its blocks,
+               `PrefillDone`: the last stage
                with the first token it sampled (and the seeded sampler's state), the others
                with first_token_id -1, each with the prefix reused (num_cached_tokens) and
                its fetch figures. The frontend sends `DecodeOrder` once every stage is done.
@@ -48,8 +52,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcake.engine.sampling import SamplingParams
-from kvcake.engine.stage import StageEngine
-from kvcake.server.worker.block_fetch import read_blocks
+from kvcake.engine.stage import StageEngine, split_layers
+from kvcake.server.worker.block_fetch import read_layers
 from kvcake.server.worker.cpp_stage import CppBegin, CppChunk, CppMember, KvTarget
 from kvcake.server.worker.messages import (
     NEXT_STAGE_NEW,
@@ -63,6 +67,7 @@ from kvcake.server.worker.messages import (
     sampling_from_wire,
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
+from kvcake.server.worker.stage_store import StageStoreWriter
 from kvcake.transfer import SegmentDesc, TransferError
 
 log = logging.getLogger(__name__)
@@ -87,6 +92,7 @@ class _Fetched:
     sizes: list[int | None]
     buffers: list[bytearray]
     seconds: float
+    nbytes: int = 0  # read from the store (the stage's slices, or whole blocks)
 
 
 @dataclass
@@ -110,6 +116,8 @@ class CppRole:
                                 chunk_tokens=cfg.cpp_chunk_tokens, slots=SLOTS,
                                 tag=worker.worker_id)
         self.chunk_tokens = cfg.cpp_chunk_tokens
+        self.split = tuple(split_layers(stage.model_config.num_layers, cfg.cpp_nodes))
+        self.store_writer = StageStoreWriter(worker, stage)
         self._ready: deque[CppChunk] = deque()  # chunks whose input is here, in order
         self._parked: _Parked | None = None
         self._free_next = list(range(SLOTS))  # free slots of the next stage's inbox
@@ -131,6 +139,7 @@ class CppRole:
 
     # -- the role contract (role.py) -----------------------------------------------------------
     def start(self) -> None:
+        self.store_writer.start()
         if self.worker.store is not None:
             self._fetcher = threading.Thread(target=self._fetch_loop, daemon=True,
                                              name=f"{self.worker.worker_id}-fetcher")
@@ -140,6 +149,7 @@ class CppRole:
         if self._fetcher is not None:
             self._fetches.put(None)
             self._fetcher.join(timeout=10)
+        self.store_writer.close()
 
     def has_pending(self) -> bool:
         """A step can run now: a parked output with a free slot, or a queued chunk."""
@@ -264,11 +274,13 @@ class CppRole:
     def _fetch_loop(self) -> None:
         store = self.worker.store
         assert store is not None
-        ns = self.stage.namespace
-        nbytes = self.stage.pool.layer_nbytes * self.stage.model_config.num_layers
-        while (order := self._fetches.get()) is not None:  # whole blocks: the store's objects
-            read = read_blocks(store, ns, order.fetch_keys, nbytes, self.worker.worker_id)
-            self.worker.post(_Fetched(order.request_id, read.sizes, read.buffers, read.seconds))
+        stage = self.stage
+        while (order := self._fetches.get()) is not None:  # this stage's layers only
+            read = read_layers(store, stage.namespace, order.fetch_keys, stage.pool.layer_nbytes,
+                               stage.model_config.num_layers, stage.layers, self.split,
+                               self.worker.worker_id)
+            self.worker.post(_Fetched(order.request_id, read.sizes, read.buffers, read.seconds,
+                                      read.nbytes))
 
     def _import_prefix(self, rid: str, order: CppOrder, fetched: _Fetched | None) -> _Prefix:
         """This stage's layers of the longest run of prefix blocks read intact, into its pool
@@ -276,7 +288,7 @@ class CppRole:
         hidden state gives the first token."""
         if fetched is None:
             return _Prefix()
-        nbytes = self.stage.pool.layer_nbytes * self.stage.model_config.num_layers
+        nbytes = self.stage.pool.layer_nbytes * len(self.stage.layers)
         usable = 0
         for size in fetched.sizes:
             if size != nbytes:
@@ -285,7 +297,7 @@ class CppRole:
         usable = min(usable, len(order.prompt_token_ids) // self.stage.block_size)
         self.member.import_prefix(rid, fetched.buffers[:usable])
         return _Prefix(min(usable * self.stage.block_size, len(order.prompt_token_ids) - 1),
-                       None, sum(s for s in fetched.sizes if s is not None), fetched.seconds)
+                       None, fetched.nbytes, fetched.seconds)
 
     def _reuse_prefix(self, chunk: CppChunk) -> None:
         """At a request's first chunk: the group reuses the prefix before it (stage 0's). Write
@@ -317,6 +329,11 @@ class CppRole:
         first = self.stage.first_token_logprobs(rid) if token is not None else None
         prompt_lp = self.stage.prompt_logprobs(rid) if token is not None else None
         ended = time.perf_counter()
+        bs = self.stage.block_size
+        reused = prefix.reused_tokens or 0
+        # every prompt to the store (as a prefill worker's): this stage's layers of the blocks
+        # after the reused prefix (a block partly recomputed at its end was read from there)
+        self.store_writer.write_prompt(rid, order.prompt_token_ids, -(-reused // bs))
         try:
             done = self.member.finish(rid)
         except TransferError as exc:
@@ -327,8 +344,6 @@ class CppRole:
         self._admit_waiting()
         exposed_s = time.perf_counter() - ended
         span_s = time.perf_counter() - self._started_s.pop(rid, ended)
-        reused = prefix.reused_tokens or 0
-        bs = self.stage.block_size
         self.worker.send(PrefillDone(
             rid, -1 if token is None else token,
             None if token is None else self._finish_reason(order, token), reused,

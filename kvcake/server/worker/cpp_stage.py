@@ -197,20 +197,24 @@ class CppMember:
 
     def import_prefix(self, request_id: str, blocks: Sequence[bytes | bytearray]) -> None:
         """Put this stage's layers of the request's first `len(blocks)` prompt blocks into its
-        pool, from whole blocks as the store holds them (every layer's K|V, layer order): a
-        prefix reused from the store, so the chunks start after it."""
+        pool: each block either whole as the store holds it (every layer's K|V, layer order) or
+        only this stage's layers of it (its slice object, block_fetch.read_layers); a prefix
+        reused from the store, so the chunks start after it."""
         pool, layers = self.stage.pool, self.stage.layers
         whole = pool.layer_nbytes * self.stage.model_config.num_layers
+        mine = pool.layer_nbytes * len(layers)
         block_ids = self.stage.block_ids(request_id)
         if len(blocks) > len(block_ids):
             raise ValueError(f"prefix: {len(blocks)} blocks for a prompt of {len(block_ids)}")
+        count = pool.layer_nbytes // pool.kv.element_size()
         for block_id, data in zip(block_ids, blocks, strict=False):
-            if len(data) != whole:
-                raise ValueError(f"prefix: a block is {whole} bytes, got {len(data)}")
-            for local, layer in enumerate(layers):
-                src = torch.frombuffer(data, dtype=self.stage.dtype,
-                                       count=pool.layer_nbytes // pool.kv.element_size(),
-                                       offset=layer * pool.layer_nbytes)
+            if len(data) not in (whole, mine):
+                raise ValueError(f"prefix: a block is {whole} bytes (this stage's layers: "
+                                 f"{mine}), got {len(data)}")
+            first = layers.start if len(data) == whole else 0
+            for local in range(len(layers)):
+                src = torch.frombuffer(data, dtype=self.stage.dtype, count=count,
+                                       offset=(first + local) * pool.layer_nbytes)
                 pool.kv[local, block_id].copy_(src.view(pool.layer_shape))
 
     def stream_prefix(self, request_id: str, end_block: int) -> None:

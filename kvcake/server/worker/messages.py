@@ -92,6 +92,9 @@ class PrefillOrder:
     # Empty: a colocated request, decoded where it is prefilled.
     num_pool_blocks: int = 0  # blocks of that pool (`KVPool` layout: layer l of block b at
     # (l*N + b) * layer_nbytes); >= 1 whenever `target_blocks` is not empty
+    # The layer slices a CPP group stores a block in, as bounds [0, .., num_layers] ([]: none):
+    # a fetched block not stored whole is read as those slices (block_fetch.read_layers)
+    fetch_layer_bounds: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,9 @@ class KvEvents:
 @dataclass(frozen=True)
 class StoreEvents:
     stored: list[int]
+    # [lo, hi]: a CPP stage stored layers lo..hi-1 of each block (block_fetch.range_key), listed
+    # as stored once every layer's slice is in; []: whole blocks
+    layers: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

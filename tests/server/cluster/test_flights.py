@@ -273,8 +273,9 @@ def test_a_cpp_request_moves_on_once_every_stage_is_done(
     assert isinstance(bench.d.probe(bench.workers), Ping)  # stage 0 may still write
     assert bench.events(sink) == []
     bench.flights.on_message("cpp-2", replace(done(-1), num_cached_tokens=0))
+    # the stages store the prompt (their layer slices), not the decode worker
     assert bench.d.next() == DecodeOrder("r", list(PROMPT), 42, sampling, None,
-                                         store_prompt=True)
+                                         store_prompt=False)
     assert bench.events(sink) == [TokenEvent((42,), 0, None)]
     assert bench.flights.totals.transfer_bytes == 2 * 3 * 4096  # both stages' layers
 
