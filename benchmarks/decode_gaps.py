@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -75,13 +76,121 @@ def analyse(steps: list[dict[str, Any]], client_tbts: list[float]) -> dict[str, 
     }
 
 
+BUSY_SHARE = 0.5  # of a core: the prefill worker counts as computing over a step above this
+
+
+class WorkerCpu:
+    """Samples the cluster's worker processes' CPU (utime + stime from /proc) every `period_s`
+    on the monotonic clock (the step trace's), from a thread of this process: when the host's
+    prefill worker computed, next to the decode worker's steps. The workers are the processes
+    of the server's session (it starts in its own) whose command line is `kvcake worker ... --role
+    R`; sampled by role."""
+
+    def __init__(self, session: int, period_s: float = 0.02) -> None:
+        self.session, self.period_s = session, period_s
+        self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def roles(self) -> dict[int, str]:
+        out = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[3]) != self.session or b"worker" not in argv:
+                continue
+            role = argv[argv.index(b"--role") + 1].decode() if b"--role" in argv else "worker"
+            out[int(entry.name)] = role
+        return out
+
+    def _cpu_s(self, pid: int) -> float:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) * self.tick_s
+
+    def _run(self) -> None:
+        pids = self.roles()
+        while not self._stop.wait(self.period_s):
+            now, cpu = time.monotonic(), {}
+            for pid, role in pids.items():
+                try:
+                    cpu[role] = cpu.get(role, 0.0) + self._cpu_s(pid)
+                except (OSError, ValueError):
+                    pass
+            self.samples.append((now, cpu))
+
+    def __enter__(self) -> WorkerCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def share(self, role: str, t0: float, t1: float) -> float | None:
+        """The role's mean CPU (cores) over [t0, t1], from the samples around it (None: no
+        samples span it)."""
+        before = [(t, c[role]) for t, c in self.samples if t <= t0 and role in c]
+        after = [(t, c[role]) for t, c in self.samples if t >= t1 and role in c]
+        if not before or not after:
+            return None
+        (ta, ca), (tb, cb) = before[-1], after[0]
+        return (cb - ca) / max(tb - ta, 1e-9)
+
+
+def contention_by_prefill(steps: list[dict[str, Any]], cpu: WorkerCpu,
+                          decode_fit: Any | None) -> dict[str, Any]:
+    """The decode steps split by whether the host's prefill worker computed over them (its CPU
+    above BUSY_SHARE of a core): per class the steps, their wall / CPU and, with the isolated
+    1-thread step fit (`decode_refit.json`), their wall / fit: the measured decode contention
+    while the prefill worker computes and while it does not (what `live.contention`'s
+    `decode_prefill_busy` / `decode` say in kvcake/sim/live_profile.py)."""
+    out: dict[str, Any] = {}
+    classes: dict[str, list[dict[str, Any]]] = {"prefill_busy": [], "prefill_idle": []}
+    for s in steps:
+        if not s["rows"]:
+            continue
+        share = cpu.share("prefill", s["t0"], s["t1"])
+        if share is None:
+            continue
+        classes["prefill_busy" if share >= BUSY_SHARE else "prefill_idle"].append(s)
+    for name, group in classes.items():
+        if not group:
+            continue
+        wall = sum(s["t1"] - s["t0"] for s in group)
+        cpu_s = sum(s["cpu"] for s in group)
+        row: dict[str, Any] = {"steps": len(group),
+                               "wall_over_cpu": round(wall / max(1e-9, cpu_s), 3)}
+        if decode_fit is not None:
+            fit = sum(decode_fit.decode_step_time_s(len(s["rows"]), sum(n for _, n in s["rows"]))
+                      for s in group)
+            row["wall_over_fit"] = round(wall / max(fit, 1e-9), 3)
+            row["cpu_over_fit"] = round(cpu_s / max(fit, 1e-9), 3)
+        out[name] = row
+    busy = [s for s in steps if s["rows"]]
+    overhead = [b["t0"] - a["t1"] for a, b in zip(busy, busy[1:], strict=False)
+                if b["t0"] - a["t1"] < 0.05]  # send + loop, back-to-back steps only
+    out["per_step_overhead_ms_mean_p50"] = ([round(1000 * float(np.mean(overhead)), 3),
+                                             round(1000 * float(np.median(overhead)), 3)]
+                                            if overhead else None)
+    return out
+
+
 def port_in_use(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[Any],
-               rate: float, budget: int | None) -> dict[str, Any]:
+               rate: float, budget: int | None, decode_fit: Any | None = None,
+               save: Path | None = None) -> dict[str, Any]:
     """One replay of `planned` through a fresh `kind` cluster (pin_workers = `pin`)."""
     toml = cap.kvcake_toml
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -96,8 +205,10 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
                     raise SystemExit(f"127.0.0.1:{served.port} is in use: stop what listens "
                                      f"there (an earlier run's server?) or pass another port")
                 with served:
-                    begun = time.monotonic()
-                    results, duration = served.replay(planned)
+                    assert served.server is not None and served.server.sid is not None
+                    with WorkerCpu(served.server.sid) as cpu:
+                        begun = time.monotonic()
+                        results, duration = served.replay(planned)
             finally:
                 del os.environ[ENV]
             steps = [json.loads(line) for path in Path(trace_dir).glob("steps-*.jsonl")
@@ -116,6 +227,17 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
               "client_tbt_ms_p50_p90": pct(client, 50, 90)}
     if steps:  # the decode worker's step trace (disaggregated only)
         report.update(analyse(steps, client))
+        report["contention"] = contention_by_prefill(steps, cpu, decode_fit)
+    if save is not None:  # the raw series, times from the replay's start (the planned offsets')
+        save.write_text(json.dumps({
+            "report": report, "begun": begun,
+            "steps": [{**x, "t0": x["t0"] - begun, "t1": x["t1"] - begun, "t2": x["t2"] - begun}
+                      for x in sorted(steps, key=lambda x: x["t0"])],
+            "cpu": [[t - begun, c] for t, c in cpu.samples],
+            "requests": [{"send_at_s": p.send_at_s, "prompt_len": len(p.prompt_token_ids),
+                          "max_tokens": p.max_tokens, "ttft_s": r.ttft_s,
+                          "gaps_s": list(r.gaps_s)} for p, r in zip(planned, results,
+                                                                    strict=True)]}) + "\n")
     return report
 
 
@@ -133,7 +255,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--colocated-budget", type=int, default=64,
                    help="the colocated workers' prefill-chunk budget (the quiet run's pick)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--decode-fit", type=Path, default=None, metavar="JSON",
+                   help="a decode step fit (sim_vs_live.py's decode_refit.json): each step's "
+                        "wall over the isolated fit, with the prefill worker busy and idle")
+    p.add_argument("--save", type=Path, default=None, metavar="PREFIX",
+                   help="write each replay's raw series (steps, workers' CPU samples, requests) "
+                        "to PREFIX-<system>-pin<on|off>.json (for sim_vs_live.py --batch-series)")
     args = p.parse_args(argv)
+    decode_fit = None
+    if args.decode_fit is not None:
+        from kvcake.conductor import DecodeStepPredictor
+        decode_fit = DecodeStepPredictor.from_json(
+            json.dumps(json.loads(args.decode_fit.read_text())["decode"]))
     cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
     regime = cap.load_regime(cap_args)
     cap_args.vocab_size = cap.prepare_model(cap_args).vocab_size
@@ -147,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--systems: disagg or colocated, got {kind!r}")
         for pin in pins:
             budget = args.colocated_budget if kind == "colocated" else None
+            save = (None if args.save is None else
+                    Path(f"{args.save}-{kind}-pin{'on' if pin else 'off'}.json"))
             report = {"rate": args.rate, **replay_one(kind, pin, cap_args, regime, planned,
-                                                      args.rate, budget)}
+                                                      args.rate, budget, decode_fit, save)}
             reports.append(report)
             for key, value in report.items():
                 print(f"{key}: {json.dumps(value)}")

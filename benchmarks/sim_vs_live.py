@@ -8,7 +8,9 @@ r"""The simulator against the live cluster: the same scaled trace, the same topo
         --fit-rate 0.394 --json
 
 `--refit-decode` measures the decode step model again over the batches and contexts the live
-decode worker runs at (`decode_refit.json`, used instead of `profile.json`'s decode fit).
+decode worker runs at (`decode_refit.json`, used instead of `profile.json`'s decode fit);
+`--refit-prefill` the prefill regression over `profile.json`'s grid (`prefill_refit.json`): the
+live profile then prices the current engine while the regime (profile.json's s_d) stays fixed.
 `--check-capacity DIR` also compares the simulator, with the profile fitted here, against every
 probe of a live capacity search of the same regime (`serving_disagg_vs_colocated.py`'s out-dir:
 the same requests and arrival offsets, one rate per probe, each colocated probe at that search's
@@ -125,14 +127,44 @@ def refit_decode(out_dir: Path, model_dir: Path) -> dict[str, Any]:
     return data
 
 
+PREFILL_REFIT = "prefill_refit.json"
+
+
+def refit_prefill(out_dir: Path, model_dir: Path) -> dict[str, Any]:
+    """The prefill regression measured again on one 1-thread engine of the current code, over
+    the grid `serving_disagg_vs_colocated.py --measure-regime` used for `profile.json` (256 to
+    8,192 tokens, 0 / 50 / 90% cached; best of 2): the regime stays fixed, only the simulator's
+    price of a prefill follows the engine (`prefill_refit.json`, used instead of
+    `profile.json`'s prefill fit)."""
+    import torch
+
+    from kvcake.conductor import PrefillTimePredictor
+    from kvcake.engine.config import EngineConfig
+    from kvcake.engine.engine import Engine
+    from kvcake.server.cluster.profiler import ProfileGrid, measure_prefill
+
+    torch.set_num_threads(1)
+    engine = Engine(str(model_dir), EngineConfig(kv_cache_bytes=2 * KV_POOL_BYTES,
+                                                 max_model_len=cap.MAX_MODEL_LEN))
+    grid = ProfileGrid(input_lens=(256, 1024, 2048, 4096, 8192), prefix_fracs=(0.0, 0.5, 0.9),
+                       repeats=2)
+    points = measure_prefill(engine, grid)
+    fit = PrefillTimePredictor.fit(points)
+    data = {"prefill": json.loads(fit.to_json()),
+            "prefill_points": [[p.input_len, p.prefix_len, p.time_s] for p in points]}
+    (out_dir / PREFILL_REFIT).write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
 def live_profile(out_dir: Path, model_config: dict[str, Any], bandwidth: float,
                  dtype_bytes: int = 4, contention: dict[str, float] | None = None,
                  ) -> dict[str, Any]:
     """`profile.json` + the `live` object kvcake/sim/live_profile.py reads; the decode model
     from `decode_refit.json` when --refit-decode wrote one."""
     data: dict[str, Any] = json.loads((out_dir / "profile.json").read_text())
-    if (out_dir / DECODE_REFIT).is_file():
-        data.update(json.loads((out_dir / DECODE_REFIT).read_text()))
+    for refit in (DECODE_REFIT, PREFILL_REFIT):
+        if (out_dir / refit).is_file():
+            data.update(json.loads((out_dir / refit).read_text()))
     shape = {k: int(model_config[hf]) for k, hf in SHAPE_KEYS.items()}
     kv_per_token = (2 * shape["num_layers"] * shape["num_kv_heads"]
                     * (shape["hidden_size"] // shape["num_heads"]) * dtype_bytes)
@@ -409,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="reuse live.json from an earlier run (only the simulator runs)")
     p.add_argument("--refit-decode", action="store_true",
                    help="measure the decode step model again (decode_refit.json), then stop")
+    p.add_argument("--refit-prefill", action="store_true",
+                   help="measure the prefill regression again (prefill_refit.json), then stop")
     p.add_argument("--fit-rate", type=float, default=None,
                    help="also replay at this rate (live_fit.json) and fit the per-host "
                         "contention factors to its disaggregated TTFT/TBT p50; the comparison "
@@ -429,8 +463,11 @@ def main(argv: list[str] | None = None) -> int:
                          "--systems colocated-budget first")
     budget = int(json.loads(budget_path.read_text())["chunk_budget"])
     model_config = cap.prepare_model(cap_args)
-    if args.refit_decode:
-        print(json.dumps(refit_decode(args.out_dir, cap_args.model_dir)))
+    if args.refit_decode or args.refit_prefill:
+        if args.refit_decode:
+            print(json.dumps(refit_decode(args.out_dir, cap_args.model_dir)))
+        if args.refit_prefill:
+            print(json.dumps(refit_prefill(args.out_dir, cap_args.model_dir)))
         return 0
     cap_args.vocab_size = model_config.vocab_size
     rate = args.rate or 0.5 / regime.mean_prefill_s

@@ -92,12 +92,22 @@ class Cluster:
             EventKind.DECODE_STEP_DONE: self._on_step_done,
         }
         queue = self.queue
+        coupled = [d for d in self.decodes if d.costs.decode_step_busy_s is not None]
+        for d in coupled:  # a live profile's host: decode steps follow its prefills
+            d.host_prefill_busy = self._host_prefilling
         while len(queue):
             event = queue.pop()
             self.num_events += 1
             for follow in handlers[event.kind](event):
                 queue.push(follow)
+            for d in coupled:
+                if (cut := d.follow_host(event.time_s)) is not None:
+                    queue.push(cut)
         return self.summary()
+
+    def _host_prefilling(self) -> bool:
+        """Whether a prefill computes on the (one, shared) host now."""
+        return any(p.running is not None for p in self.prefills)
 
     def summary(self) -> dict[str, Any]:
         cfg = self.config

@@ -59,6 +59,8 @@ class StepCosts:
     # (input_len, prefix_len, num_tokens, forward_tokens): a chunk's compute inside a forward
     chunk_s: Callable[[int, int, int, int], float] | None = None
     step_overhead_s: float = 0.0  # a forward's fixed cost (paid by a chunk-only step)
+    # a decode step while the host's prefill worker computes (None: no such coupling)
+    decode_step_busy_s: Callable[[int, int], float] | None = None
 
 
 class DecodeInstance:
@@ -97,6 +99,9 @@ class DecodeInstance:
         self.token = 0
         self.busy_s = 0.0
         self.prefill_compute_s = 0.0
+        # whether a prefill computes on this host now (the cluster's; with StepCosts' busy cost)
+        self.host_prefill_busy: Callable[[], bool] | None = None
+        self._run_busy = False  # what host_prefill_busy said when the current run was planned
 
     # -- inputs ---------------------------------------------------------------------------
 
@@ -117,6 +122,17 @@ class DecodeInstance:
             raise ValueError(f"instance {self.index} is not colocated; it does not prefill")
         self.prefills.append(seq)
         return self._nudge(now_s)
+
+    def follow_host(self, now_s: float) -> Event | None:
+        """Called after every event: if the host's prefill worker started or stopped computing
+        since the decode run was planned (`host_prefill_busy`, with a busy step cost
+        `StepCosts.decode_step_busy_s`), the run is cut at its next step boundary and the steps
+        after it are planned at the new cost (the step in flight keeps its own)."""
+        if self.host_prefill_busy is None or self.costs.decode_step_busy_s is None or \
+                self.run is None or self._run_prefill is not None or \
+                self.host_prefill_busy() == self._run_busy:
+            return None
+        return self._cut(now_s)
 
     def on_step_done(self, now_s: float, token: int) -> tuple[list[Seq], list[Seq], Event | None]:
         """End of a run: returns (sequences that got their first token, finished, next event)."""
@@ -170,6 +186,11 @@ class DecodeInstance:
             return self._start(now_s)
         if self._run_prefill is not None and self.chunk_budget_tokens is None:
             return None  # a whole prefill is running; it cannot be cut
+        return self._cut(now_s)
+
+    def _cut(self, now_s: float) -> Event | None:
+        """End the current run at its next step boundary (None: it ends there anyway)."""
+        assert self.run is not None
         k = self.run.steps_done_by(now_s)
         if k + 1 >= self.run.num_steps:
             return None  # the run ends at the next boundary anyway
@@ -215,6 +236,9 @@ class DecodeInstance:
         batch, context = len(self.running), self.context_tokens
         max_steps = min(s.remaining for s in self.running)
         step = self.costs.decode_step_s
+        self._run_busy = self.host_prefill_busy is not None and self.host_prefill_busy()
+        if self._run_busy and self.costs.decode_step_busy_s is not None:
+            step = self.costs.decode_step_busy_s
         return plan_run(now_s, max_steps, lambda i: step(batch, context + i * batch))
 
     def _plan_prefill(self, now_s: float, head: Seq) -> StepRun:

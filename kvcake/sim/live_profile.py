@@ -10,7 +10,9 @@ alone does not:
                        "num_kv_heads": 2, "intermediate_size": 1408, "vocab_size": 32000},
              "dtype_bytes": 4,
              "topology": {"num_prefill": 1, "num_decode": 1},   # optional, informational
-             "contention": {"decode": 1.6, "prefill": 1.3}}     # optional, default 1.0 each
+             "contention": {"decode": 1.6, "prefill": 1.3,      # optional, default 1.0 each
+                            "decode_prefill_busy": 2.0},        # optional, default: "decode"
+             "decode_step_overhead_s": 0.0005}          # optional, default 0
 
 `LiveCost` answers what the simulator asks of a `CostModel` from those fits instead of FLOPs:
 a prefill is `prefill.predict(input, prefix)` (a chunk of it inside a larger forward: its
@@ -23,7 +25,19 @@ and memory with the cluster's other processes (on one 2-core host: the prefill a
 workers, the frontend, the client, and anything else running), and its steps take longer than
 the isolated fit says. `decode` multiplies every decode step, `prefill` every prefill (and
 prefill chunk): one factor each per host, fitted from a live run at one rate
-(`benchmarks/sim_vs_live.py --fit-rate`) and checked at another.
+(`benchmarks/sim_vs_live.py --fit-rate`) or measured from a live step trace
+(`benchmarks/decode_gaps.py`: each decode step's wall time over the fit) and checked at another.
+`decode_prefill_busy`: the decode factor while the host's prefill worker computes (on a 2-core
+host the prefill and decode workers, the frontend and the client share the cores: a decode step
+is slowest while a prefill runs beside it); `decode` then holds while no prefill runs. The
+simulator switches between the two at the decode run's next step boundary when a prefill
+starts or ends (disaggregated clusters: every prefill instance shares the host with every
+decode instance, as the live 1P+1D does).
+
+`decode_step_overhead_s`: seconds the live decode worker spends per step outside the engine
+step the fit timed (sending the step's tokens, its loop: inbox, orders, load report), measured
+from the step trace (the gap from one step's end to the next one's start, back-to-back steps);
+added to every decode step.
 
 Pure: no torch, no clock; `load_live_profile` reads one file.
 """
@@ -56,13 +70,27 @@ class LiveCost:
     topology: tuple[tuple[str, int], ...] = ()
     decode_contention: float = 1.0  # live step / isolated fit, decode steps
     prefill_contention: float = 1.0  # the same for prefills
+    decode_busy_contention: float | None = None  # decode steps while the host prefills
+    decode_step_overhead_s: float = 0.0  # the worker's time per step outside the engine step
 
     def __post_init__(self) -> None:
-        for name in ("decode_contention", "prefill_contention"):
+        for name, key in (("decode_contention", "decode"), ("prefill_contention", "prefill"),
+                          ("decode_busy_contention", "decode_prefill_busy")):
             value = getattr(self, name)
+            if name == "decode_busy_contention" and value is None:
+                continue
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
-                raise ValueError(f"live.contention: {name.split('_')[0]} must be a positive "
+                raise ValueError(f"live.contention: {key} must be a positive "
                                  f"finite factor (1.0: no contention), got {value!r}")
+        overhead = self.decode_step_overhead_s
+        if not (isinstance(overhead, (int, float)) and 0 <= overhead < math.inf):
+            raise ValueError("live.decode_step_overhead_s must be finite seconds >= 0, got "
+                             f"{overhead!r}")
+
+    @property
+    def host_coupled(self) -> bool:
+        """Whether a decode step's cost depends on the host's prefill worker computing."""
+        return self.decode_busy_contention is not None
 
     def prefill_time_s(self, input_len: int, prefix_len: int = 0) -> float:
         if not 0 <= prefix_len <= input_len:
@@ -99,7 +127,20 @@ class LiveCost:
         return num_tokens * self.model.kv_bytes_per_token
 
     def decode_step_time_s(self, batch_size: int, context_tokens: int) -> float:
-        return self.decode.decode_step_time_s(batch_size, context_tokens) * self.decode_contention
+        """A decode step while the host's prefill worker is idle (or always, uncoupled)."""
+        if batch_size == 0:
+            return 0.0
+        return (self.decode.decode_step_time_s(batch_size, context_tokens)
+                * self.decode_contention + self.decode_step_overhead_s)
+
+    def decode_step_busy_time_s(self, batch_size: int, context_tokens: int) -> float:
+        """A decode step while the host's prefill worker computes (`decode_prefill_busy`)."""
+        if batch_size == 0:
+            return 0.0
+        factor = (self.decode_contention if self.decode_busy_contention is None
+                  else self.decode_busy_contention)
+        return (self.decode.decode_step_time_s(batch_size, context_tokens) * factor
+                + self.decode_step_overhead_s)
 
     def as_cost_model(self) -> CostModel:
         """Itself, typed as what `simulate(cost=...)` takes (it answers the same calls)."""
@@ -124,11 +165,16 @@ def live_cost_from_dict(data: dict[str, Any], source: str = "live profile") -> L
         dtype_bytes = int(live.get("dtype_bytes", 4))
         topology = tuple(sorted((str(k), int(v)) for k, v in live.get("topology", {}).items()))
         contention = live.get("contention", {})
-        if not isinstance(contention, dict) or set(contention) - {"decode", "prefill"}:
-            raise ValueError("live.contention: expected {\"decode\": x, \"prefill\": y} "
-                             f"(positive factors, both optional), got {contention!r}")
+        if not isinstance(contention, dict) or \
+                set(contention) - {"decode", "prefill", "decode_prefill_busy"}:
+            raise ValueError("live.contention: expected {\"decode\": x, \"prefill\": y, "
+                             "\"decode_prefill_busy\": z} (positive factors, all optional), "
+                             f"got {contention!r}")
         decode_factor = float(contention.get("decode", 1.0))
         prefill_factor = float(contention.get("prefill", 1.0))
+        busy = contention.get("decode_prefill_busy")
+        busy_factor = None if busy is None else float(busy)
+        overhead = float(live.get("decode_step_overhead_s", 0.0))
     except KeyError as exc:
         raise ValueError(f"{source}: missing {exc}; a live profile is `kvcake profile`'s JSON "
                          "plus a \"live\" object (kvcake/sim/live_profile.py)") from None
@@ -147,7 +193,8 @@ def live_cost_from_dict(data: dict[str, Any], source: str = "live profile") -> L
                             / _HBM_RESERVE),
         dram_bytes=pool_bytes)
     return LiveCost(model, hardware, prefill, decode, pool_tokens, topology,
-                    decode_contention=decode_factor, prefill_contention=prefill_factor)
+                    decode_contention=decode_factor, prefill_contention=prefill_factor,
+                    decode_busy_contention=busy_factor, decode_step_overhead_s=overhead)
 
 
 def load_live_profile(path: str | Path) -> LiveCost:

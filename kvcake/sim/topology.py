@@ -73,8 +73,10 @@ class Topology:
 def build_topology(config: SimConfig, cost: CostModel, kv_capacity: int) -> Topology:
     """The instances `config` describes, each decode node holding `kv_capacity` KV tokens."""
     hw, block = cost.hardware, config.block_size
+    busy_s = (getattr(cost, "decode_step_busy_time_s", None)  # a live profile's host coupling
+              if getattr(cost, "host_coupled", False) and not config.colocated else None)
     costs = StepCosts(cost.decode_step_time_s, cost.prefill_time_s, cost.chunk_compute_s,
-                      hw.prefill_step_overhead_s)
+                      hw.prefill_step_overhead_s, busy_s)
     if config.colocated:
         n = config.num_prefill + config.num_decode
         chunk_budget = config.chunk_budget_tokens if config.chunked_prefill else None
