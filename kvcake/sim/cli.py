@@ -123,6 +123,10 @@ def _register_simulate(subparsers: Any) -> None:
     sim.add_argument("--decode-node-guard", action="store_true",
                      help="with a decode check after prefill: a decode node takes a request only "
                           "if it can start it at once, and reports its KV to the Conductor")
+    sim.add_argument("--decode-reselect-at-handoff", action="store_true",
+                     help="where the arrival decision is final: hand a prefilled request to the "
+                          "decode node chosen at arrival if it can start it, else to the one with the "
+                          "most room that can (its KV sent again), else wait at the first")
     sim.add_argument("--predicted-output-len", type=_positive_int, default=None,
                      help="output length the Conductor is told (default: the trace's mean)")
     sim.add_argument("--uniform-decode-s", type=_positive_float, default=None,
@@ -166,6 +170,10 @@ def _register_reproduce(subparsers: Any) -> None:
     rep.add_argument("experiment", choices=sorted(EXPERIMENTS))
     add_cluster_flags(rep)
     rep.add_argument("--out", type=Path, required=True, help="directory for the report and PNG")
+    rep.add_argument("--decode-reselect-at-handoff", action="store_true",
+                     help="overload: early and prediction hand a prefilled request to the decode "
+                          "node chosen at arrival if it can start it, else to the one with the "
+                          "most room that can (its KV sent again), else wait at the first")
     rep.add_argument("--json", action="store_true",
                      help="print the experiment's numbers as one JSON object (not the path)")
     rep.set_defaults(func=_reproduce)
@@ -208,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         hardware_overrides=tuple(args.hardware_override),
         decode_check_after_prefill=args.decode_check_after_prefill,
         decode_node_guard=args.decode_node_guard,
+        decode_reselect_at_handoff=args.decode_reselect_at_handoff,
     )
 
 
@@ -252,7 +261,8 @@ def _reproduce(args: argparse.Namespace) -> int:
     base = SimConfig(speed=args.speed, max_requests=args.max_requests, profile=args.profile,
                      seed=args.seed, ttft_slo_s=args.ttft_slo_s, tbt_slo_ms=args.tbt_slo_ms,
                      cpp_min_tokens=args.cpp_min_tokens, cpp_nodes=args.cpp_nodes,
-                     cpp_chunk_tokens=args.cpp_chunk_tokens)
+                     cpp_chunk_tokens=args.cpp_chunk_tokens,
+                     decode_reselect_at_handoff=args.decode_reselect_at_handoff)
     report = run_experiment(args.experiment, args.trace, args.out, base)
     print(json.dumps(report.data, sort_keys=True) if args.json else report.path)
     return 0

@@ -280,6 +280,8 @@ class Cluster:
             if admitted is None:
                 state.rejected = "tbt_slo_after_prefill"
                 return events
+        if admitted is None and self.config.decode_reselect_at_handoff:
+            events.extend(self._reselect_decode(state, p, now_s))
         if admitted is not None and admitted.instance_id != state.decode_instance:
             # Chosen again at the end of the prefill: the KV goes to the new decode node.
             state.decode_instance = admitted.instance_id
@@ -289,6 +291,19 @@ class Cluster:
         if state.kv_arrived:
             events.extend(self._to_decode(state, now_s))
         return events
+
+    def _reselect_decode(self, state: RequestState, p: int, now_s: float) -> list[Event]:
+        """`decode_reselect_at_handoff`: the arrival decision stands, the node may change (the
+        guard's `hand_off`); a moved request's booking and KV stream follow it."""
+        a = state.arrival
+        chosen = self._decode_index[state.decode_instance or ""]
+        d = self.guard.hand_off(state.index, a.input_len + a.output_len, chosen, self.decodes)
+        if d == chosen:
+            return []
+        self.conductor.move_decode(state.request_id, self.decode_ids[d], now_s)
+        state.decode_instance = self.decode_ids[d]
+        self._restream_kv(state, p, now_s)
+        return self.transfers.next_event()
 
     def _guard_decode(self, state: RequestState, admitted: DecodeEstimate,
                       now_s: float) -> DecodeEstimate | None:

@@ -56,6 +56,13 @@ class SimConfig:
         the request's slowest token gaps). False: the Conductor's forecast alone decides. True
         also has the decode nodes report the KV they hold to the Conductor
         (`on_decode_kv`); without a decode check after prefill, that report is all it does.
+    decode_reselect_at_handoff: where the arrival decision is final (no decode check after
+        prefill), the decode instance chosen at arrival is the admission test, and the request
+        is handed, when its prefill ends, to that instance if it can start it at once, else to
+        the decode instance with the most room if that one can, else it waits at the one chosen
+        at arrival; a moved request's KV is streamed again to its new node (the booking moves
+        with it). The baseline (a decode check after prefill) re-chooses at hand-off anyway.
+        False: bound to the instance chosen at arrival (the seed's "pre-selected").
     """
 
     num_prefill: int = 8
@@ -86,6 +93,7 @@ class SimConfig:
     cpp_chunk_tokens: int = 1024
     decode_check_after_prefill: bool = False
     decode_node_guard: bool = False
+    decode_reselect_at_handoff: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

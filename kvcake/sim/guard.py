@@ -34,6 +34,22 @@ class DecodeNodeGuard:
         self._commit_of[req] = (d, need)
         return d
 
+    def hand_off(self, req: int, need: int, chosen: int,
+                 decodes: Sequence[DecodeInstance]) -> int:
+        """Re-selection at hand-off (an arrival decision that is final): `chosen` if it has
+        room for `need` KV tokens, else the node with the most room if that is enough, else
+        `chosen` (the request waits there for memory). Room counts the requests on their way to
+        or waiting at a node; the request's KV is committed to the node returned until
+        `release`."""
+        room = [self.kv_capacity_tokens - inst.reserved_tokens - self._committed[d]
+                for d, inst in enumerate(decodes)]
+        d = chosen if room[chosen] >= need else max(range(len(room)), key=room.__getitem__)
+        if room[d] < need:
+            d = chosen
+        self._committed[d] += need
+        self._commit_of[req] = (d, need)
+        return d
+
     def release(self, req: int) -> None:
         """Request `req` joined its node's batch (or finished): its KV is the batch's now."""
         commit = self._commit_of.pop(req, None)

@@ -52,8 +52,15 @@ def setting_lines(base: SimConfig, mean_out: int, t_d: float, demand: PoolDemand
         f"{mean_out * base.tbt_slo_ms / 1000:.1f} s). The baseline checks the decode side "
         "(TBT SLO and KV memory) when the prefill ends, and its decode node takes a request only "
         "if it can start it at once (its KV reserved beside the batch's); early and prediction "
-        "decide at arrival, finally (the decode instance pre-selected then, as the seed's "
-        "Algorithm 1: a request that finds it full waits there for memory); the rows "
+        "decide at arrival, finally "
+        + ("(the decode instance chosen then is their admission test; when the prefill ends "
+           "the request goes to that instance if it can start it at once, else to the decode "
+           "instance with the most room if that one can, its KV streamed again, else it waits "
+           "at the first for memory: re-selection at hand-off, `--decode-reselect-at-handoff`)"
+           if base.decode_reselect_at_handoff else
+           "(the decode instance pre-selected then, as the seed's "
+           "Algorithm 1: a request that finds it full waits there for memory)")
+        + "; the rows "
         "`+check_after_prefill` run them with the baseline's check after prefill kept as well. "
         "Each decode node reports the KV it holds to the Conductor in every run.", "",
         f"The load (`pool_demand`, on the cost model): a request needs {demand.prefill_s:.3f} "
@@ -103,10 +110,10 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
         "the prefix caches warming up):", "",
         "| policy | lag: arrival to decode join (s) | lag / t_d | prefill busy | prefill "
         "queue (requests per node) | decode KV in use | decode batch per node "
-        "| waiting for decode (requests per node) "
+        "| waiting for decode (requests per node) | moved at hand-off "
         "| corr(prefill queue, decode KV) | decode KV swing (CV) | prefill queue swing "
         "(CV) | later rejections saved per arrival rejection |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base_by = results["decode_after_prefill"]["rejected_by_reason"]
     for name, r in results.items():
         lag = r["lag_s"]
@@ -115,7 +122,7 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
             f"| {name} | {'-' if lag is None else format(lag, '.1f')} | "
             f"{'-' if lag is None else format(lag / t_d, '.2f')} | {r['prefill_busy']:.2f} | "
             f"{r['prefill_queue']:.2f} | {r['decode_kv']:.2f} | {r['decode_batch']:.1f} | "
-            f"{r['decode_wait']:.1f} | "
+            f"{r['decode_wait']:.1f} | {r['moved_at_handoff']:,} | "
             f"{r['corr']:+.2f} | {r['decode_kv_cv']:.2f} | {r['prefill_queue_cv']:.2f} | "
             f"{'-' if saved is None else format(saved, '.2f')} |")
     return lines + [
@@ -124,7 +131,9 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
         "arrival rejection: (the baseline's TTFT and after-prefill rejections minus the "
         "policy's) per request the policy turned away at arrival for the decode load; "
         "above 1 the policy rejects fewer in all than the baseline. Waiting for decode: "
-        "prefilled, KV on its way or waiting at the decode node for memory.", ""]
+        "prefilled, KV on its way or waiting at the decode node for memory. Moved at hand-off: "
+        "requests sent to another decode node than the one chosen at arrival (their KV "
+        "streamed again).", ""]
 
 
 def plot_loads(ctx: Context, loads: dict[str, PoolLoads]) -> None:

@@ -91,7 +91,10 @@ def policy_result(res: SimResult, pl: PoolLoads, window: float) -> dict[str, Any
             "effective_share": s["effective_request_capacity"],
             "served_late": s["completed"] - s["effective_requests"],
             "mean_tbt_ms": 1000 * s["tbt_s"]["mean"],
-            "mean_ttft_s": s["ttft_s"]["mean"], "corr": corr, "decode_kv_cv": kv_cv,
+            "mean_ttft_s": s["ttft_s"]["mean"],
+            # Sent to another decode node at hand-off than the one chosen at arrival (the
+            # baseline's re-choice, or `decode_reselect_at_handoff`): its KV streamed again.
+            "moved_at_handoff": sum(1 for st in res.states if st.kv_epoch > 0), "corr": corr, "decode_kv_cv": kv_cv,
             "prefill_queue_cv": queue_cv, "lag_s": mean_lag_s(res.states),
             "prefill_busy": window_mean(pl.times, pl.prefill_busy, *steady),
             "prefill_queue": window_mean(pl.times, pl.prefill_queue, *steady),

@@ -47,7 +47,8 @@ class Context:
         speed = "" if b.speed == 1.0 else f"_speed{b.speed:g}"
         ttft = "" if b.ttft_slo_s == SimConfig.ttft_slo_s else f"_ttft{b.ttft_slo_s:g}s"
         cpp = "" if b.cpp_min_tokens is None else f"_cpp{b.cpp_nodes}"
-        return self.trace_path.stem.replace("_trace", "") + speed + ttft + cpp
+        handoff = "_reselect" if b.decode_reselect_at_handoff else ""
+        return self.trace_path.stem.replace("_trace", "") + speed + ttft + cpp + handoff
 
     def sim(self, **changes: Any) -> SimResult:
         self.runs += 1
@@ -323,7 +324,8 @@ def _command(name: str, trace_path: Path, out: Path, base: SimConfig) -> str:
             + ("" if base.tbt_slo_ms == SimConfig.tbt_slo_ms else
                f" --tbt-slo-ms {base.tbt_slo_ms:g}")
             + ("" if base.cpp_min_tokens is None else
-               f" --cpp-min-tokens {base.cpp_min_tokens} --cpp-nodes {base.cpp_nodes}"))
+               f" --cpp-min-tokens {base.cpp_min_tokens} --cpp-nodes {base.cpp_nodes}")
+            + (" --decode-reselect-at-handoff" if base.decode_reselect_at_handoff else ""))
 
 
 def effective_share(result: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> float:

@@ -88,3 +88,47 @@ def test_the_decode_node_guard_rejects_rather_than_queue_for_memory() -> None:
     unguarded, guarded = results[False], results[True]
     assert unguarded[0] == {} and unguarded[1] > 1.0  # the fourth waited for a finish
     assert guarded[0] == {"tbt_slo_after_prefill": 1} and guarded[1] < 1.0
+
+
+def test_reselection_at_hand_off_moves_a_request_off_a_full_preselected_node() -> None:
+    # Two decode nodes with room for one of these requests each (2,048 + 2,000 tokens); four
+    # arrive together and the Conductor, told 20 output tokens, pre-selects d0, d1, d0, d1.
+    # Request 1 has a 2-token output: d1 is empty again when request 2's prefill ends.
+    outs = (2000, 2, 2000, 2000)
+    trace = Trace(tuple(TraceRequest(i, 0.0, 2048, outs[i], tuple(range(i * 10, i * 10 + 4)))
+                        for i in range(4)), "four")
+    runs = {}
+    for reselect in (False, True):
+        cluster = Cluster(SimConfig(
+            num_prefill=1, num_decode=2, admission="slo", predicted_output_len=20,
+            tbt_slo_ms=1000.0, decode_node_guard=True, decode_reselect_at_handoff=reselect,
+            hardware_overrides=(("hbm_bytes", 161_243_918_792 - 6244 * 327_680),)),
+            arrivals_of(trace))
+        assert 4048 <= cluster.kv_capacity_tokens < 2 * 4048
+        assert cluster.run()["rejected"] == 0  # the arrival decision is final either way
+        runs[reselect] = [(s.decode_instance, s.kv_epoch, s.decode_join_s - (s.first_token_s or 0))
+                          for s in cluster.states if s.decode_join_s is not None]
+    bound, moved = runs[False], runs[True]
+    assert [(d, e) for d, e, _ in bound] == [("decode-0", 0), ("decode-1", 0), ("decode-0", 0),
+                                             ("decode-1", 0)]
+    assert bound[2][2] > 60.0  # request 2 waited at its pre-selected node for request 0
+    # Re-selected: request 2 goes to the empty d1 (its KV streamed again) and starts at once;
+    # request 3 then finds both nodes full and waits at its pre-selected d1.
+    assert [(d, e) for d, e, _ in moved] == [("decode-0", 0), ("decode-1", 0), ("decode-1", 1),
+                                             ("decode-1", 0)]
+    assert moved[2][2] < 1.0 and moved[3][2] > 60.0
+
+
+def test_hand_off_counts_requests_on_their_way_and_waits_where_no_node_has_room() -> None:
+    from types import SimpleNamespace
+
+    from kvcake.sim.guard import DecodeNodeGuard
+
+    nodes = [SimpleNamespace(reserved_tokens=900), SimpleNamespace(reserved_tokens=500)]
+    guard = DecodeNodeGuard(2, 1000)
+    assert guard.hand_off(1, 100, 0, nodes) == 0  # room 100 on the chosen node: stays
+    assert guard.hand_off(2, 300, 0, nodes) == 1  # d0 now has none; d1 has 500
+    assert guard.hand_off(3, 300, 0, nodes) == 0  # d1 has 200 left: nowhere fits, waits at d0
+    guard.release(2)  # request 2 joined d1's batch: its KV is the batch's now
+    nodes[1].reserved_tokens = 800
+    assert guard.hand_off(4, 200, 0, nodes) == 1
