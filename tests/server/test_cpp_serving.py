@@ -131,6 +131,25 @@ def test_a_group_prompt_reaches_the_store_for_later_prompts(backend: DisaggBacke
     assert tokens(events) == offline(llm, [second], 6)[0]
 
 
+def test_a_prompt_only_request_through_the_group_stores_its_prefix(cluster: Cluster,
+                                                                    backend: DisaggBackend,
+                                                                    llm: LLM) -> None:
+    """max_tokens 1: the request ends at the group's first token and never reaches a decode
+    worker, yet its prompt is stored (each stage its layers of the 14 full blocks) and a later
+    prompt sharing 160 tokens reuses them: its greedy tokens equal the engine's."""
+    roles = [cluster.workers[w]._role for w in ("cpp-2", "cpp-3")]
+    stored = [r.store_writer.num_stored for r in roles]  # type: ignore[union-attr]
+    first = ids(97, 230)
+    assert tokens(run(backend, first, 1)) == offline(llm, [first], 1)[0]
+    wait_until(lambda: store_blocks(backend, first) == 230 // 16)
+    assert [r.store_writer.num_stored - n  # type: ignore[union-attr]
+            for r, n in zip(roles, stored, strict=True)] == [14, 14]
+    second = first[:160] + ids(98, 70)
+    events = run(backend, second, 6)
+    assert events[0].num_cached_tokens == 160
+    assert tokens(events) == offline(llm, [second], 6)[0]
+
+
 def generate(backend: DisaggBackend, rid: str, prompt: list[int], **sampling: object) -> list[int]:
     async def go() -> list[int]:
         stream = await backend.generate(GenerateRequest(RequestId(rid), tuple(prompt),
