@@ -230,7 +230,7 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
         report["contention"] = contention_by_prefill(steps, cpu, decode_fit)
     if save is not None:  # the raw series, times from the replay's start (the planned offsets')
         save.write_text(json.dumps({
-            "report": report, "begun": begun,
+            "report": report, "rate": rate, "begun": begun,
             "steps": [{**x, "t0": x["t0"] - begun, "t1": x["t1"] - begun, "t2": x["t2"] - begun}
                       for x in sorted(steps, key=lambda x: x["t0"])],
             "cpu": [[t - begun, c] for t, c in cpu.samples],

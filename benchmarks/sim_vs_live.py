@@ -60,6 +60,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import host_terms  # noqa: E402
 import serving_disagg_vs_colocated as cap  # noqa: E402
 
 from kvcake.bench.capacity import find_capacities  # noqa: E402
@@ -450,6 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-capacity", type=Path, default=None, metavar="DIR",
                    help="also compare the simulator with every probe of the live capacity "
                         "search in DIR (serving_disagg_vs_colocated.py's out-dir, same regime)")
+    p.add_argument("--host-terms", type=Path, default=None, metavar="SAVED",
+                   help="the live profile's host terms measured from a decode_gaps.py --save "
+                        "file (benchmarks/host_terms.py: per-step overhead, decode factor with "
+                        "the prefill worker idle / computing, prefill factor); nothing fitted")
+    p.add_argument("--batch-series", type=Path, default=None, metavar="SAVED",
+                   help="the live decode batch, step and prefill busy share over time in a "
+                        "decode_gaps.py --save file next to the simulated ones (its rate and "
+                        "requests), then stop")
     p.add_argument("--no-capacity", action="store_true",
                    help="skip the simulated capacity search (sim_capacity.json)")
     p.add_argument("--systems", default="disagg,colocated",
@@ -508,7 +517,32 @@ def main(argv: list[str] | None = None) -> int:
     configs = sim_configs(regime, block_len, budget)
     contention = None
     fit_metrics = None
-    if fit_live is not None and "disagg" in fit_live:
+    terms = None
+    if args.host_terms is not None:
+        base = live_cost_from_dict(profile)
+        terms = host_terms.measure(host_terms.load_saved(args.host_terms), base.decode,
+                                   base.prefill)
+        profile = host_terms.with_terms(profile, terms)
+        print(f"host terms measured from {args.host_terms}: {json.dumps(terms)}")
+    if args.batch_series is not None:
+        saved = host_terms.load_saved(args.batch_series)
+        plan_ = cap.workload(records, regime, cap_args.vocab_size, saved["rate"],
+                             args.seed)[:len(saved["requests"])]
+        series = host_terms.batch_series(saved, sim_trace(records[:len(plan_)], plan_, block_len),
+                                         configs["disagg"],
+                                         live_cost_from_dict(profile).as_cost_model())
+        host_terms.print_series(series)
+        if args.json:
+            print(json.dumps({"batch_series": series, "host_terms": terms}))
+        return 0
+    if terms is not None and fit_live is not None:  # a second check rate, nothing fitted
+        fit_plan = cap.workload(records, regime, cap_args.vocab_size, args.fit_rate, args.seed)
+        fit_cost = live_cost_from_dict(profile).as_cost_model()
+        fit_metrics = compare(fit_live, {
+            name: sim_metrics(sim_trace(records, fit_plan, block_len), regime, config, fit_cost)
+            for name, config in configs.items() if name in fit_live})
+        print_table(f"second check rate {args.fit_rate:.3g}/s", fit_metrics)
+    elif fit_live is not None and "disagg" in fit_live:
         fit_plan = cap.workload(records, regime, cap_args.vocab_size, args.fit_rate, args.seed)
         fit_trace = sim_trace(records, fit_plan, block_len)
         contention = fit_contention(profile, fit_live["disagg"], fit_trace, regime,
@@ -550,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
         if contention is not None:
             out |= {"contention": contention, "fit_rate": args.fit_rate,
                     "fit_metrics": fit_metrics}
+        elif terms is not None:
+            out |= {"host_terms": terms, "second_rate": args.fit_rate,
+                    "second_rate_metrics": fit_metrics}
         print(json.dumps(out))
     return 0
 

@@ -1,0 +1,177 @@
+"""The live profile's host terms measured from one live step trace, and the live decode batch over
+time next to the simulated one (issue 11 part 3; read by `sim_vs_live.py --host-terms/--batch-series`).
+
+Input: a `decode_gaps.py --save PREFIX` file (the decode worker's steps, the workers' CPU
+sampled every 20 ms, the requests as the client saw them; times from the replay's start).
+Measured, not fitted to a metric the check compares:
+- `decode_step_overhead_s`: the decode worker's time from one engine step's end to the next
+  one's start, back-to-back steps (sending the step's tokens, its loop), mean;
+- `contention.decode` / `contention.decode_prefill_busy`: the engine steps' wall time over the
+  isolated 1-thread step fit (`decode_refit.json`) at each step's own batch and context, summed
+  over the steps with the prefill worker idle / computing (its CPU above half a core over the
+  step);
+- `contention.prefill`: the prefill worker's busy spans (its CPU above half a core) that start
+  after a request is sent to an idle prefill worker, over the prefill fit of that prompt: the
+  median ratio.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcake.conductor import DecodeStepPredictor, PrefillTimePredictor
+from kvcake.sim.config import SimConfig
+from kvcake.sim.decode import DecodeInstance
+from kvcake.sim.run import simulate
+from kvcake.sim.trace import Trace
+
+BUSY = 0.5  # cores: the prefill worker computes
+GAP_S = 0.05  # steps further apart than this were not back to back
+
+
+def _samples(cpu: list[list[Any]], role: str) -> tuple[np.ndarray, np.ndarray]:
+    """(sample times, cumulative CPU seconds) of `role`."""
+    pts = [(t, c[role]) for t, c in cpu if role in c]
+    return np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+
+
+def _rates(cpu: list[list[Any]], role: str) -> tuple[np.ndarray, np.ndarray]:
+    """(midpoint times, cores used) of the intervals between consecutive samples of `role`."""
+    t, c = _samples(cpu, role)
+    return (t[1:] + t[:-1]) / 2, np.diff(c) / np.maximum(np.diff(t), 1e-9)
+
+
+def _share(mid: np.ndarray, rate: np.ndarray, t0: float, t1: float) -> float | None:
+    inside = (mid >= t0) & (mid <= t1)
+    if inside.any():
+        return float(rate[inside].mean())
+    if not len(mid) or t0 < mid[0] or t1 > mid[-1]:
+        return None
+    return float(rate[np.searchsorted(mid, t0)])
+
+
+def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
+            prefill_fit: PrefillTimePredictor) -> dict[str, Any]:
+    steps = [s for s in saved["steps"] if s["rows"] and s["t0"] >= 0]
+    mid, rate = _rates(saved["cpu"], "prefill")
+    wall = {"idle": 0.0, "busy": 0.0}
+    fit = {"idle": 0.0, "busy": 0.0}
+    count = {"idle": 0, "busy": 0}
+    for s in steps:
+        share = _share(mid, rate, s["t0"], s["t1"])
+        if share is None:
+            continue
+        key = "busy" if share >= BUSY else "idle"
+        wall[key] += s["t1"] - s["t0"]
+        fit[key] += decode_fit.decode_step_time_s(len(s["rows"]), sum(n for _, n in s["rows"]))
+        count[key] += 1
+    gaps = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:], strict=False)
+            if 0 <= b["t0"] - a["t1"] < GAP_S]
+    spans = []
+    times, _ = _samples(saved["cpu"], "prefill")
+    sends = sorted(r["send_at_s"] for r in saved["requests"])
+    for r in saved["requests"]:
+        sent = r["send_at_s"]
+        before = _share(mid, rate, sent - 0.1, sent)
+        if before is None or before >= BUSY:
+            continue  # the prefill worker was busy: this one queued
+        after = np.nonzero((mid > sent) & (rate >= BUSY))[0]
+        if not len(after):
+            continue
+        start = end = int(after[0])
+        while end + 1 < len(mid) and rate[end + 1] >= BUSY:
+            end += 1
+        if any(sent < t <= times[end + 1] for t in sends):
+            continue  # another request arrived meanwhile: the span may hold two prefills
+        span_s = times[end + 1] - times[start]  # from the busy intervals' edges
+        spans.append(span_s / max(1e-9, prefill_fit.predict(r["prompt_len"], 0)))
+    return {"decode_step_overhead_s": float(np.mean(gaps)) if gaps else 0.0,
+            "contention": {"decode": wall["idle"] / fit["idle"] if fit["idle"] else 1.0,
+                           "decode_prefill_busy": (wall["busy"] / fit["busy"] if fit["busy"]
+                                                   else None),
+                           "prefill": float(np.median(spans)) if spans else 1.0},
+            "evidence": {"steps_idle": count["idle"], "steps_busy": count["busy"],
+                         "back_to_back_gaps": len(gaps), "prefill_spans": len(spans),
+                         "prefill_span_ratios_p25_p75": (np.percentile(spans, [25, 75]).tolist()
+                                                         if spans else None)}}
+
+
+def with_terms(profile: dict[str, Any], terms: dict[str, Any]) -> dict[str, Any]:
+    """The live profile with the measured host terms (the busy factor only where measured)."""
+    contention = {k: round(v, 4) for k, v in terms["contention"].items() if v is not None}
+    live = {**profile["live"], "contention": contention,
+            "decode_step_overhead_s": round(terms["decode_step_overhead_s"], 6)}
+    return {**profile, "live": live}
+
+
+def _recording(runs: list[tuple[float, float, int, int]]) -> Any:
+    """`DecodeInstance.on_step_done` that logs each finished run (start, end, steps, batch)."""
+    original = DecodeInstance.on_step_done
+
+    def on_step_done(self: DecodeInstance, now_s: float, token: int) -> Any:
+        if token == self.token and self.run is not None and self.running:
+            run = self.run
+            runs.append((run.start_s, run.end_s, run.num_steps, len(self.running)))
+        return original(self, now_s, token)
+    return original, on_step_done
+
+
+def batch_series(saved: dict[str, Any], trace: Trace, config: SimConfig, cost: Any,
+                 bucket_s: float = 5.0) -> list[dict[str, float]]:
+    """Per `bucket_s` of the replay: the live decode batch (step-weighted mean over the steps
+    starting in it), its mean engine step + overhead, the prefill worker's busy share; the
+    simulated batch, mean step and prefill busy share for the same requests."""
+    runs: list[tuple[float, float, int, int]] = []
+    original, recording = _recording(runs)
+    DecodeInstance.on_step_done = recording  # type: ignore[method-assign]
+    try:
+        result = simulate(config, trace, cost)
+    finally:
+        DecodeInstance.on_step_done = original  # type: ignore[method-assign]
+    steps = [s for s in saved["steps"] if s["rows"] and s["t0"] >= 0]
+    mid, rate = _rates(saved["cpu"], "prefill")
+    sim_busy = [(s.prefill_start_s, s.prefill_start_s + s.prefill_s) for s in result.states
+                if s.prefill_start_s is not None and s.prefill_done]
+    end = max([s["t1"] for s in steps] + [r[1] for r in runs])
+    rows = []
+    for b in np.arange(0.0, end, bucket_s):
+        live = [s for s in steps if b <= s["t0"] < b + bucket_s]
+        sim = [r for r in runs if b <= r[0] < b + bucket_s]
+        sim_steps = sum(r[2] for r in sim)
+        inside = (mid >= b) & (mid < b + bucket_s)
+        busy_s = sum(max(0.0, min(e, b + bucket_s) - max(s, b)) for s, e in sim_busy)
+        nxt = {id(a): c for a, c in zip(live, live[1:], strict=False)
+               if c["t0"] - a["t1"] < GAP_S}  # back to back: the loop's time counts
+        rows.append({
+            "t_s": float(b),
+            "live_batch": float(np.mean([len(s["rows"]) for s in live])) if live else 0.0,
+            "sim_batch": sum(r[2] * r[3] for r in sim) / sim_steps if sim_steps else 0.0,
+            "live_step_ms": (1000 * float(np.mean([(nxt[id(s)]["t0"] if id(s) in nxt
+                                                     else s["t2"]) - s["t0"] for s in live]))
+                             if live else 0.0),
+            "sim_step_ms": 1000 * sum(r[1] - r[0] for r in sim) / sim_steps if sim_steps else 0.0,
+            "live_prefill_busy": float((rate[inside] >= BUSY).mean()) if inside.any() else 0.0,
+            "sim_prefill_busy": busy_s / bucket_s})
+    return rows
+
+
+def print_series(rows: list[dict[str, float]]) -> None:
+    print("| t (s) | batch live / sim | step incl. overhead (ms) live / sim | prefill busy live / sim |"
+          "\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['t_s']:.0f} | {r['live_batch']:.1f} / {r['sim_batch']:.1f} | "
+              f"{r['live_step_ms']:.1f} / {r['sim_step_ms']:.1f} | "
+              f"{r['live_prefill_busy']:.2f} / {r['sim_prefill_busy']:.2f} |")
+
+
+def load_saved(path: Path) -> dict[str, Any]:
+    import json
+
+    data = json.loads(path.read_text())
+    if "steps" not in data or "cpu" not in data:
+        raise SystemExit(f"{path}: not a `decode_gaps.py --save` file")
+    return data
+
