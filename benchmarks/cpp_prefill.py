@@ -19,12 +19,15 @@ short prompt, then timed on the long one):
   decode worker's reserved blocks. TTFT: `generate` -> the first token event (reservation,
   pipelined prefill, every stage's KV writes, one request of max_tokens 1).
 - `live_single1`: the same cluster without the group: the plain prefill worker (1 thread).
-- `--cached-prefix-tokens P` (live systems): after the long prompt (then max_tokens 2, so the
-  group's prompt reaches the store through its decode worker), wait until the store holds its
-  first P tokens, then time a prompt of the same length sharing them (fresh tokens after): the
-  group fetches the prefix (each stage its layers) and pipelines only the new tokens; the plain
-  worker reuses its own cache. Reported under `cached_prefix` (TTFT, cached tokens, ratio to
-  the cold prompt of the same system, first tokens equal across systems).
+- `--cached-prefix-tokens P` (live systems): after the long prompt (max_tokens 1: every stage
+  of a group stores its layers of the prompt's blocks, as a plain prefill worker stores its
+  prompt), wait until the store holds its first P tokens, then time a prompt of the same length
+  sharing them (fresh tokens after): the group fetches the prefix (each stage only its layers'
+  slice objects) and pipelines only the new tokens; the plain worker reuses its own cache.
+  Reported under `cached_prefix` (TTFT, cached tokens, ratio to the cold prompt of the same
+  system, first tokens equal across systems) with `stages`: per prefill worker (each stage of
+  a group), seconds from `generate` to its first chunk (the decode reservation, the order, the
+  prefix fetch and import), its compute, its fetch (bytes, seconds) and when its report came.
 
 Model: the `small` preset's shape (d 768, 12 layers, GQA 12:4, vocab 32000) with its context
 raised to `--context` (16k tokens do not fit the preset's 8,192), seeded random weights written
@@ -114,7 +117,8 @@ def run_cpp(model: str, members: int, config: EngineConfig, chunk_tokens: int,
 def run_live(model: str, members: int, config: EngineConfig, chunk_tokens: int,
              prompts: list[list[int]], profile_dir: str,
              cached: list[int] | None = None, prefix_tokens: int = 0,
-             ) -> tuple[list[tuple[int, float]], tuple[int, float, int, dict[str, float]] | None]:
+             ) -> tuple[list[tuple[int, float]],
+                        tuple[int, float, int, dict[str, dict[str, float]]] | None]:
     """TTFT of each prompt through a served cluster (worker processes): with a CPP group of
     `members` stages (every prompt from the first's length up goes to it), or none (0). With
     `cached`: then (first token, TTFT, cached tokens, where the time went) of that prompt, sent
@@ -127,6 +131,7 @@ def run_live(model: str, members: int, config: EngineConfig, chunk_tokens: int,
     from kvcake.server.cluster.launcher import Cluster
     from kvcake.server.cluster.router import STORE_HOLDER
     from kvcake.server.frontend.backend import GenerateRequest
+    from kvcake.server.worker.messages import Message, PrefillDone
     from kvcake.types import RequestId
 
     cpp = {"cpp_min_tokens": min(map(len, prompts)), "cpp_nodes": members,
@@ -156,11 +161,9 @@ def run_live(model: str, members: int, config: EngineConfig, chunk_tokens: int,
                 return event.token_ids[0], ttft, event.num_cached_tokens
             raise RuntimeError(f"{rid}: no token")
 
-        # max_tokens 2 where a cached prompt follows: a group's prompt reaches the store
-        # through its decode worker, which a request ending at its first token never joins
+        # max_tokens 1: a group's stages store the prompt themselves (cpp_role.py)
         for i, prompt in enumerate(prompts):
-            token, ttft, _ = asyncio.run(first_token(
-                f"live-{i}", prompt, 2 if cached is not None and i == len(prompts) - 1 else 1))
+            token, ttft, _ = asyncio.run(first_token(f"live-{i}", prompt))
             out.append((token, ttft))
         if cached is None:
             return out, None
@@ -172,20 +175,27 @@ def run_live(model: str, members: int, config: EngineConfig, chunk_tokens: int,
             if time.monotonic() > deadline:
                 raise RuntimeError("the store did not get the prefix in 300 s")
             time.sleep(0.2)
-        compute_before = backend.totals.compute_s
-        bandwidth_before = backend.conductor.transfer_bandwidth
-        token, ttft, num_cached = asyncio.run(first_token("live-cached", cached))
-        # the (last) stage's or the worker's compute; a group's fetch measured by its last stage
-        # (the Conductor's first measured bandwidth replaces its prior)
-        bandwidth = backend.conductor.transfer_bandwidth
-        split = {"compute_s": round(backend.totals.compute_s - compute_before, 3)}
-        if bandwidth != bandwidth_before:
-            from kvcake.engine.loader import resolve
+        # every prefill worker's report of the timed request, when it came (this clock)
+        book = backend._book
+        assert book is not None
+        reports: dict[str, tuple[float, PrefillDone]] = {}
+        on_message = book.on_message
 
-            fetch_bytes = len(keys) * backend._hello().layer_nbytes * \
-                resolve(model).config.num_layers  # whole blocks
-            split["fetch_s"] = round(fetch_bytes / bandwidth, 3)
-        return out, (token, ttft, num_cached, split)
+        def record(worker_id: str, message: Message) -> None:
+            if isinstance(message, PrefillDone) and message.request_id == "live-cached":
+                reports[worker_id] = (time.perf_counter(), message)
+            on_message(worker_id, message)
+
+        book.on_message = record  # type: ignore[method-assign]
+        t0 = time.perf_counter()
+        token, ttft, num_cached = asyncio.run(first_token("live-cached", cached))
+        book.on_message = on_message  # type: ignore[method-assign]
+        stages = {w: {"first_chunk_at_s": round(at - t0 - d.transfer_span_s, 3),
+                      "compute_s": round(d.compute_s, 3),
+                      "fetch_mib": round(d.fetch_bytes / 2**20, 1),
+                      "fetch_s": round(d.fetch_s, 3), "done_at_s": round(at - t0, 3)}
+                  for w, (at, d) in sorted(reports.items())}
+        return out, (token, ttft, num_cached, stages)
 
 
 def parse_args() -> argparse.Namespace:
@@ -227,7 +237,7 @@ def main() -> int:
         sys.exit(f"--cached-prefix-tokens {prefix}: must be in [0, --prompt-tokens)")
     cached_prompt = prompts[-1][:prefix] + [rng.randrange(vocab)
                                            for _ in range(args.prompt_tokens - prefix)]
-    cached: dict[str, tuple[int, float, int, dict[str, float]]] = {}
+    cached: dict[str, tuple[int, float, int, dict[str, dict[str, float]]]] = {}
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
     compute: list[float] = []
@@ -279,7 +289,7 @@ def main() -> int:
             "prefix_tokens": prefix,
             "ttft_s": {s: round(c[1], 3) for s, c in cached.items()},
             "cached_tokens": {s: c[2] for s, c in cached.items()},
-            "split_s": {s: c[3] for s, c in cached.items()},
+            "stages": {s: c[3] for s, c in cached.items()},
             "ratio_vs_cold": {s: round(c[1] / ttft[s], 3) for s, c in cached.items()},
             "ratio_vs_live_single1": {s: round(c[1] / cached["live_single1"][1], 3)
                                       for s, c in cached.items() if "live_single1" in cached},
