@@ -123,7 +123,8 @@ class DecodeOrder:
     first_token_id: int
     sampling: dict[str, Any]  # the KV is in the blocks reserved for it by ReserveKv
     sampler_state: bytes | None = None  # from PrefillDone: seeded sampling continues exactly
-    store_prompt: bool = False  # write the prompt's full blocks to the store (a CPP group's)
+    store_prompt: bool = False  # write the prompt's full blocks to the store (the frontend
+    # no longer asks: a CPP group's stages store their layers themselves, cpp_role.py)
 
 
 @dataclass(frozen=True)

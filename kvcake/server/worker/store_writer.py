@@ -4,8 +4,8 @@
 and has not handed over before; the writer thread puts them (`namespace:key_hex`, async
 two-phase puts by the store client) and reports them to the frontend (`StoreEvents`: holder
 "store" in the Conductor), so later prompts anywhere reuse them. A prefill worker writes what
-it computed; a decode worker writes a CPP group's prompt (no stage holds all of a block's
-layers; the decode pool is where they meet).
+it computed; a decode worker writes a prompt when its `DecodeOrder` asks (`store_prompt`; a CPP
+group's stages store their own layers instead: stage_store.py).
 """
 
 from __future__ import annotations
