@@ -235,7 +235,8 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
                       for x in sorted(steps, key=lambda x: x["t0"])],
             "cpu": [[t - begun, c] for t, c in cpu.samples],
             "requests": [{"send_at_s": p.send_at_s, "prompt_len": len(p.prompt_token_ids),
-                          "max_tokens": p.max_tokens, "ttft_s": r.ttft_s,
+                          "max_tokens": p.max_tokens, "outcome": r.outcome.value,
+                          "ttft_s": r.ttft_s,
                           "gaps_s": list(r.gaps_s)} for p, r in zip(planned, results,
                                                                     strict=True)]}) + "\n")
     return report

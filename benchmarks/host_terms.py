@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcake.bench.stats import Outcome, RequestResult
 from kvcake.conductor import DecodeStepPredictor, PrefillTimePredictor
 from kvcake.sim.config import SimConfig
 from kvcake.sim.decode import DecodeInstance
@@ -165,6 +166,12 @@ def print_series(rows: list[dict[str, float]]) -> None:
         print(f"| {r['t_s']:.0f} | {r['live_batch']:.1f} / {r['sim_batch']:.1f} | "
               f"{r['live_step_ms']:.1f} / {r['sim_step_ms']:.1f} | "
               f"{r['live_prefill_busy']:.2f} / {r['sim_prefill_busy']:.2f} |")
+
+
+def results_of(saved: dict[str, Any]) -> list[RequestResult]:
+    """The saved requests as the client's results (for the live metrics of that run)."""
+    return [RequestResult(Outcome(r.get("outcome", "ok")), r["prompt_len"], len(r["gaps_s"]) + 1,
+                          r["ttft_s"], tuple(r["gaps_s"])) for r in saved["requests"]]
 
 
 def load_saved(path: Path) -> dict[str, Any]:

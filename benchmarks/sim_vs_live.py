@@ -18,6 +18,12 @@ chunk budget): TTFT p50/p90, TBT p50/p90 and mean TPOT per rate, and the prompt-
 (the live counters against the simulated runs); `--no-capacity` skips the simulated capacity
 search. Printed with the check: the simulated runs' hit share, mean TPOT and the elasticity of
 their TBT p50 to the decode step cost (`diagnostics`).
+`--host-terms SAVED` instead measures the live profile's host terms from a live step trace
+(`decode_gaps.py --save`; benchmarks/host_terms.py: the decode worker's per-step overhead, the
+decode steps' wall over the isolated fit with the prefill worker idle and computing, the prefill
+factor): nothing is fitted to a compared metric, and a `--fit-rate` replay is then a second check
+rate. `--batch-series SAVED` (with `--sim-only`) prints the saved run's decode batch, step and
+prefill busy share over time next to the simulated ones, and the metrics of that run.
 `--fit-rate R` also replays at rate R (`live_fit.json`) and fits the per-host contention factors
 of the live profile (kvcake/sim/live_profile.py: decode steps and prefills take f times the
 isolated fit on a shared host) so the simulated disaggregated TTFT p50 and TBT p50 at R match
@@ -528,12 +534,17 @@ def main(argv: list[str] | None = None) -> int:
         saved = host_terms.load_saved(args.batch_series)
         plan_ = cap.workload(records, regime, cap_args.vocab_size, saved["rate"],
                              args.seed)[:len(saved["requests"])]
-        series = host_terms.batch_series(saved, sim_trace(records[:len(plan_)], plan_, block_len),
-                                         configs["disagg"],
-                                         live_cost_from_dict(profile).as_cost_model())
+        saved_trace = sim_trace(records[:len(plan_)], plan_, block_len)
+        saved_cost = live_cost_from_dict(profile).as_cost_model()
+        series = host_terms.batch_series(saved, saved_trace, configs["disagg"], saved_cost)
         host_terms.print_series(series)
+        same_run = compare({"disagg": live_metrics(host_terms.results_of(saved), regime)},
+                           {"disagg": sim_metrics(saved_trace, regime, configs["disagg"],
+                                                  saved_cost)})
+        print_table(f"the saved run ({saved['rate']:.3g}/s, {len(plan_)} requests)", same_run)
         if args.json:
-            print(json.dumps({"batch_series": series, "host_terms": terms}))
+            print(json.dumps({"batch_series": series, "host_terms": terms,
+                              "metrics": same_run}))
         return 0
     if terms is not None and fit_live is not None:  # a second check rate, nothing fitted
         fit_plan = cap.workload(records, regime, cap_args.vocab_size, args.fit_rate, args.seed)
