@@ -331,17 +331,14 @@ class CppRole:
         ended = time.perf_counter()
         bs = self.stage.block_size
         reused = prefix.reused_tokens or 0
-        # every prompt to the store (as a prefill worker's): this stage's layers of the blocks
-        # after the reused prefix (a block partly recomputed at its end was read from there)
-        self.store_writer.write_prompt(rid, order.prompt_token_ids, -(-reused // bs))
         try:
-            done = self.member.finish(rid)
+            done = self.member.finish(rid, release=False)
         except TransferError as exc:
+            self.stage.release(rid)
             self.worker.send(RequestFailed(rid, f"KV transfer to the decode worker failed: "
                                                 f"{exc}"))
             self._admit_waiting()
             return
-        self._admit_waiting()
         exposed_s = time.perf_counter() - ended
         span_s = time.perf_counter() - self._started_s.pop(rid, ended)
         self.worker.send(PrefillDone(
@@ -352,6 +349,14 @@ class CppRole:
             exposed_s if done.kv_bytes else 0.0, done.kv_bytes, sampler_state,
             wire_logprobs([first]) if first else None, prefix.fetch_bytes, prefix.fetch_s,
             None if prompt_lp is None else [None, *(wire_logprobs(prompt_lp) or [])]))
+        # Every prompt to the store, as a prefill worker's (after the report: off the TTFT):
+        # this stage's layers of the blocks after the reused prefix (a block partly recomputed
+        # at its end was read from there), then its blocks are free.
+        try:
+            self.store_writer.write_prompt(rid, order.prompt_token_ids, -(-reused // bs))
+        finally:
+            self.stage.release(rid)
+        self._admit_waiting()
 
     def _finish_reason(self, order: CppOrder, token: int) -> str | None:
         """As the engine decides at a first token: a stop id or EOS ends it, else max_tokens 1."""

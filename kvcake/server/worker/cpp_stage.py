@@ -237,14 +237,16 @@ class CppMember:
         self.transfer.write(target, slot * self.slot_bytes,
                             out.contiguous().view(torch.uint8).numpy().reshape(-1))
 
-    def finish(self, request_id: str) -> CppDone:
-        """Wait for this stage's KV writes of the request, free its blocks."""
+    def finish(self, request_id: str, release: bool = True) -> CppDone:
+        """Wait for this stage's KV writes of the request, free its blocks (`release` False:
+        the caller frees them, `stage.release`, once it has read them; also on an error)."""
         req = self._requests.pop(request_id)
         try:
             for batch in req.batches:
                 self.transfer.wait(batch, _TRANSFER_TIMEOUT_S).raise_for_failure()
         finally:
-            self.stage.release(request_id)
+            if release:
+                self.stage.release(request_id)
         return CppDone(request_id, self.member, req.compute_s, req.kv_bytes)
 
     def abort(self, request_id: str) -> None:
