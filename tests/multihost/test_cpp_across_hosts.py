@@ -95,8 +95,8 @@ def test_cpp_stages_on_two_hosts_equal_the_single_engine(cluster: DisaggBackend)
     events = run(backend, first, 8)
     assert tokens(events) == offline(llm, [first], 8)[0]
     assert events[0].num_cached_tokens == 0
-    # The decode worker writes the group's prompt to the store; a second prompt sharing its
-    # first 160 tokens (10 blocks) reads them there, each stage its own layers, over TCP.
+    # Each stage writes its layers of the group's prompt to the store; a second prompt sharing
+    # its first 160 tokens (10 blocks) reads them there, each stage its own slices, over TCP.
     wait_until(lambda: store_blocks(backend, first) == 230 // 16)
     second = first[:160] + ids(141, 70)
     events = run(backend, second, 8)
