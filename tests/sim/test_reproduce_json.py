@@ -73,3 +73,24 @@ def test_overload_json_has_rejections_and_wasted_prefill_per_policy(
     assert "x the prefill pool's capacity" in report
     assert "| corr(prefill queue, decode KV) |" in report
     assert (tmp_path / "r" / "overload_small_speed8.png").read_bytes()[:4] == b"\x89PNG"
+
+
+
+def test_overload_with_reselection_at_hand_off_names_the_mode_in_file_command_and_text() -> None:
+    from kvcake.sim.config import SimConfig
+    from kvcake.sim.overload_report import setting_lines
+    from kvcake.sim.pool_loads import PoolDemand
+    from kvcake.sim.reproduce import Context, _command
+    from kvcake.sim.trace import Trace
+
+    demand = PoolDemand(0.2, 0.3, 10.0)
+    for reselect in (False, True):
+        base = SimConfig(speed=2.0, decode_reselect_at_handoff=reselect)
+        command = _command("overload", Path("t.jsonl"), Path("o"), base)
+        stem = Context(Trace((), "t"), Path("b/t.jsonl"), base, Path("o"), command, None).stem
+        text = " ".join(setting_lines(base, 300, 30.0, demand))
+        assert stem == ("t_speed2_reselect" if reselect else "t_speed2")
+        assert command.endswith("--speed 2 --decode-reselect-at-handoff" if reselect
+                                else "--speed 2")
+        assert ("re-selection at hand-off" in text) == reselect
+        assert ("a request that finds it full waits there for memory" in text) != reselect
