@@ -179,6 +179,7 @@ def _serve_single(settings: ServeSettings, config: LocalBackendConfig,
                   api_key: str | None = None, limits: HttpLimits | None = None) -> int:
     import uvicorn
 
+    from kvcake.conductor.heap import freeze_heap
     from kvcake.server.frontend.api import create_app
     from kvcake.server.frontend.http_server import listen_socket
     from kvcake.server.frontend.local_backend import LocalBackend
@@ -190,6 +191,9 @@ def _serve_single(settings: ServeSettings, config: LocalBackendConfig,
     server = uvicorn.Server(uvicorn.Config(create_app(backend, api_key=api_key, limits=limits),
                                            log_level="warning",
                                            lifespan="off"))
+    # The engine, torch, the tokenizer and the app are loaded (~200k objects): keep the collector
+    # off them, or a full collection (60-140 ms here) lands between two decode steps.
+    freeze_heap()
     backend.start()
     print(f"kvcake serve: http://{settings.host}:{port} (model {backend.model_name}, mode "
           f"{settings.mode}, max_model_len {backend.max_model_len})", file=sys.stderr,
