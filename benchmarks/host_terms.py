@@ -31,6 +31,7 @@ from kvcake.sim.trace import Trace
 
 BUSY = 0.5  # cores: the prefill worker computes
 GAP_S = 0.05  # steps further apart than this were not back to back
+BATCH_BANDS = ((1, 4), (5, 8), (9, 16), (17, 10**9))  # for wall / fit by batch
 
 
 def _samples(cpu: list[list[Any]], role: str) -> tuple[np.ndarray, np.ndarray]:
@@ -61,14 +62,22 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
     wall = {"idle": 0.0, "busy": 0.0}
     fit = {"idle": 0.0, "busy": 0.0}
     count = {"idle": 0, "busy": 0}
+    by_batch: dict[str, list[float]] = {}  # "idle 1-4": [wall, fit]: does the fit's shape hold?
     for s in steps:
         share = _share(mid, rate, s["t0"], s["t1"])
         if share is None:
             continue
         key = "busy" if share >= BUSY else "idle"
+        batch = len(s["rows"])
+        step_fit = decode_fit.decode_step_time_s(batch, sum(n for _, n in s["rows"]))
         wall[key] += s["t1"] - s["t0"]
-        fit[key] += decode_fit.decode_step_time_s(len(s["rows"]), sum(n for _, n in s["rows"]))
+        fit[key] += step_fit
         count[key] += 1
+        label = f"{key} {next(b for b in BATCH_BANDS if batch <= b[1])}"
+        acc = by_batch.setdefault(label, [0.0, 0.0, 0])
+        acc[0] += s["t1"] - s["t0"]
+        acc[1] += step_fit
+        acc[2] += 1
     gaps = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:], strict=False)
             if 0 <= b["t0"] - a["t1"] < GAP_S]
     spans = []
@@ -95,6 +104,8 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
                                                    else None),
                            "prefill": float(np.median(spans)) if spans else 1.0},
             "evidence": {"steps_idle": count["idle"], "steps_busy": count["busy"],
+                         "wall_over_fit_by_batch": {k: [round(w / f, 3), n] for k, (w, f, n)
+                                                    in sorted(by_batch.items())},
                          "back_to_back_gaps": len(gaps), "prefill_spans": len(spans),
                          "prefill_span_ratios_p25_p75": (np.percentile(spans, [25, 75]).tolist()
                                                          if spans else None)}}
