@@ -5,9 +5,12 @@ Markov-modulated Poisson process (MMPP): the rate alternates between a burst sta
 burst_rate_factor) and a calm state (rate_per_s x calm_rate_factor, the factor that keeps the
 mean rate at rate_per_s), each state lasting an exponentially distributed time of mean
 burst_mean_s / calm_mean_s (trace time: a replay at speed k divides them by k). Real traces
-are bursty; a Poisson process at the same mean has none of their peaks. Each request either opens a new session (a chat that starts
-with one of a few global system prompts, picked with Zipf-like popularity, then a first user
-message) or continues an open session: its prompt is the session's previous prompt, plus the
+are bursty; a Poisson process at the same mean has none of their peaks. The same two states can
+instead (or also) lengthen the outputs of the requests arriving in a burst
+(`burst_output_factor`): bursts of decode demand at a steady prefill demand.
+
+Each request either opens a new session (a chat that starts with one of a few global system
+prompts, picked with Zipf-like popularity, then a first user message) or continues an open session: its prompt is the session's previous prompt, plus the
 previous answer, plus a new user message. Hash ids are chained as in the published traces: full
 blocks of a shared prefix keep their ids, every other block gets a fresh id. So the output has
 the structure the scheduler cares about (hot system prompts, multi-turn prefix reuse) and runs
@@ -32,7 +35,11 @@ class TraceGenConfig:
         is a plain Poisson process (and the same bytes as before the MMPP existed).
     burst_mean_s, calm_mean_s: mean duration of a burst and of the calm between bursts, seconds
         of trace time (each duration exponential; the first state drawn from the stationary
-        share burst_mean_s / (burst_mean_s + calm_mean_s)). Only read when burst_rate_factor > 1.
+        share burst_mean_s / (burst_mean_s + calm_mean_s)). Only read when burst_rate_factor or
+        burst_output_factor is above 1.
+    burst_output_factor: a request arriving in a burst has mean_output_len (and max_output_len)
+        times this factor: bursts of decode demand (long generations) without more prefill
+        demand when burst_rate_factor is 1. 1 (the default): the same lengths in both states.
     """
 
     num_requests: int = 1000
@@ -51,6 +58,7 @@ class TraceGenConfig:
     burst_rate_factor: float = 1.0
     burst_mean_s: float = 60.0
     calm_mean_s: float = 180.0
+    burst_output_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "num_system_prompts", "system_prompt_len",
@@ -67,6 +75,9 @@ class TraceGenConfig:
         if not self.burst_rate_factor >= 1:
             raise ValueError(f"burst_rate_factor must be >= 1 (1: plain Poisson), "
                              f"got {self.burst_rate_factor}")
+        if not self.burst_output_factor >= 1:
+            raise ValueError(f"burst_output_factor must be >= 1 (1: the same output lengths in "
+                             f"bursts), got {self.burst_output_factor}")
         if not (self.burst_mean_s > 0 and self.calm_mean_s > 0):
             raise ValueError(f"burst_mean_s and calm_mean_s must be > 0, got "
                              f"{self.burst_mean_s} and {self.calm_mean_s}")
@@ -132,7 +143,7 @@ class _Generator:
         kept = prefix_ids[: min(prefix_len, input_len) // bs]
         return kept + self._fresh(-(-input_len // bs) - len(kept))
 
-    def request(self, index: int, timestamp_ms: int) -> TraceRequest:
+    def request(self, index: int, timestamp_ms: int, output_factor: float = 1.0) -> TraceRequest:
         cfg, rng = self.cfg, self.rng
         if not self.open or rng.random() < cfg.new_session_prob:
             which = rng.choices(range(cfg.num_system_prompts), weights=self.weights)[0]
@@ -146,7 +157,8 @@ class _Generator:
             grow = session.last_output + self._length(cfg.mean_followup_len, cfg.max_input_len)
             input_len = min(cfg.max_input_len, session.length + grow)
             ids = self._prompt(session.length, session.full_ids, input_len)
-        output_len = self._length(cfg.mean_output_len, cfg.max_output_len)
+        output_len = self._length(round(cfg.mean_output_len * output_factor),
+                                  round(cfg.max_output_len * output_factor))
         session.length, session.last_output = input_len, output_len
         session.full_ids = ids[: input_len // cfg.block_size]
         session.turns += 1
@@ -192,9 +204,12 @@ def generate_trace(cfg: TraceGenConfig) -> Trace:
     gen = _Generator(cfg)
     t_s = 0.0
     requests = []
-    modulation = _Modulation(cfg) if cfg.burst_rate_factor > 1 else None
+    modulated = cfg.burst_rate_factor > 1 or cfg.burst_output_factor > 1
+    modulation = _Modulation(cfg) if modulated else None
     for index in range(cfg.num_requests):
-        requests.append(gen.request(index, round(t_s * 1000)))
+        factor = (cfg.burst_output_factor if modulation is not None and modulation.burst
+                  else 1.0)
+        requests.append(gen.request(index, round(t_s * 1000), factor))
         if modulation is None:
             t_s += gen.rng.expovariate(cfg.rate_per_s)
         else:  # one draw of the generator's stream per gap, as the Poisson case

@@ -107,3 +107,22 @@ def test_factor_one_is_the_plain_poisson_trace_whatever_the_burst_settings() -> 
     plain = generate_trace(TraceGenConfig(num_requests=300, seed=5))
     assert generate_trace(TraceGenConfig(num_requests=300, seed=5, burst_mean_s=7.0,
                                          calm_mean_s=9.0)).requests == plain.requests
+
+
+def test_output_bursts_lengthen_only_the_outputs_of_requests_arriving_in_a_burst() -> None:
+    cfg = _mmpp(num_requests=4000, burst_rate_factor=1.0, burst_output_factor=3.0)
+    plain = generate_trace(_mmpp(num_requests=4000, burst_rate_factor=1.0))
+    bursty = generate_trace(cfg)
+    assert generate_trace(cfg).requests == bursty.requests
+    # Each output is the plain trace's draw, or that draw at 3x the mean (+-1 for rounding).
+    hot = []
+    for b, p in zip(bursty.requests, plain.requests, strict=True):
+        assert b.output_len == p.output_len or abs(b.output_len - 3 * p.output_len) <= 2
+        hot.append(b.output_len != p.output_len)
+    assert 0.2 < sum(hot) / len(hot) < 0.3  # the burst share, 0.25
+    runs = sum(1 for a, b in zip(hot, hot[1:], strict=False) if a != b)
+    # In runs: ~2 switches per 0.2 s cycle (~400 in 40 s), where independent draws at the
+    # same share would switch 2 x 0.25 x 0.75 x 4,000 = 1,500 times.
+    assert runs < 750
+    with pytest.raises(ValueError, match="burst_output_factor must be >= 1"):
+        _mmpp(burst_output_factor=0.5)
