@@ -146,7 +146,7 @@ class Ours:
                  "2GiB", "--node-id", "bench", "--port", str(self.port + 1), "--rails", "4",
                  "--stats-interval-s", "3600"], stdout=node_log, stderr=subprocess.STDOUT))
             _wait_port(self.port + 1)
-            time.sleep(0.5)  # registration follows the segment server's start
+            _wait_registered(address)  # after the segment server's start (and its prefault)
         self.address = address
         config = TransferConfig(serve=False, use_shared_memory=self.shm, num_rails=4)
         options: dict[str, Any] = {"async_seal": self.async_seal}
@@ -309,6 +309,21 @@ def _wait_port(port: int, timeout_s: float = 60.0) -> None:
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s")
+
+
+def _wait_registered(address: str, timeout_s: float = 120.0) -> None:
+    """Until the master at `address` has a node registered."""
+    from kvcake.store.remote import RemoteMaster
+
+    master = RemoteMaster(address)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not master.stats()["nodes"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no node registered with {address} in {timeout_s:.0f} s")
+            time.sleep(0.05)
+    finally:
+        master.close()
 
 
 def _terminate(proc: subprocess.Popen[Any]) -> None:

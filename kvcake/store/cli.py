@@ -70,6 +70,9 @@ def register(subparsers: Any) -> None:
     node.add_argument("--rails", type=int, default=4, help="transfer connections per peer")
     node.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     node.add_argument("--stats-interval-s", type=float, default=30.0)
+    node.add_argument("--no-prefault", dest="prefault", action="store_false",
+                      help="do not make the segment's pages resident at start (they are then "
+                           "faulted in as objects first land on them)")
     _secret_flags(node)
     node.set_defaults(func=run_node)
 
@@ -233,7 +236,7 @@ def run_node(args: argparse.Namespace) -> int:
 
     config = NodeConfig(dram_bytes=parse_size(args.dram, "--dram"), disk_dir=args.disk,
                         disk_bytes=parse_size(args.disk_size, "--disk-size") if args.disk else 0,
-                        heartbeat_interval_s=args.heartbeat_interval_s)
+                        heartbeat_interval_s=args.heartbeat_interval_s, prefault=args.prefault)
     if (args.master is None) == (args.etcd is None):
         raise ValueError("--master/--etcd: give exactly one (HOST:PORT of a master, or the etcd "
                          "that knows the elected one)")

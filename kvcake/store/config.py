@@ -65,7 +65,9 @@ class MasterConfig:
 class NodeConfig:
     """One store node: its DRAM segment and optional SSD tier, and where it serves its control
     port: `host` (bind address; also its transfer engine's unless a transfer config is given) and
-    `advertise_host`, what the master dials (default: `host`)."""
+    `advertise_host`, what the master dials (default: `host`). `prefault`: the segment's pages
+    are made resident at start (prefault.py), so no put pays their first-touch faults; off, the
+    memory is taken as objects first land in it."""
 
     dram_bytes: int
     disk_dir: str | None = None
@@ -73,6 +75,7 @@ class NodeConfig:
     heartbeat_interval_s: float = 1.0
     host: str = "127.0.0.1"
     advertise_host: str | None = None
+    prefault: bool = True
 
     def __post_init__(self) -> None:
         if not self.host:
