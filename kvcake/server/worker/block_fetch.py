@@ -109,6 +109,35 @@ def read_layers(store: StoreClient, namespace: str, keys: list[int], layer_nbyte
     return BlocksRead(sizes, buffers, time.perf_counter() - start, moved)
 
 
+def readable_by_all(store: StoreClient, namespace: str, keys: list[int],
+                    sizes: list[int | None], split: Sequence[range], own: range,
+                    reader: str = "") -> list[int | None]:
+    """`sizes` cut at the first block the other stages of a group could not read: neither its
+    whole object nor every other slice of `split` is stored. The first stage sets the prefix the
+    whole group reuses, and a stage that read less fails the request: the store evicts objects
+    one by one, so one stage's slice may be gone while this one's is not."""
+    end = next((i for i, n in enumerate(sizes) if n is None), len(sizes))
+    others = [r for r in split if r != own]
+    if end == 0 or not others:
+        return list(sizes)
+    names = [name for k in keys[:end]
+             for name in (block_key(namespace, k), *(range_key(namespace, k, r) for r in others))]
+    try:
+        found = store.exists_batch(names)
+    except (StoreError, TransferError, OSError, ValueError) as exc:
+        log.warning("%s: could not check %d blocks for the group, recomputing: %s", reader,
+                    end, exc)
+        return [None] * len(sizes)
+    width = 1 + len(others)
+    out = list(sizes)
+    for i in range(end):
+        mine = found[i * width:(i + 1) * width]
+        if not (mine[0] or all(mine[1:])):
+            out[i:] = [None] * (len(sizes) - i)
+            break
+    return out
+
+
 def _get(store: StoreClient, names: list[str], buffers: Sequence[object],
          reader: str) -> list[int | None]:
     if not names:

@@ -8,7 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcake.server.worker.block_fetch import block_key, range_key, read_layers
+from kvcake.server.worker.block_fetch import (
+    block_key,
+    range_key,
+    read_layers,
+    readable_by_all,
+)
 from kvcake.store import StoreClient
 
 NS = "ns"
@@ -55,3 +60,13 @@ def test_a_whole_model_reader_puts_the_slices_together(store: StoreClient) -> No
     assert unsplit.sizes == [LAYERS * LAYER, None]  # no split known: whole blocks only
     with pytest.raises(ValueError, match=r"want: layers in \[0, 4\)"):
         read_layers(store, NS, [1], LAYER, LAYERS, range(2, 5))
+
+
+def test_the_first_stage_reuses_only_what_every_stage_can_read(store: StoreClient) -> None:
+    """Block 3's second slice is not stored (evicted, or its stage's write failed): the first
+    stage, which read its own slice of it, stops the group's prefix before it."""
+    read = read_layers(store, NS, [2, 1, 3, 2], LAYER, LAYERS, SPLIT[0], SPLIT)
+    assert read.sizes == [3 * LAYER] * 4
+    sizes = readable_by_all(store, NS, [2, 1, 3, 2], read.sizes, SPLIT, SPLIT[0])
+    assert sizes == [3 * LAYER, 3 * LAYER, None, None]
+    assert readable_by_all(store, NS, [2], [None], SPLIT, SPLIT[0]) == [None]
