@@ -362,3 +362,68 @@ def test_over_tcp_cached_reads_reach_the_masters_lru_before_the_next_request(
             assert lru.oldest_first() == ["c", "a", "b"]
     finally:
         node.close()
+
+
+class NodeDiesBeforeCommit(Counting):
+    """A master whose node holding the slot of the next commit leaves just before that commit
+    reaches it (the bytes were written into the slot, then the node died)."""
+
+    def __init__(self, service: MasterService) -> None:
+        super().__init__(service)
+        self.armed = False
+        self.killed: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "put_slots" and self.armed:
+            def commit(commits: list[Any], *args: Any, **kwargs: Any) -> Any:
+                if commits and self.killed is None:
+                    slot = self.service.index.slots[commits[0][1]]
+                    self.killed = slot.replicas[0].node_id
+                    self.service.unregister_node(self.killed)
+                return self.service.put_slots(commits, *args, **kwargs)
+            return commit
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("async_seal", [False, True])
+def test_a_node_dying_between_allocate_and_commit_leaves_nothing_visible_or_leaked(
+        async_seal: bool) -> None:
+    clock = ManualClock(0.0)
+    with _store(clock, num_nodes=2) as store:
+        master = NodeDiesBeforeCommit(store.master)
+        client = StoreClient(master, engine=store.engine, clock=clock, async_seal=async_seal,
+                             location_cache=CACHE_ENTRIES)
+        assert client.put("first", b"f" * 3000)  # reserves the slot the next put writes into
+        master.armed = True
+        assert client.put("second", b"s" * 3000)  # its slot's node died: put the ordinary way
+        index = store.master.index
+        assert master.killed is not None and master.killed not in index.nodes
+        (survivor,) = index.nodes
+        assert all(r.node_id == survivor for meta in index.objects.values()
+                   for r in meta.replicas)
+        assert all(r.node_id == survivor for meta in index.slots.values() for r in meta.replicas)
+        reader = store.client(location_cache=0)
+        assert reader.get("second") == b"s" * 3000
+        client.release_slots()
+        stats = store.master.stats()  # nothing leaked: what is used is exactly what is stored
+        assert stats["slot_bytes"] == 0 and not index.slots
+        align = store.master.config.alignment_bytes
+        stored = sum(-(-r.alloc_bytes // align) * align for meta in index.objects.values()
+                     for r in meta.replicas)
+        assert stats["used_bytes"] == stored == index.nodes[survivor].allocator.used_bytes
+
+
+def test_the_only_node_dying_between_allocate_and_commit_fails_the_put_and_leaves_nothing(
+        ) -> None:
+    clock = ManualClock(0.0)
+    with _store(clock) as store:
+        master = NodeDiesBeforeCommit(store.master)
+        client = StoreClient(master, engine=store.engine, clock=clock)
+        assert client.put("first", b"f" * 3000)
+        master.armed = True
+        with pytest.raises(StoreError, match="node"):  # no node left to put it on
+            client.put("second", b"s" * 3000)
+        assert not store.master.index.nodes and not store.master.index.objects
+        assert not store.master.index.slots and store.master.stats()["used_bytes"] == 0
+        with pytest.raises(ObjectNotFound):
+            store.master.get("second")
