@@ -82,9 +82,9 @@ BUSY_SHARE = 0.5  # of a core: the prefill worker counts as computing over a ste
 class WorkerCpu:
     """Samples the cluster's worker processes' CPU (utime + stime from /proc) every `period_s`
     on the monotonic clock (the step trace's), from a thread of this process: when the host's
-    prefill worker computed, next to the decode worker's steps. The workers are the processes
-    of the server's session (it starts in its own) whose command line is `kvcake worker ... --role
-    R`; sampled by role."""
+    prefill worker computed, next to the decode worker's steps. The workers are the `kvcake
+    worker ... --role R` processes whose `--parent-pid` is the server (its session leader; each
+    worker starts a session of its own); sampled by role."""
 
     def __init__(self, session: int, period_s: float = 0.02) -> None:
         self.session, self.period_s = session, period_s
@@ -104,8 +104,10 @@ class WorkerCpu:
             except OSError:
                 continue
             fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[3]) != self.session or b"worker" not in argv:
-                continue
+            parent = (argv[argv.index(b"--parent-pid") + 1].decode()
+                      if b"--parent-pid" in argv[:-1] else "")
+            if b"worker" not in argv or self.session not in (int(fields[3]), int(parent or -1)):
+                continue  # a worker runs in a session of its own, `--parent-pid` the server
             role = argv[argv.index(b"--role") + 1].decode() if b"--role" in argv else "worker"
             out[int(entry.name)] = role
         return out

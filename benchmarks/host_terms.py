@@ -8,11 +8,12 @@ Measured, not fitted to a metric the check compares:
   one's start, back-to-back steps (sending the step's tokens, its loop), mean;
 - `contention.decode` / `contention.decode_prefill_busy`: the engine steps' wall time over the
   isolated 1-thread step fit (`decode_refit.json`) at each step's own batch and context, summed
-  over the steps with the prefill worker idle / computing (its CPU above half a core over the
-  step);
-- `contention.prefill`: the prefill worker's busy spans (its CPU above half a core) that start
-  after a request is sent to an idle prefill worker, over the prefill fit of that prompt: the
-  median ratio.
+  over the steps with the prefill worker idle / computing (`CpuActivity`: its sampled CPU above
+  half a core over the step; without samples `FifoActivity`: its prefills reconstructed from the
+  requests, first come first served, each ending at its first token);
+- `contention.prefill`: the prefills of requests that reached an idle prefill worker (the busy
+  span that follows, or the request's TTFT), over the prefill fit of that prompt: the median
+  ratio.
 """
 
 from __future__ import annotations
@@ -55,19 +56,85 @@ def _share(mid: np.ndarray, rate: np.ndarray, t0: float, t1: float) -> float | N
     return float(rate[np.searchsorted(mid, t0)])
 
 
+class CpuActivity:
+    """When the prefill worker computed, from its sampled CPU (above BUSY cores)."""
+
+    source = "cpu"
+
+    def __init__(self, saved: dict[str, Any]) -> None:
+        self.mid, self.rate = _rates(saved["cpu"], "prefill")
+        self.times, _ = _samples(saved["cpu"], "prefill")
+        self.sends = sorted(r["send_at_s"] for r in saved["requests"])
+
+    def busy(self, t0: float, t1: float) -> bool | None:
+        share = _share(self.mid, self.rate, t0, t1)
+        return None if share is None else share >= BUSY
+
+    def spans(self, requests: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
+        """(request, seconds) of the busy spans that start after a request reached an idle
+        prefill worker and hold no other request's arrival."""
+        mid, rate, times, out = self.mid, self.rate, self.times, []
+        for r in requests:
+            sent = r["send_at_s"]
+            if self.busy(sent - 0.1, sent) is not False:
+                continue  # the prefill worker was busy (or unsampled): this one queued
+            after = np.nonzero((mid > sent) & (rate >= BUSY))[0]
+            if not len(after):
+                continue
+            start = end = int(after[0])
+            while end + 1 < len(mid) and rate[end + 1] >= BUSY:
+                end += 1
+            if any(sent < t <= times[end + 1] for t in self.sends):
+                continue  # another request arrived meanwhile: the span may hold two prefills
+            out.append((r, float(times[end + 1] - times[start])))  # the intervals' edges
+        return out
+
+
+class FifoActivity:
+    """When the prefill worker computed, from the requests as the client saw them (where no
+    CPU samples exist): one prefill worker serves them first come first served, so request i's
+    prefill runs from max(its arrival, request i-1's first token) to its own first token (its
+    TTFT; the hand-off and the frontend's few ms included)."""
+
+    source = "requests"
+
+    def __init__(self, saved: dict[str, Any]) -> None:
+        self.windows: list[tuple[float, float, dict[str, Any]]] = []
+        free = -np.inf
+        for r in sorted(saved["requests"], key=lambda r: r["send_at_s"]):
+            if r.get("ttft_s") is None:
+                continue
+            start, end = max(r["send_at_s"], free), r["send_at_s"] + r["ttft_s"]
+            self.windows.append((start, end, r))
+            free = end
+
+    def busy(self, t0: float, t1: float) -> bool | None:
+        inside = sum(max(0.0, min(t1, e) - max(t0, s)) for s, e, _ in self.windows)
+        return inside >= BUSY * (t1 - t0)
+
+    def spans(self, requests: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
+        """(request, seconds) of the prefills that started at their request's arrival."""
+        return [(r, e - s) for s, e, r in self.windows if s == r["send_at_s"]]
+
+
+def activity(saved: dict[str, Any]) -> CpuActivity | FifoActivity:
+    has_cpu = any("prefill" in c for _, c in saved["cpu"])
+    return CpuActivity(saved) if has_cpu else FifoActivity(saved)
+
+
 def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
             prefill_fit: PrefillTimePredictor) -> dict[str, Any]:
     steps = [s for s in saved["steps"] if s["rows"] and s["t0"] >= 0]
-    mid, rate = _rates(saved["cpu"], "prefill")
+    prefill = activity(saved)
     wall = {"idle": 0.0, "busy": 0.0}
     fit = {"idle": 0.0, "busy": 0.0}
     count = {"idle": 0, "busy": 0}
     by_batch: dict[str, list[float]] = {}  # "idle 1-4": [wall, fit]: does the fit's shape hold?
     for s in steps:
-        share = _share(mid, rate, s["t0"], s["t1"])
-        if share is None:
+        busy = prefill.busy(s["t0"], s["t1"])
+        if busy is None:
             continue
-        key = "busy" if share >= BUSY else "idle"
+        key = "busy" if busy else "idle"
         batch = len(s["rows"])
         step_fit = decode_fit.decode_step_time_s(batch, sum(n for _, n in s["rows"]))
         wall[key] += s["t1"] - s["t0"]
@@ -80,30 +147,15 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
         acc[2] += 1
     gaps = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:], strict=False)
             if 0 <= b["t0"] - a["t1"] < GAP_S]
-    spans = []
-    times, _ = _samples(saved["cpu"], "prefill")
-    sends = sorted(r["send_at_s"] for r in saved["requests"])
-    for r in saved["requests"]:
-        sent = r["send_at_s"]
-        before = _share(mid, rate, sent - 0.1, sent)
-        if before is None or before >= BUSY:
-            continue  # the prefill worker was busy: this one queued
-        after = np.nonzero((mid > sent) & (rate >= BUSY))[0]
-        if not len(after):
-            continue
-        start = end = int(after[0])
-        while end + 1 < len(mid) and rate[end + 1] >= BUSY:
-            end += 1
-        if any(sent < t <= times[end + 1] for t in sends):
-            continue  # another request arrived meanwhile: the span may hold two prefills
-        span_s = times[end + 1] - times[start]  # from the busy intervals' edges
-        spans.append(span_s / max(1e-9, prefill_fit.predict(r["prompt_len"], 0)))
+    spans = [span_s / max(1e-9, prefill_fit.predict(r["prompt_len"], 0))
+             for r, span_s in prefill.spans(saved["requests"])]
     return {"decode_step_overhead_s": float(np.mean(gaps)) if gaps else 0.0,
             "contention": {"decode": wall["idle"] / fit["idle"] if fit["idle"] else 1.0,
                            "decode_prefill_busy": (wall["busy"] / fit["busy"] if fit["busy"]
                                                    else None),
                            "prefill": float(np.median(spans)) if spans else 1.0},
-            "evidence": {"steps_idle": count["idle"], "steps_busy": count["busy"],
+            "evidence": {"prefill_activity_from": prefill.source,
+                         "steps_idle": count["idle"], "steps_busy": count["busy"],
                          "wall_over_fit_by_batch": {k: [round(w / f, 3), n] for k, (w, f, n)
                                                     in sorted(by_batch.items())},
                          "back_to_back_gaps": len(gaps), "prefill_spans": len(spans),
@@ -144,7 +196,7 @@ def batch_series(saved: dict[str, Any], trace: Trace, config: SimConfig, cost: A
     finally:
         DecodeInstance.on_step_done = original  # type: ignore[method-assign]
     steps = [s for s in saved["steps"] if s["rows"] and s["t0"] >= 0]
-    mid, rate = _rates(saved["cpu"], "prefill")
+    prefill = activity(saved)
     sim_busy = [(s.prefill_start_s, s.prefill_start_s + s.prefill_s) for s in result.states
                 if s.prefill_start_s is not None and s.prefill_done]
     end = max([s["t1"] for s in steps] + [r[1] for r in runs])
@@ -153,7 +205,6 @@ def batch_series(saved: dict[str, Any], trace: Trace, config: SimConfig, cost: A
         live = [s for s in steps if b <= s["t0"] < b + bucket_s]
         sim = [r for r in runs if b <= r[0] < b + bucket_s]
         sim_steps = sum(r[2] for r in sim)
-        inside = (mid >= b) & (mid < b + bucket_s)
         busy_s = sum(max(0.0, min(e, b + bucket_s) - max(s, b)) for s, e in sim_busy)
         nxt = {id(a): c for a, c in zip(live, live[1:], strict=False)
                if c["t0"] - a["t1"] < GAP_S}  # back to back: the loop's time counts
@@ -165,7 +216,8 @@ def batch_series(saved: dict[str, Any], trace: Trace, config: SimConfig, cost: A
                                                      else s["t2"]) - s["t0"] for s in live]))
                              if live else 0.0),
             "sim_step_ms": 1000 * sum(r[1] - r[0] for r in sim) / sim_steps if sim_steps else 0.0,
-            "live_prefill_busy": float((rate[inside] >= BUSY).mean()) if inside.any() else 0.0,
+            "live_prefill_busy": float(np.mean([bool(prefill.busy(t, t + 0.1)) for t in
+                                                np.arange(b, b + bucket_s, 0.1)])),
             "sim_prefill_busy": busy_s / bucket_s})
     return rows
 
