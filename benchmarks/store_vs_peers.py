@@ -110,6 +110,8 @@ for line in sys.stdin:
 
 
 class Ours:
+    node_flags: tuple[str, ...] = ()  # more `kvcake store node` flags (e.g. --no-prefault)
+
     def __init__(self, name: str, port: int, shm: bool, async_seal: bool = False,
                  location_cache: int | None = None, hosted: bool = False) -> None:
         self.name, self.port, self.shm, self.async_seal = name, port, shm, async_seal
@@ -144,7 +146,8 @@ class Ours:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvcake.store", "node", "--master", address, "--dram",
                  "2GiB", "--node-id", "bench", "--port", str(self.port + 1), "--rails", "4",
-                 "--stats-interval-s", "3600"], stdout=node_log, stderr=subprocess.STDOUT))
+                 "--stats-interval-s", "3600", *self.node_flags], stdout=node_log,
+                stderr=subprocess.STDOUT))
             _wait_port(self.port + 1)
             _wait_registered(address)  # after the segment server's start (and its prefault)
         self.address = address
@@ -415,8 +418,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="",
                         help="comma list of: redis, mooncake, transfer, seal, nocache, hosted")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--no-prefault", action="store_true",
+                        help="our separate node does not make its segment resident at start "
+                             "(kvcake store node --no-prefault), to measure what that costs puts")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if args.no_prefault:
+        Ours.node_flags = ("--no-prefault",)
     ours_tcp = Ours("ours-tcp", args.port, shm=False)
     ours_shm = Ours("ours-shm", args.port, shm=True)
     ours_seal = Ours("ours-tcp-seal", args.port, shm=False, async_seal=True)
