@@ -11,9 +11,10 @@ Measured, not fitted to a metric the check compares:
   over the steps with the prefill worker idle / computing (`CpuActivity`: its sampled CPU above
   half a core over the step; without samples `FifoActivity`: its prefills reconstructed from the
   requests, first come first served, each ending at its first token);
-- `contention.prefill`: the prefills of requests that reached an idle prefill worker (the busy
-  span that follows, or the request's TTFT), over the prefill fit of that prompt: the median
-  ratio.
+- `contention.prefill` / `contention.prefill_decode_busy`: the prefills of requests that
+  reached an idle prefill worker (the busy span that follows, or the request's TTFT), over the
+  prefill fit of that prompt, median ratio, of those the decode worker stepped through for less /
+  more than half of their time (one class only: `prefill` from it, no busy factor).
 """
 
 from __future__ import annotations
@@ -147,18 +148,31 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
         acc[2] += 1
     gaps = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:], strict=False)
             if 0 <= b["t0"] - a["t1"] < GAP_S]
-    spans = [span_s / max(1e-9, prefill_fit.predict(r["prompt_len"], 0))
-             for r, span_s in prefill.spans(saved["requests"])]
+    t0 = np.array([s["t0"] for s in steps])
+    t1 = np.array([s["t1"] for s in steps])
+    by_decode: dict[bool, list[float]] = {False: [], True: []}  # decode busy over the prefill?
+    for r, span_s in prefill.spans(saved["requests"]):
+        start = r["send_at_s"]  # (a CPU span starts within a sample or two of it)
+        cover = float(np.clip(np.minimum(t1, start + span_s) - np.maximum(t0, start), 0, None)
+                      .sum()) / max(span_s, 1e-9)
+        by_decode[cover >= BUSY].append(
+            span_s / max(1e-9, prefill_fit.predict(r["prompt_len"], 0)))
+    spans = by_decode[False] + by_decode[True]
+    idle, busy = by_decode[False], by_decode[True]
     return {"decode_step_overhead_s": float(np.mean(gaps)) if gaps else 0.0,
             "contention": {"decode": wall["idle"] / fit["idle"] if fit["idle"] else 1.0,
                            "decode_prefill_busy": (wall["busy"] / fit["busy"] if fit["busy"]
                                                    else None),
-                           "prefill": float(np.median(spans)) if spans else 1.0},
+                           # one class measured only: one factor, no coupling
+                           "prefill": float(np.median(idle or busy)) if spans else 1.0,
+                           "prefill_decode_busy": (float(np.median(busy)) if idle and busy
+                                                   else None)},
             "evidence": {"prefill_activity_from": prefill.source,
                          "steps_idle": count["idle"], "steps_busy": count["busy"],
                          "wall_over_fit_by_batch": {k: [round(w / f, 3), n] for k, (w, f, n)
                                                     in sorted(by_batch.items())},
                          "back_to_back_gaps": len(gaps), "prefill_spans": len(spans),
+                         "prefill_spans_decode_idle_busy": [len(idle), len(busy)],
                          "prefill_span_ratios_p25_p75": (np.percentile(spans, [25, 75]).tolist()
                                                          if spans else None)}}
 
@@ -203,19 +217,21 @@ def batch_series(saved: dict[str, Any], trace: Trace, config: SimConfig, cost: A
     rows = []
     for b in np.arange(0.0, end, bucket_s):
         live = [s for s in steps if b <= s["t0"] < b + bucket_s]
-        sim = [r for r in runs if b <= r[0] < b + bucket_s]
-        sim_steps = sum(r[2] for r in sim)
+        # each simulated run's steps counted in the buckets they fall in (evenly spread)
+        sim = [(n * overlap / (e - s0), bat, overlap) for s0, e, n, bat in runs
+               if e > s0 and (overlap := min(e, b + bucket_s) - max(s0, b)) > 0]
+        sim_steps = sum(x[0] for x in sim)
         busy_s = sum(max(0.0, min(e, b + bucket_s) - max(s, b)) for s, e in sim_busy)
         nxt = {id(a): c for a, c in zip(live, live[1:], strict=False)
                if c["t0"] - a["t1"] < GAP_S}  # back to back: the loop's time counts
         rows.append({
             "t_s": float(b),
             "live_batch": float(np.mean([len(s["rows"]) for s in live])) if live else 0.0,
-            "sim_batch": sum(r[2] * r[3] for r in sim) / sim_steps if sim_steps else 0.0,
+            "sim_batch": sum(k * bat for k, bat, _ in sim) / sim_steps if sim_steps else 0.0,
             "live_step_ms": (1000 * float(np.mean([(nxt[id(s)]["t0"] if id(s) in nxt
                                                      else s["t2"]) - s["t0"] for s in live]))
                              if live else 0.0),
-            "sim_step_ms": 1000 * sum(r[1] - r[0] for r in sim) / sim_steps if sim_steps else 0.0,
+            "sim_step_ms": 1000 * sum(x[2] for x in sim) / sim_steps if sim_steps else 0.0,
             "live_prefill_busy": float(np.mean([bool(prefill.busy(t, t + 0.1)) for t in
                                                 np.arange(b, b + bucket_s, 0.1)])),
             "sim_prefill_busy": busy_s / bucket_s})

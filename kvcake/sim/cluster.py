@@ -95,6 +95,10 @@ class Cluster:
         coupled = [d for d in self.decodes if d.costs.decode_step_busy_s is not None]
         for d in coupled:  # a live profile's host: decode steps follow its prefills
             d.host_prefill_busy = self._host_prefilling
+        ratio = getattr(self.cost, "prefill_busy_ratio", None)
+        if ratio is not None and not self.config.colocated:
+            for p in self.prefills:  # ... and a prefill the host's decoding when it starts
+                p.slowdown_at_start = lambda: ratio if self._host_decoding() else 1.0
         while len(queue):
             event = queue.pop()
             self.num_events += 1
@@ -108,6 +112,10 @@ class Cluster:
     def _host_prefilling(self) -> bool:
         """Whether a prefill computes on the (one, shared) host now."""
         return any(p.running is not None for p in self.prefills)
+
+    def _host_decoding(self) -> bool:
+        """Whether a decode instance of the (one, shared) host has a batch now."""
+        return any(d.running for d in self.decodes)
 
     def summary(self) -> dict[str, Any]:
         cfg = self.config

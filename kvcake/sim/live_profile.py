@@ -11,7 +11,8 @@ alone does not:
              "dtype_bytes": 4,
              "topology": {"num_prefill": 1, "num_decode": 1},   # optional, informational
              "contention": {"decode": 1.6, "prefill": 1.3,      # optional, default 1.0 each
-                            "decode_prefill_busy": 2.0},        # optional, default: "decode"
+                            "decode_prefill_busy": 2.0,         # optional, default: "decode"
+                            "prefill_decode_busy": 1.8},        # optional, default: "prefill"
              "decode_step_overhead_s": 0.0005}          # optional, default 0
 
 `LiveCost` answers what the simulator asks of a `CostModel` from those fits instead of FLOPs:
@@ -32,7 +33,9 @@ host the prefill and decode workers, the frontend and the client share the cores
 is slowest while a prefill runs beside it); `decode` then holds while no prefill runs. The
 simulator switches between the two at the decode run's next step boundary when a prefill
 starts or ends (disaggregated clusters: every prefill instance shares the host with every
-decode instance, as the live 1P+1D does).
+decode instance, as the live 1P+1D does). `prefill_decode_busy` is the other half: the prefill
+factor when the prefill starts while the host's decode worker has a batch (`prefill` then holds
+for a prefill that starts while it has none); decided when the prefill starts.
 
 `decode_step_overhead_s`: seconds the live decode worker spends per step outside the engine
 step the fit timed (sending the step's tokens, its loop: inbox, orders, load report), measured
@@ -71,13 +74,15 @@ class LiveCost:
     decode_contention: float = 1.0  # live step / isolated fit, decode steps
     prefill_contention: float = 1.0  # the same for prefills
     decode_busy_contention: float | None = None  # decode steps while the host prefills
+    prefill_busy_contention: float | None = None  # prefills started while the host decodes
     decode_step_overhead_s: float = 0.0  # the worker's time per step outside the engine step
 
     def __post_init__(self) -> None:
         for name, key in (("decode_contention", "decode"), ("prefill_contention", "prefill"),
-                          ("decode_busy_contention", "decode_prefill_busy")):
+                          ("decode_busy_contention", "decode_prefill_busy"),
+                          ("prefill_busy_contention", "prefill_decode_busy")):
             value = getattr(self, name)
-            if name == "decode_busy_contention" and value is None:
+            if name.endswith("busy_contention") and value is None:
                 continue
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ValueError(f"live.contention: {key} must be a positive "
@@ -91,6 +96,14 @@ class LiveCost:
     def host_coupled(self) -> bool:
         """Whether a decode step's cost depends on the host's prefill worker computing."""
         return self.decode_busy_contention is not None
+
+    @property
+    def prefill_busy_ratio(self) -> float | None:
+        """A prefill started while the host decodes takes this many times `prefill_time_s`
+        (None: no such coupling)."""
+        if self.prefill_busy_contention is None:
+            return None
+        return self.prefill_busy_contention / self.prefill_contention
 
     def prefill_time_s(self, input_len: int, prefix_len: int = 0) -> float:
         if not 0 <= prefix_len <= input_len:
@@ -166,14 +179,17 @@ def live_cost_from_dict(data: dict[str, Any], source: str = "live profile") -> L
         topology = tuple(sorted((str(k), int(v)) for k, v in live.get("topology", {}).items()))
         contention = live.get("contention", {})
         if not isinstance(contention, dict) or \
-                set(contention) - {"decode", "prefill", "decode_prefill_busy"}:
+                set(contention) - {"decode", "prefill", "decode_prefill_busy",
+                                   "prefill_decode_busy"}:
             raise ValueError("live.contention: expected {\"decode\": x, \"prefill\": y, "
-                             "\"decode_prefill_busy\": z} (positive factors, all optional), "
-                             f"got {contention!r}")
+                             "\"decode_prefill_busy\": z, \"prefill_decode_busy\": w} "
+                             f"(positive factors, all optional), got {contention!r}")
         decode_factor = float(contention.get("decode", 1.0))
         prefill_factor = float(contention.get("prefill", 1.0))
         busy = contention.get("decode_prefill_busy")
         busy_factor = None if busy is None else float(busy)
+        prefill_busy = contention.get("prefill_decode_busy")
+        prefill_busy_factor = None if prefill_busy is None else float(prefill_busy)
         overhead = float(live.get("decode_step_overhead_s", 0.0))
     except KeyError as exc:
         raise ValueError(f"{source}: missing {exc}; a live profile is `kvcake profile`'s JSON "
@@ -194,7 +210,8 @@ def live_cost_from_dict(data: dict[str, Any], source: str = "live profile") -> L
         dram_bytes=pool_bytes)
     return LiveCost(model, hardware, prefill, decode, pool_tokens, topology,
                     decode_contention=decode_factor, prefill_contention=prefill_factor,
-                    decode_busy_contention=busy_factor, decode_step_overhead_s=overhead)
+                    decode_busy_contention=busy_factor, decode_step_overhead_s=overhead,
+                    prefill_busy_contention=prefill_busy_factor)
 
 
 def load_live_profile(path: str | Path) -> LiveCost:

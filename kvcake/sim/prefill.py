@@ -13,7 +13,8 @@ events they return.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from kvcake.sim.cache import BlockLRU
 from kvcake.sim.events import Event, EventKind
@@ -39,6 +40,9 @@ class PrefillInstance:
         self.running: QueuedPrefill | None = None
         self.running_since_s = 0.0
         self.busy_s = 0.0
+        # a live profile's shared host: a prefill takes this many times its queued time when it
+        # starts (the host's decode worker busy or not then); None: as queued
+        self.slowdown_at_start: Callable[[], float] | None = None
 
     def enqueue(self, now_s: float, item: QueuedPrefill) -> Event | None:
         """Queue a prefill whose prefix is local; returns its PREFILL_DONE if it starts now."""
@@ -77,5 +81,8 @@ class PrefillInstance:
 
     def _run_head(self, now_s: float) -> Event:
         self.running = self.queue.popleft()
+        if self.slowdown_at_start is not None and not self.running.group:
+            self.running = replace(self.running,
+                                   prefill_s=self.running.prefill_s * self.slowdown_at_start())
         self.running_since_s = now_s
         return Event(now_s + self.running.prefill_s, EventKind.PREFILL_DONE, self.index)

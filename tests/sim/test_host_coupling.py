@@ -116,3 +116,28 @@ def test_the_cluster_slows_decode_steps_only_while_its_prefill_runs() -> None:
         0.064 + 13 * 0.011 + 5 * 0.022 + 22 * 0.011)
     assert finish_of_0({"decode": 2.0, "decode_prefill_busy": 2.0}) == pytest.approx(
         0.064 + 40 * 0.022)  # every step 2x
+
+
+def test_a_prefill_started_while_the_host_decodes_takes_the_busy_factor() -> None:
+    # request 0 decodes from 0.064 s to 0.504 s; a 100-token prompt (100 ms alone) arrives at
+    # `at` s: while request 0 decodes its prefill takes 2 x 100 ms, after that 100 ms
+    config = SimConfig(num_prefill=1, num_decode=1, policy="global_cache", block_size=32,
+                       admission="none")
+    cost = live_cost_from_dict(profile({"prefill_decode_busy": 2.0})).as_cost_model()
+    assert live_cost_from_dict(profile({"prefill": 1.6, "prefill_decode_busy": 2.0})) \
+        .prefill_busy_ratio == pytest.approx(2.0 / 1.6)
+    assert live_cost_from_dict(profile()).prefill_busy_ratio is None
+
+    def ttft_of_1(at: float) -> float:
+        requests = (TraceRequest(0, 0.0, 64, 41, (0, 1)),
+                    TraceRequest(1, 1000.0 * at, 100, 1, (2, 3, 4, 5)))
+        ttft = simulate(config, Trace(requests, "test", block_size=32), cost).states[1].ttft_s
+        assert ttft is not None
+        return ttft
+
+    assert ttft_of_1(0.2) == pytest.approx(0.200)
+    assert ttft_of_1(0.6) == pytest.approx(0.100)
+    # request 0's own prefill started with no batch on the host: 64 ms, as the fit says
+    plain = simulate(config, Trace((TraceRequest(0, 0.0, 64, 41, (0, 1)),), "t", block_size=32),
+                     cost).states[0]
+    assert plain.ttft_s == pytest.approx(0.064)

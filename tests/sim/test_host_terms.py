@@ -47,6 +47,9 @@ def test_host_terms_from_a_tiny_trace() -> None:
     assert terms["contention"]["decode_prefill_busy"] == pytest.approx(2.5)  # 25 ms
     assert terms["contention"]["prefill"] == pytest.approx(0.30 / 0.150)  # busy 0.3 s, fit 150 ms
     assert terms["evidence"]["prefill_spans"] == 1
+    # the decode worker stepped through that prefill: one class measured, no busy factor
+    assert terms["evidence"]["prefill_spans_decode_idle_busy"] == [0, 1]
+    assert terms["contention"]["prefill_decode_busy"] is None
 
 
 def test_a_request_sent_to_a_busy_prefill_worker_is_not_a_span() -> None:
