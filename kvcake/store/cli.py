@@ -54,6 +54,9 @@ def register(subparsers: Any) -> None:
                         help="the hosted node's segment server port (--with-node; 0: any)")
     master.add_argument("--node-rails", type=int, default=4,
                         help="the hosted node's transfer connections per peer (--with-node)")
+    master.add_argument("--no-prefault", dest="prefault", action="store_false",
+                        help="the hosted node does not make its segment resident at start "
+                             "(--with-node; see node --no-prefault)")
     _secret_flags(master)
     master.set_defaults(func=run_master)
 
@@ -71,8 +74,9 @@ def register(subparsers: Any) -> None:
     node.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     node.add_argument("--stats-interval-s", type=float, default=30.0)
     node.add_argument("--no-prefault", dest="prefault", action="store_false",
-                      help="do not make the segment's pages resident at start (they are then "
-                           "faulted in as objects first land on them)")
+                      help="do not make the segment's pages resident at start (default: they "
+                           "are, so no put pays first-touch page faults; off, the memory is taken "
+                           "as objects first land in it)")
     _secret_flags(node)
     node.set_defaults(func=run_node)
 
@@ -153,7 +157,8 @@ def _run_hosting_master(args: argparse.Namespace, config: MasterConfig) -> int:
     from kvcake.transfer import TransferConfig
 
     secret = _secret(args)
-    node = NodeConfig(dram_bytes=parse_size(args.with_node, "--with-node"))
+    node = NodeConfig(dram_bytes=parse_size(args.with_node, "--with-node"),
+                      prefault=args.prefault)
     transfer = TransferConfig(host=args.host, port=args.node_port, num_rails=args.node_rails,
                               secret=secret)
     store = HostedStore(HostedConfig(config, node, args.host, args.port, args.node_id),

@@ -66,8 +66,10 @@ class NodeConfig:
     """One store node: its DRAM segment and optional SSD tier, and where it serves its control
     port: `host` (bind address; also its transfer engine's unless a transfer config is given) and
     `advertise_host`, what the master dials (default: `host`). `prefault`: the segment's pages
-    are made resident at start (prefault.py), so no put pays their first-touch faults; off, the
-    memory is taken as objects first land in it."""
+    are made resident at start (prefault.py), so no put pays their first-touch faults. Off by
+    default here (a worker's or an embedded store's node shares its machine with an engine: its
+    memory is taken as objects land); on for a dedicated node (`kvcake store node`, `kvcake
+    store master --with-node`; `--no-prefault` turns it off)."""
 
     dram_bytes: int
     disk_dir: str | None = None
@@ -75,7 +77,7 @@ class NodeConfig:
     heartbeat_interval_s: float = 1.0
     host: str = "127.0.0.1"
     advertise_host: str | None = None
-    prefault: bool = True
+    prefault: bool = False
 
     def __post_init__(self) -> None:
         if not self.host:

@@ -121,3 +121,22 @@ def test_a_master_with_a_secret_admits_only_nodes_and_clients_that_hold_it(
     for proc in (node, master):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("argv, prefault", [
+    (["node", "--master", "127.0.0.1:1", "--dram", "1MiB"], True),
+    (["node", "--master", "127.0.0.1:1", "--dram", "1MiB", "--no-prefault"], False),
+    (["master", "--port", "1", "--with-node", "1MiB"], True),
+    (["master", "--port", "1", "--with-node", "1MiB", "--no-prefault"], False),
+])
+def test_a_dedicated_node_prefaults_its_segment_unless_told_not_to(
+        argv: list[str], prefault: bool) -> None:
+    import argparse
+
+    from kvcake.store.cli import register
+    from kvcake.store.config import NodeConfig
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["store", *argv]).prefault is prefault
+    assert NodeConfig(1 << 20).prefault is False  # a worker's or an embedded store's node
