@@ -131,6 +131,7 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
     fit = {"idle": 0.0, "busy": 0.0}
     count = {"idle": 0, "busy": 0}
     by_batch: dict[str, list[float]] = {}  # "idle 1-4": [wall, fit]: does the fit's shape hold?
+    ratios: dict[str, list[float]] = {"idle": [], "busy": []}
     for s in steps:
         busy = prefill.busy(s["t0"], s["t1"])
         if busy is None:
@@ -141,6 +142,7 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
         wall[key] += s["t1"] - s["t0"]
         fit[key] += step_fit
         count[key] += 1
+        ratios[key].append((s["t1"] - s["t0"]) / max(step_fit, 1e-9))
         label = f"{key} {next(b for b in BATCH_BANDS if batch <= b[1])}"
         acc = by_batch.setdefault(label, [0.0, 0.0, 0])
         acc[0] += s["t1"] - s["t0"]
@@ -159,7 +161,11 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
             span_s / max(1e-9, prefill_fit.predict(r["prompt_len"], 0)))
     spans = by_decode[False] + by_decode[True]
     idle, busy = by_decode[False], by_decode[True]
+    # each step's wall / fit over its class's factor: the dispersion around the mean model
+    spread = [r * fit[k] / wall[k] for k, rs in ratios.items() if wall[k] for r in rs]
     return {"decode_step_overhead_s": float(np.mean(gaps)) if gaps else 0.0,
+            "step_jitter_quantiles": (np.percentile(spread, np.arange(1, 100)).round(4).tolist()
+                                      if spread else None),
             "contention": {"decode": wall["idle"] / fit["idle"] if fit["idle"] else 1.0,
                            "decode_prefill_busy": (wall["busy"] / fit["busy"] if fit["busy"]
                                                    else None),
@@ -175,6 +181,27 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
                          "prefill_spans_decode_idle_busy": [len(idle), len(busy)],
                          "prefill_span_ratios_p25_p75": (np.percentile(spans, [25, 75]).tolist()
                                                          if spans else None)}}
+
+
+def jittered_tbts(states: list[Any], quantiles: list[float] | None,
+                  seed: int = 0) -> list[float | None]:
+    """Each simulated request's paper TBT (mean of its slowest 10% of gaps) with every gap
+    multiplied by a draw (seeded) from the live steps' measured dispersion around the mean
+    model (`step_jitter_quantiles`: wall / fit over the class factor, 1st..99th percentile);
+    the simulator's steps are the model's means, so their gaps have no such spread. None for a
+    request without gaps; without quantiles, the plain TBT."""
+    rng = np.random.default_rng(seed)
+    out: list[float | None] = []
+    for s in states:
+        if s.gaps.num_gaps == 0:
+            out.append(None)
+            continue
+        gaps = s.gaps.gaps()
+        if quantiles:
+            gaps = gaps * rng.choice(np.asarray(quantiles), size=len(gaps))
+        k = max(1, int(np.ceil(0.1 * len(gaps))))
+        out.append(float(np.sort(gaps)[-k:].mean()))
+    return out
 
 
 def with_terms(profile: dict[str, Any], terms: dict[str, Any]) -> dict[str, Any]:

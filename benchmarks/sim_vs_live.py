@@ -217,7 +217,11 @@ def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, floa
     return out
 
 
-def sim_metrics(trace: Trace, regime: Regime, config: SimConfig, cost: Any) -> dict[str, float]:
+def sim_metrics(trace: Trace, regime: Regime, config: SimConfig, cost: Any,
+                jitter: list[float] | None = None) -> dict[str, float]:
+    """The simulated run's metrics; with `jitter` (host_terms' measured step dispersion) its
+    TBTs and shares are taken with every gap multiplied by a draw from it (the admission is
+    off, so the run itself is the same at each SLO)."""
     out: dict[str, float] = {}
     for k, slo in enumerate(regime.tbt_slos_ms):
         result = simulate(dataclasses.replace(config, tbt_slo_ms=slo), trace, cost)
@@ -229,6 +233,16 @@ def sim_metrics(trace: Trace, regime: Regime, config: SimConfig, cost: Any) -> d
                    "tbt_p90_ms": 1000 * summary["tbt_s"]["p90"],
                    "tpot_mean_ms": 1000 * sim_tpot_mean_s(result.states)}
         out[f"effective_share_slo{k + 1}"] = summary["effective_request_capacity"]
+        if jitter:
+            tbts = host_terms.jittered_tbts(result.states, jitter)
+            got = [t for t in tbts if t is not None]
+            out["tbt_p50_ms"] = 1000 * float(np.percentile(got, 50))
+            out["tbt_p90_ms"] = 1000 * float(np.percentile(got, 90))
+            out[f"effective_share_slo{k + 1}"] = sum(
+                1 for s, t in zip(result.states, tbts, strict=True)
+                if s.ttft_s is not None and s.finish_s is not None
+                and s.ttft_s <= regime.ttft_slo_s and (t is None or t <= slo / 1000.0)
+            ) / max(1, len(result.states))
     return out
 
 
@@ -538,9 +552,10 @@ def main(argv: list[str] | None = None) -> int:
         saved_cost = live_cost_from_dict(profile).as_cost_model()
         series = host_terms.batch_series(saved, saved_trace, configs["disagg"], saved_cost)
         host_terms.print_series(series)
+        jitter = terms["step_jitter_quantiles"] if terms else None
         same_run = compare({"disagg": live_metrics(host_terms.results_of(saved), regime)},
                            {"disagg": sim_metrics(saved_trace, regime, configs["disagg"],
-                                                  saved_cost)})
+                                                  saved_cost, jitter)})
         print_table(f"the saved run ({saved['rate']:.3g}/s, {len(plan_)} requests)", same_run)
         if args.json:
             print(json.dumps({"batch_series": series, "host_terms": terms,
@@ -550,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         fit_plan = cap.workload(records, regime, cap_args.vocab_size, args.fit_rate, args.seed)
         fit_cost = live_cost_from_dict(profile).as_cost_model()
         fit_metrics = compare(fit_live, {
-            name: sim_metrics(sim_trace(records, fit_plan, block_len), regime, config, fit_cost)
+            name: sim_metrics(sim_trace(records, fit_plan, block_len), regime, config, fit_cost,
+                              terms["step_jitter_quantiles"] if name == "disagg" else None)
             for name, config in configs.items() if name in fit_live})
         print_table(f"second check rate {args.fit_rate:.3g}/s", fit_metrics)
     elif fit_live is not None and "disagg" in fit_live:
@@ -569,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "live_profile.json").write_text(json.dumps(profile, indent=1) + "\n")
     cost = live_cost_from_dict(profile).as_cost_model()
     trace = sim_trace(records, planned, block_len)
-    sim = {name: sim_metrics(trace, regime, config, cost)
+    sim = {name: sim_metrics(trace, regime, config, cost,
+                             terms["step_jitter_quantiles"] if terms and name == "disagg" else None)
            for name, config in configs.items() if name in live}
     metrics = compare(live, sim)
     print(f"rate {rate:.3g}/s, {len(planned)} requests, block {block_len} tokens, transfer "

@@ -68,3 +68,25 @@ def test_the_terms_go_into_the_live_profile() -> None:
     assert out["live"] == {"kv_pool_tokens": 1, "decode_step_overhead_s": 0.001235,
                            "contention": {"decode": 1.25, "prefill": 0.9}}
     assert profile["live"] == {"kv_pool_tokens": 1}  # the input is left as it was
+
+
+def test_the_step_dispersion_is_measured_around_each_class_factor() -> None:
+    terms = host_terms.measure(saved(), DECODE, PREFILL)
+    # every idle step is 1.5x the fit and every busy one 2.5x: no spread around the classes
+    assert terms["step_jitter_quantiles"] == pytest.approx([1.0] * 99)
+
+
+def test_jittered_tbts_multiply_each_gap_by_a_draw() -> None:
+    from kvcake.sim.metrics import GapLog
+
+    class State:
+        def __init__(self, gaps: GapLog) -> None:
+            self.gaps = gaps
+
+    ten = GapLog()
+    ten.add(10, 0.010)  # ten gaps of 10 ms: the slowest 10% is one gap
+    states = [State(ten), State(GapLog())]
+    assert host_terms.jittered_tbts(states, None) == [pytest.approx(0.010), None]
+    assert host_terms.jittered_tbts(states, [3.0]) == [pytest.approx(0.030), None]
+    draws = host_terms.jittered_tbts(states, [1.0, 2.0], seed=1)[0]
+    assert draws == pytest.approx(0.020)  # ten draws of 1 or 2: the largest is 2 (seeded)
