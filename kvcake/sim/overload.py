@@ -13,8 +13,12 @@ Early rejection *moves* the decode check to arrival: the arrival decision is fin
 decode instance is the one chosen then (the seed's Algorithm 1, lines 17-19, and its workflow's
 step 4: "the decoding instance is pre-selected by Conductor based on its current load"). A
 request that finds its decode node full when its prefill ends waits there for memory (a wait
-that lands in its slowest token gaps: served, but late), where the baseline rejects it. The
-report also runs both arrival policies with the decode check kept after prefill as well
+that lands in its slowest token gaps: served, but late), where the baseline rejects it. With
+`--decode-reselect-at-handoff` (`decode_reselect_at_handoff`) the choice at arrival stays the
+admission test, but a request whose node cannot start it when its prefill ends goes to the
+decode node with the most room if that one can (its KV streamed again), as the baseline's
+re-choice at prefill end does; the seed streams the KV to the pre-selected node and is silent on
+a node that is full at hand-off. The report also runs both arrival policies with the decode check kept after prefill as well
 (`CHECKED`: the form of this report before; the decode pool never overfills, so the lag of the
 arrival check cannot build up a swing). In every run each decode node reports the KV it holds
 to the Conductor (`decode_node_guard`); under the baseline and `CHECKED` the node also takes a
