@@ -28,6 +28,7 @@ from kvcake.engine.batcher import BatchPlan, ScheduledChunk
 from kvcake.engine.block_manager import BlockManager
 from kvcake.engine.build import (
     DTYPES,
+    attention_mode,
     kv_namespace,
     load_model,
     max_model_len_of,
@@ -91,7 +92,11 @@ class StageEngine:
         self.pool = KVPool(slice_config, num_blocks, self.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, self.block_size, False)
         tune_linears(self.model, self.config.linear_backend)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        # as Engine: prompt chunks through the prefill-attention op where it loads (was SDPA
+        # over gathered KV on every stage: its cost grows with the context)
+        self.attention = attention_mode(self.config.attention, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.device,
+                                  paged_attention=self.attention == "kernel")
         self.sampler = Sampler()
         self._seqs: dict[str, tuple[Seq, SamplingParams]] = {}
         self._logprobs: dict[str, TokenLogprob] = {}  # first tokens' (requests that asked)
