@@ -120,7 +120,7 @@ class WorkerCpu:
     def _run(self) -> None:
         pids = self.roles()
         while not self._stop.wait(self.period_s):
-            now, cpu = time.monotonic(), {}
+            now, cpu = time.monotonic(), dict[str, float]()
             for pid, role in pids.items():
                 try:
                     cpu[role] = cpu.get(role, 0.0) + self._cpu_s(pid)

@@ -160,7 +160,7 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
         by_decode[cover >= BUSY].append(
             span_s / max(1e-9, prefill_fit.predict(r["prompt_len"], 0)))
     spans = by_decode[False] + by_decode[True]
-    idle, busy = by_decode[False], by_decode[True]
+    idle_spans, busy_spans = by_decode[False], by_decode[True]
     # each step's wall / fit over its class's factor: the dispersion around the mean model
     spread = [r * fit[k] / wall[k] for k, rs in ratios.items() if wall[k] for r in rs]
     return {"decode_step_overhead_s": float(np.mean(gaps)) if gaps else 0.0,
@@ -170,15 +170,16 @@ def measure(saved: dict[str, Any], decode_fit: DecodeStepPredictor,
                            "decode_prefill_busy": (wall["busy"] / fit["busy"] if fit["busy"]
                                                    else None),
                            # one class measured only: one factor, no coupling
-                           "prefill": float(np.median(idle or busy)) if spans else 1.0,
-                           "prefill_decode_busy": (float(np.median(busy)) if idle and busy
-                                                   else None)},
+                           "prefill": (float(np.median(idle_spans or busy_spans)) if spans
+                                       else 1.0),
+                           "prefill_decode_busy": (float(np.median(busy_spans))
+                                                   if idle_spans and busy_spans else None)},
             "evidence": {"prefill_activity_from": prefill.source,
                          "steps_idle": count["idle"], "steps_busy": count["busy"],
                          "wall_over_fit_by_batch": {k: [round(w / f, 3), n] for k, (w, f, n)
                                                     in sorted(by_batch.items())},
                          "back_to_back_gaps": len(gaps), "prefill_spans": len(spans),
-                         "prefill_spans_decode_idle_busy": [len(idle), len(busy)],
+                         "prefill_spans_decode_idle_busy": [len(idle_spans), len(busy_spans)],
                          "prefill_span_ratios_p25_p75": (np.percentile(spans, [25, 75]).tolist()
                                                          if spans else None)}}
 
