@@ -369,8 +369,11 @@ def _package_version() -> str:
 _VERSION = _package_version()
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False)  # one encoder, not one per streamed chunk
+
+
 def _sse_data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_JSON.encode(payload)}\n\n"
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -214,8 +215,9 @@ class LocalBackend:
             except Exception as exc:  # a bug in the engine: fail these requests, keep serving
                 self._fail_all(live, RuntimeError(f"engine step failed: {exc!r}"))
                 continue
-            for output in outputs:
-                self._deliver(output, live)
+            # one wake-up of each request loop per step, not one per request (batch > 1)
+            _post_all([posted for output in outputs
+                       if (posted := self._deliver(output, live)) is not None])
             self._num_live = len(live)
             self._update_stats()
 
@@ -246,10 +248,12 @@ class LocalBackend:
         live[request.request_id] = command
         command.admitted.set_result(None)
 
-    def _deliver(self, output: RequestOutput, live: dict[str, _Add]) -> None:
+    def _deliver(self, output: RequestOutput,
+                 live: dict[str, _Add]) -> tuple[_Add, TokenEvent] | None:
+        """The event `output` makes for its request's stream (None: the request is gone)."""
         add = live.get(output.request_id)
         if add is None:  # aborted in the meantime
-            return
+            return None
         if not add.started:
             add.started = True
             self._leave_waiting()
@@ -257,9 +261,9 @@ class LocalBackend:
         if output.finished:  # forget it before its reader can see the end
             del live[output.request_id]
             self._num_live = len(live)
-        _post(add, TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason,
-                              logprobs_of(output.logprobs),
-                              prompt_logprobs_of(output.prompt_logprobs)))
+        return add, TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason,
+                               logprobs_of(output.logprobs),
+                               prompt_logprobs_of(output.prompt_logprobs))
 
     def _fail_all(self, live: dict[str, _Add], error: Exception) -> None:
         for request_id, add in list(live.items()):
@@ -286,6 +290,24 @@ def _post(add: _Add, item: TokenEvent | BaseException) -> None:
         add.loop.call_soon_threadsafe(add.sink.put_nowait, item)
     except RuntimeError:
         pass
+
+
+def _post_all(posts: Sequence[tuple[_Add, TokenEvent]]) -> None:
+    """Hand a step's events to their requests' loops: one `call_soon_threadsafe` (one wake-up of
+    that loop's thread) per loop, the events in step order; a closed loop is skipped."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], TokenEvent]]] = {}
+    for add, event in posts:
+        by_loop.setdefault(add.loop, []).append((add.sink, event))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:
+            pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], TokenEvent]]) -> None:
+    for sink, event in items:
+        sink.put_nowait(event)
 
 
 def _sampling_params(request: GenerateRequest) -> SamplingParams:
