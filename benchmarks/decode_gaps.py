@@ -76,7 +76,7 @@ def analyse(steps: list[dict[str, Any]], client_tbts: list[float]) -> dict[str, 
     }
 
 
-BUSY_SHARE = 0.5  # of a core: the prefill worker counts as computing over a step above this
+BUSY_SHARE = 0.25  # of a core: any /proc tick in a 20 ms sample (host_terms.BUSY)
 
 
 class WorkerCpu:
@@ -150,7 +150,7 @@ class WorkerCpu:
 def contention_by_prefill(steps: list[dict[str, Any]], cpu: WorkerCpu,
                           decode_fit: Any | None) -> dict[str, Any]:
     """The decode steps split by whether the host's prefill worker computed over them (its CPU
-    above BUSY_SHARE of a core): per class the steps, their wall / CPU and, with the isolated
+    at BUSY_SHARE of a core or more): per class the steps, their wall / CPU and, with the isolated
     1-thread step fit (`decode_refit.json`), their wall / fit: the measured decode contention
     while the prefill worker computes and while it does not (what `live.contention`'s
     `decode_prefill_busy` / `decode` say in kvcake/sim/live_profile.py)."""

@@ -31,7 +31,11 @@ from kvcake.sim.decode import DecodeInstance
 from kvcake.sim.run import simulate
 from kvcake.sim.trace import Trace
 
-BUSY = 0.5  # cores: the prefill worker computes
+# cores: the prefill worker computes. /proc counts CPU in 10 ms ticks, so a 20 ms sample
+# interval reads 0, ~0.5 or ~1 core; a worker sharing its core under load reads ~0.5 while it
+# computes, an idle one 0: any tick in the interval counts
+BUSY = 0.25
+HOLE = 2  # sample intervals without a tick that a busy span may hold (the worker descheduled)
 GAP_S = 0.05  # steps further apart than this were not back to back
 BATCH_BANDS = ((1, 4), (5, 8), (9, 16), (17, 10**9))  # for wall / fit by batch
 
@@ -83,8 +87,12 @@ class CpuActivity:
             if not len(after):
                 continue
             start = end = int(after[0])
-            while end + 1 < len(mid) and rate[end + 1] >= BUSY:
-                end += 1
+            while True:
+                ahead = [k for k in range(end + 1, min(end + 2 + HOLE, len(mid)))
+                         if rate[k] >= BUSY]
+                if not ahead:
+                    break
+                end = ahead[0]
             if any(sent < t <= times[end + 1] for t in self.sends):
                 continue  # another request arrived meanwhile: the span may hold two prefills
             out.append((r, float(times[end + 1] - times[start])))  # the intervals' edges
