@@ -1,9 +1,11 @@
 """Linear layers: every GEMM backend keeps the logits within 1e-4 of transformers; the
-start-up choice only ever picks an eligible backend, and keeps torch's default on a tie."""
+start-up choice only ever picks an eligible backend, and keeps the reference on a tie
+(torch's default for a few rows, oneDNN's prepacked GEMM for a prefill chunk)."""
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,18 @@ import torch.nn.functional as F
 
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
-from kvcake.engine.linear import BACKENDS, BUCKETS, Kernel, Linear, bucket_of, table_path, tune
+from kvcake.engine.linear import (
+    BACKENDS,
+    BUCKETS,
+    COLD_ROWS,
+    GEMM_MIN_ROUNDS,
+    MIN_ROUNDS,
+    Kernel,
+    Linear,
+    bucket_of,
+    table_path,
+    tune,
+)
 from kvcake.engine.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -75,13 +88,34 @@ def _layers() -> list[Linear]:
     return [Linear(64, 96), Linear(64, 96, bias=False), Linear(96, 64)]
 
 
-def test_auto_keeps_the_default_when_nothing_is_clearly_faster() -> None:
+def test_auto_keeps_the_reference_when_nothing_is_clearly_faster() -> None:
     ticks = itertools.count()
     layers = _layers()
     choices = tune(layers, "auto", clock=lambda: float(next(ticks)))  # every call takes 1 tick
     assert {c.shape for c in choices} == {(96, 64), (64, 96)}  # one measurement per shape
+    # torch's default where the weights' reads bound a call, oneDNN's prepacked GEMM where
+    # the arithmetic does (prefill chunks)
+    gemm = "onednn" if torch.backends.mkldnn.is_available() else "aten"
+    expected = ["aten" if rows <= COLD_ROWS else gemm for _, rows in BUCKETS]
+    assert expected[0] == "aten" and expected[-1] == gemm
     for layer in layers:
-        assert layer.kernel is not None and layer.kernel.choice == ["aten"] * len(BUCKETS)
+        assert layer.kernel is not None and layer.kernel.choice == expected
+
+
+def test_compute_bound_buckets_get_more_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: Counter[int] = Counter()
+    run = Kernel.run
+
+    def counted(self: Kernel, x: torch.Tensor, backend: str) -> torch.Tensor:
+        calls[x.shape[0]] += 1
+        return run(self, x, backend)
+
+    monkeypatch.setattr(Kernel, "run", counted)
+    clock = itertools.count()
+    tune([Linear(64, 96)], "auto", clock=lambda: next(clock) * 0.002)  # 2 ms between reads
+    # rows 4, 256 and 1024 have the same candidates; one warm-up call each, then the rounds
+    assert calls[4] % (MIN_ROUNDS + 1) == 0 and calls[256] == calls[1024]
+    assert calls[256] // (GEMM_MIN_ROUNDS + 1) == calls[4] // (MIN_ROUNDS + 1)
 
 
 def test_auto_choices_are_eligible_and_packed_forms_unused_are_dropped() -> None:
