@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvcake.sim.overload_runs import CHECKED, POLICIES
+from kvcake.sim.overload_runs import CHECKED, POLICIES, ROOM_BELOW_KV
 from kvcake.sim.plots import plot_lines
 from kvcake.sim.pool_loads import BUCKET_S, PoolDemand, PoolLoads
 
@@ -111,9 +111,10 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
         "| policy | lag: arrival to decode join (s) | lag / t_d | prefill busy | prefill "
         "queue (requests per node) | decode KV in use | decode batch per node "
         "| waiting for decode (requests per node) | moved at hand-off "
+        "| prefill-s per served request | turned away with room at join "
         "| corr(prefill queue, decode KV) | decode KV swing (CV) | prefill queue swing "
         "(CV) | later rejections saved per arrival rejection |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base_by = results["decode_after_prefill"]["rejected_by_reason"]
     for name, r in results.items():
         lag = r["lag_s"]
@@ -123,6 +124,7 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
             f"{'-' if lag is None else format(lag / t_d, '.2f')} | {r['prefill_busy']:.2f} | "
             f"{r['prefill_queue']:.2f} | {r['decode_kv']:.2f} | {r['decode_batch']:.1f} | "
             f"{r['decode_wait']:.1f} | {r['moved_at_handoff']:,} | "
+            f"{_opt(r['prefill_s_per_served'], '.4f')} | {_opt(r['turned_away_with_room'], '.3f')} | "
             f"{r['corr']:+.2f} | {r['decode_kv_cv']:.2f} | {r['prefill_queue_cv']:.2f} | "
             f"{'-' if saved is None else format(saved, '.2f')} |")
     return lines + [
@@ -133,7 +135,15 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
         "above 1 the policy rejects fewer in all than the baseline. Waiting for decode: "
         "prefilled, KV on its way or waiting at the decode node for memory. Moved at hand-off: "
         "requests sent to another decode node than the one chosen at arrival (their KV "
-        "streamed again).", ""]
+        "streamed again). Prefill-s per served request: the mean prefill compute of the "
+        "requests served (late ones too): a dearer served mix serves fewer on the same prefill. "
+        "Turned away with room at join: the share of the requests turned away at arrival for "
+        f"the decode load whose predicted join time met the decode pool below {ROOM_BELOW_KV:g} "
+        "of its KV in the run's own loads: the arrival check's errors.", ""]
+
+
+def _opt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def plot_loads(ctx: Context, loads: dict[str, PoolLoads]) -> None:

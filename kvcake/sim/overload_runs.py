@@ -7,7 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvcake.sim.pool_loads import PoolLoads, pool_loads, swing, window_mean
+from kvcake.sim.pool_loads import PoolLoads, pool_loads, swing, value_at, window_mean
+
+# A decode pool below this share of its KV has room for more requests (the arrival check's
+# turn-aways that met such a pool at their join time were forecast errors).
+ROOM_BELOW_KV = 0.9
 
 if TYPE_CHECKING:
     from kvcake.sim.records import RequestState
@@ -77,6 +81,25 @@ def run_policies(ctx: Context, mean_out: int, kv_capacity: int, window: float
     return results, loads, t_d
 
 
+def served_prefill_s(states: list[RequestState]) -> float | None:
+    """Mean prefill seconds of the requests served (late ones too): how dear the served mix is."""
+    served = [s.prefill_s for s in states if s.finish_s is not None and s.rejected is None]
+    return sum(served) / len(served) if served else None
+
+
+def turned_away_with_room(states: list[RequestState], pl: PoolLoads) -> float | None:
+    """Share of the requests turned away at arrival for the decode load whose predicted join
+    time (arrival + predicted TTFT) met the decode pool below ROOM_BELOW_KV of its KV, in the
+    run's own loads: the arrival check's errors (the pool had room when they would have
+    joined)."""
+    away = [s for s in states if s.rejected == "tbt_slo"]
+    if not away:
+        return None
+    roomy = sum(1 for s in away if value_at(
+        pl.times, pl.decode_kv, s.arrival.arrival_s + (s.predicted_ttft_s or 0.0)) < ROOM_BELOW_KV)
+    return roomy / len(away)
+
+
 def policy_result(res: SimResult, pl: PoolLoads, window: float) -> dict[str, Any]:
     """One policy's rejections, SLOs, lag and its pools' loads in the steady window."""
     s = res.summary
@@ -94,7 +117,9 @@ def policy_result(res: SimResult, pl: PoolLoads, window: float) -> dict[str, Any
             "mean_ttft_s": s["ttft_s"]["mean"],
             # Sent to another decode node at hand-off than the one chosen at arrival (the
             # baseline's re-choice, or `decode_reselect_at_handoff`): its KV streamed again.
-            "moved_at_handoff": sum(1 for st in res.states if st.kv_epoch > 0), "corr": corr, "decode_kv_cv": kv_cv,
+            "moved_at_handoff": sum(1 for st in res.states if st.kv_epoch > 0),
+            "prefill_s_per_served": served_prefill_s(res.states),
+            "turned_away_with_room": turned_away_with_room(res.states, pl), "corr": corr, "decode_kv_cv": kv_cv,
             "prefill_queue_cv": queue_cv, "lag_s": mean_lag_s(res.states),
             "prefill_busy": window_mean(pl.times, pl.prefill_busy, *steady),
             "prefill_queue": window_mean(pl.times, pl.prefill_queue, *steady),

@@ -114,6 +114,13 @@ def window_mean(times: list[float], values: list[float], begin_s: float, end_s: 
     return sum(inside) / len(inside) if inside else 0.0
 
 
+def value_at(times: list[float], values: list[float], at_s: float) -> float:
+    """The load of the bucket holding `at_s` (the first or last bucket outside the range)."""
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, max(0, int(at_s // BUCKET_S)))]
+
+
 def _spread(buckets: list[float], begin_s: float, end_s: float, weight: float = 1.0) -> None:
     """Add `weight` x the seconds of [begin_s, end_s) to the buckets they fall in."""
     i = int(begin_s // BUCKET_S)

@@ -139,3 +139,26 @@ def test_early_rejection_moves_the_decode_check_to_arrival_and_the_baseline_keep
     checked = run("early+check_after_prefill")
     assert checked["rejected_by_reason"]["tbt_slo_after_prefill"] > 0  # type: ignore[index]
     assert checked["wasted_prefill_s"] > 0  # type: ignore[operator]
+
+
+def test_served_mix_price_and_turn_aways_that_would_have_found_room() -> None:
+    from kvcake.sim.overload_runs import served_prefill_s, turned_away_with_room
+    from kvcake.sim.pool_loads import PoolLoads
+    from kvcake.sim.records import RequestState
+    from kvcake.sim.run import arrivals_of
+
+    trace = Trace(tuple(TraceRequest(i, 1000.0 * i, 1024, 10, (i,)) for i in range(4)), "four")
+    states = [RequestState(i, f"r{i}", a) for i, a in enumerate(arrivals_of(trace))]
+    states[0].prefill_s, states[0].finish_s = 0.2, 5.0  # served
+    states[1].prefill_s, states[1].finish_s = 0.4, 6.0  # served
+    states[2].prefill_s, states[2].rejected = 0.3, "tbt_slo_after_prefill"  # wasted, not served
+    states[3].rejected, states[3].predicted_ttft_s = "tbt_slo", 15.0  # turned away at 3 s
+    assert served_prefill_s(states) == pytest.approx(0.3)
+    # Buckets of 10 s: request 3 would have joined at 3 + 15 = 18 s, in the second bucket.
+    loads = PoolLoads([0.0, 10.0, 20.0], [0.0] * 3, [0.0] * 3, [1.0, 0.5, 1.0], [0.0] * 3,
+                      [0.0] * 3)
+    assert turned_away_with_room(states, loads) == 1.0
+    full = PoolLoads([0.0, 10.0, 20.0], [0.0] * 3, [0.0] * 3, [0.5, 0.95, 0.5], [0.0] * 3,
+                     [0.0] * 3)
+    assert turned_away_with_room(states, full) == 0.0
+    assert turned_away_with_room(states[:3], loads) is None and served_prefill_s([]) is None
