@@ -3,11 +3,15 @@ r"""Profile of one engine's prefill and decode steps (torch.profiler), offline, 
     .venv/bin/python benchmarks/step_profile.py                 # the vLLM-comparison model shape
     .venv/bin/python benchmarks/step_profile.py --prompt-len 2048 --decode-steps 32 --seqs 1 \
         --threads 2 [--model DIR_OR_PRESET] [--json OUT]
+    .venv/bin/python benchmarks/step_profile.py --prefix-len 2048 --prompt-len 300 --rounds 5
+        # the agent trace's shape: a cached 2,048-token prefix + 300 new tokens a prefill
 
 The default model is the shape `benchmarks/serving_vs_vllm.py` serves (Llama, hidden 512, 4
 layers, 8 heads / 2 KV heads, intermediate 1408, vocab 32000; seeded random weights, fp32),
 written to a temporary Hugging Face directory. It runs: a warm-up request, then `--seqs` fresh
-prompts of `--prompt-len` tokens prefilled (one step each), then `--decode-steps` decode
+prompts of `--prompt-len` tokens prefilled (one step each; after a shared `--prefix-len`-token
+prefix that the warm-up put in the prefix cache, so only the new tokens are computed), then
+`--decode-steps` decode
 steps of all of them together; `--rounds` such rounds unprofiled (the wall times: median and best
 over rounds), then one profiled. Printed per phase: wall ms per step without the
 profiler, the top ops by self CPU time, and the share of the profiled step spent outside torch
@@ -80,11 +84,13 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
                                         max_num_batched_tokens=max(2048, args.prompt_len)))
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.decode_steps + 1, ignore_eos=True)
-    engine.add_request("warm", _prompt(args.prompt_len, 999, vocab),
+    prefix = _prompt(args.prefix_len, 998, vocab)
+    engine.add_request("warm", prefix + _prompt(args.prompt_len, 999, vocab),
                        SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     result: dict[str, Any] = {"threads": args.threads, "prompt_len": args.prompt_len,
+                              "prefix_len": args.prefix_len,
                               "seqs": args.seqs, "load_avg": os.getloadavg()[0],
                               # getattr: the script also profiles older checkouts (PYTHONPATH)
                               "attention": getattr(engine, "attention", "gather"),
@@ -93,8 +99,8 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     walls: dict[str, list[float]] = {"prefill": [], "decode": []}
     for rnd, profiled in enumerate([False] * args.rounds + [True]):
         for i in range(args.seqs):
-            engine.add_request(f"r{rnd}-{i}", _prompt(args.prompt_len, 10 * rnd + i, vocab),
-                               params)
+            engine.add_request(f"r{rnd}-{i}",
+                               prefix + _prompt(args.prompt_len, 10 * rnd + i, vocab), params)
         with profile(activities=[ProfilerActivity.CPU]) if profiled else _Null() as prof:
             prefill_s = []
             for _ in range(args.seqs):
@@ -156,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="preset or HF directory (default: the peer shape, "
                                    "seeded random weights)")
-    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--prompt-len", type=int, default=2048,
+                   help="new (uncached) tokens of each profiled prompt")
+    p.add_argument("--prefix-len", type=int, default=0,
+                   help="a shared prefix before them, cached by the warm-up (0: cold prompts; "
+                        "with a prefix, --seqs 1 keeps one prefill a step)")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--seqs", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
@@ -168,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("prompt_len", "decode_steps", "seqs", "threads", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prefix_len < 0 or args.prefix_len % 16:
+        p.error("--prefix-len must be >= 0 and a multiple of 16 (whole KV blocks are cached)")
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
@@ -176,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args, model)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load avg "
           f"{result['load_avg']:.2f}, {args.threads} threads, {args.seqs} x {args.prompt_len}-token "
-          f"prompt(s), {args.decode_steps} decode steps")
+          f"prompt(s) after a cached {args.prefix_len}-token prefix, {args.decode_steps} decode "
+          f"steps")
     print(f"attention: {result['attention']}; linear backend per shape (out x in) for rows "
           f"{BUCKET_NAMES}: {json.dumps(result['linear'])}")
     for phase in ("prefill", "decode"):
