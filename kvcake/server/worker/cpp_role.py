@@ -358,6 +358,8 @@ class CppRole:
         # at its end was read from there), then its blocks are free.
         try:
             self.store_writer.write_prompt(rid, order.prompt_token_ids, -(-reused // bs))
+        except Exception:  # a store copy that fails must not stop the stage: nothing stored
+            log.exception("%s: storing %s's blocks failed", self.worker.worker_id, rid)
         finally:
             self.stage.release(rid)
         self._admit_waiting()
