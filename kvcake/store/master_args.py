@@ -30,17 +30,22 @@ def key_checksum(item: Any) -> tuple[str, int | None]:
     return key_arg(item), None
 
 
+def _is_int(value: Any) -> bool:
+    """An integer and not a bool (on every commit: spelled out, no generator)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def commit_item(item: Any) -> tuple[str, int, int, int]:
     if not (isinstance(item, list | tuple) and len(item) == 4 and isinstance(item[0], str)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])):
+            and _is_int(item[1]) and _is_int(item[2]) and _is_int(item[3])):
         raise InvalidRequest("commits: each must be [key, slot, size_bytes, checksum]")
     return item[0], item[1], item[2], item[3]
 
 
 def reserve_spec(spec: Any) -> tuple[int, int, int | None, str | None]:
     ok = isinstance(spec, list | tuple) and len(spec) == 4 \
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in spec[:2]) \
-        and (spec[2] is None or isinstance(spec[2], int) and not isinstance(spec[2], bool)) \
+        and _is_int(spec[0]) and _is_int(spec[1]) \
+        and (spec[2] is None or _is_int(spec[2])) \
         and (spec[3] is None or isinstance(spec[3], str))
     if not ok:
         raise InvalidRequest("reserve: must be [size_bytes, count, num_replicas or null, "

@@ -81,6 +81,8 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
 }
 
 
+_FIELDS = {op: frozenset(spec) for op, spec in SCHEMA.items()}  # each op's argument names
+
 # Ops the server never answers: the client sends them and goes on (see RpcConnection.send).
 ONE_WAY_OPS = frozenset({"release_leases", "release_slots", "touch", "put_seal", "hold",
                          "forget"})
@@ -100,8 +102,9 @@ def validate(message: object) -> tuple[int, str, dict[str, Any]]:
     if not isinstance(args, dict):
         raise InvalidRequest(f"args: must be a map for op {op!r}")
     spec = SCHEMA[op]
-    unknown = sorted(set(args) - set(spec), key=str)
-    if unknown:
+    extra = args.keys() - _FIELDS[op]
+    if extra:
+        unknown = sorted(extra, key=str)
         raise InvalidRequest(f"args: unknown fields {unknown} for op {op!r}")
     for name, (kind, required) in spec.items():
         if name not in args or args[name] is None:
@@ -152,11 +155,21 @@ def read_frame(sock: socket.socket) -> object | None:
     return _decode(body)
 
 
-def _decode(body: bytes | bytearray) -> object:
+def _decode(body: bytes | bytearray | memoryview) -> object:
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as exc:
         raise InvalidRequest(f"frame: not valid msgpack ({exc})") from None
+
+
+def _whole_frame(chunk: bytes) -> memoryview | None:
+    """The body of `chunk` if it is exactly one frame (length prefix and body), else None."""
+    if len(chunk) < _LEN.size:
+        return None
+    (length,) = _LEN.unpack_from(chunk)
+    if len(chunk) != _LEN.size + length:
+        return None
+    return memoryview(chunk)[_LEN.size:]
 
 
 class FrameReader:
@@ -171,6 +184,14 @@ class FrameReader:
     def read(self) -> object | None:
         """The decoded body of the next frame; None at the end of stream; InvalidRequest for
         an oversized or undecodable frame (the stream is then out of sync)."""
+        if not self._buf:  # the usual case: nothing left over from the last recv
+            chunk = self._sock.recv(1 << 16)
+            if not chunk:
+                return None
+            whole = _whole_frame(chunk)
+            if whole is not None:  # decoded from the chunk itself: no copy into the buffer
+                return _decode(whole)
+            self._buf += chunk
         needed = _LEN.size
         while True:
             if len(self._buf) >= _LEN.size:

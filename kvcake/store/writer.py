@@ -40,7 +40,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvcake.clock import Clock, SystemClock
 from kvcake.store.errors import (
@@ -81,10 +81,10 @@ class WriterOptions:
     async_seal: bool = False
 
 
-@dataclass(frozen=True)
-class SlotPut:
+class SlotPut(NamedTuple):
     """One single put through a slot: the object, the slot it goes into, and what the commit
-    request reserves next."""
+    request reserves next. (A named tuple: built once per put, at half a frozen dataclass's
+    cost.)"""
 
     key: str
     view: memoryview
@@ -120,6 +120,7 @@ class ObjectWriter:
         self._on_written = on_written
         self._use_slots = options.slots and not getattr(master, "follows_leader", False) \
             and hasattr(master, "put_slots")
+        self._remote = isinstance(master, RemoteMaster)  # asked on every put: decided once
         # (size, num_replicas, local_node) -> [(slot descriptor, this clock when received)]
         self._slots: dict[Shape, list[tuple[dict[str, Any], float]]] = {}
         self._slot_lock = threading.Lock()
@@ -130,8 +131,8 @@ class ObjectWriter:
         """One object; through a slot when it is small enough (see the module docstring)."""
         view = buffer_view(value, field=f"value of {key!r}")
         size = len(view)
-        if isinstance(self.master, RemoteMaster) and isinstance(key, str) and key \
-                and size <= self.master.inline_max_bytes() > 0:
+        if self._remote and isinstance(key, str) and key \
+                and size <= self.master.inline_max_bytes() > 0:  # type: ignore[attr-defined]
             return self._put_inline(key, view, num_replicas, local_node)
         if not self._use_slots or size > SLOT_MAX_BYTES or not isinstance(key, str) or not key:
             return self.put_batch([key], [view], num_replicas, local_node)[0]
@@ -147,7 +148,7 @@ class ObjectWriter:
         else:
             checksum = payload_checksum(view)
         put = SlotPut(key, view, checksum, slot, num_replicas, local_node)
-        requests, digests = self._put_requests([(key, view, checksum, slot["replicas"])])
+        requests, digests = self._object_requests(view, checksum, slot["replicas"])
         if not self._async_seal:
             return self._put_acknowledged(put, requests, digests)
 
@@ -341,13 +342,21 @@ class ObjectWriter:
     def _put_requests(self, allocated: list[Allocated]
                       ) -> tuple[list[TransferRequest], list[int | None]]:
         """The writes of a put, and the xxh3 digest of each one's bytes where it is known."""
-        if self._direct and len(allocated) == 1 and len(allocated[0][3]) == 1 \
-                and len(allocated[0][1]) > JOIN_BYTES:
+        if len(allocated) == 1:
+            _, view, checksum, descs = allocated[0]
+            return self._object_requests(view, checksum, descs)
+        return [r for _, view, checksum, descs in allocated
+                for r in write_requests(view, checksum, descs)], []
+
+    def _object_requests(self, view: memoryview, checksum: int, descs: list[dict[str, Any]]
+                         ) -> tuple[list[TransferRequest], list[int | None]]:
+        """`_put_requests` of one object."""
+        if self._direct and len(descs) == 1 and len(view) > JOIN_BYTES:
             # The direct path pipelines header and payload on one connection (one round trip,
             # no copy), and the payload's transport digest is its store checksum. Up to
             # JOIN_BYTES one joined request is cheaper (one send and one reply instead of two:
             # 64 KiB puts took ~45 us less; the copy and its digest cost a few us).
-            _, view, checksum, (desc,) = allocated[0]
+            (desc,) = descs
             segment = segment_of(desc["segment"])
             header = pack_header(checksum, desc["version"], len(view))
             requests = [TransferRequest(TransferOp.WRITE, header, segment, desc["offset"],
@@ -356,5 +365,4 @@ class ObjectWriter:
                 requests.append(TransferRequest(TransferOp.WRITE, view, segment,
                                                 desc["offset"] + HEADER_BYTES, checksum_tcp=CHECKED))
             return requests, [None, checksum]
-        return [r for _, view, checksum, descs in allocated
-                for r in write_requests(view, checksum, descs)], []
+        return write_requests(view, checksum, descs), []

@@ -117,3 +117,52 @@ def test_a_put_without_a_checksum_needs_one_at_commit(master: MasterServer) -> N
     remote.put_commit("a", 1234)
     assert remote.get("a")["checksum"] == 1234
     remote.close()
+
+
+class _ScriptedSocket:
+    """Each recv returns the next scripted chunk (cut to the size asked), as TCP may split or
+    join frames; recv_into likewise."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self._chunks = list(chunks)
+
+    def recv(self, size: int) -> bytes:
+        if not self._chunks:
+            return b""
+        chunk = self._chunks.pop(0)
+        if len(chunk) > size:
+            self._chunks.insert(0, chunk[size:])
+        return chunk[:size]
+
+    def recv_into(self, dest: memoryview) -> int:
+        chunk = self.recv(len(dest))
+        dest[:len(chunk)] = chunk
+        return len(chunk)
+
+
+def test_frame_reader_whole_split_and_joined_frames() -> None:
+    frames = [encode({"id": i, "ok": True, "result": "x" * i}) for i in range(1, 6)]
+    one, two, three, four, five = frames
+    chunks = [one,  # exactly one frame (decoded without buffering)
+              two + three[:3],  # a frame and the start of the next one's length prefix
+              three[3:],
+              four[:2], four[2:] + five,  # a split prefix, then two frames' worth at once
+              encode({"id": 6, "ok": True, "result": None}) + b"payload",  # a frame, then bytes
+              encode({"id": 7, "ok": True, "result": None})]
+    reader = FrameReader(_ScriptedSocket(chunks))  # type: ignore[arg-type]
+    got = [reader.read() for _ in range(6)]
+    assert [m["id"] for m in got if isinstance(m, dict)] == [1, 2, 3, 4, 5, 6]
+    assert [m["result"] for m in got[:5] if isinstance(m, dict)] == ["x" * i for i in range(1, 6)]
+    dest = bytearray(7)
+    reader.read_exact_into(memoryview(dest))
+    assert dest == b"payload"
+    last = reader.read()
+    assert isinstance(last, dict) and last["id"] == 7
+    assert reader.read() is None
+
+
+def test_frame_reader_refuses_a_whole_frame_that_is_not_msgpack() -> None:
+    bad = struct.pack(">I", 1) + b"\xc1"  # 0xc1: never used by msgpack
+    reader = FrameReader(_ScriptedSocket([bad]))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="not valid msgpack"):
+        reader.read()
