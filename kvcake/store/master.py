@@ -364,6 +364,8 @@ class MasterService:
 
     def _revoke(self, revoked: list[tuple[str, int, int]]) -> None:
         """Have each node revoke its dropped replicas (one call per node)."""
+        if not revoked:  # most requests (every commit) drop nothing
+            return
         by_node: dict[str, list[list[int]]] = {}
         for node_id, offset, version in revoked:
             by_node.setdefault(node_id, []).append([offset, version])

@@ -18,6 +18,9 @@ from kvcake.store.rpc_server import RpcServer
 
 log = logging.getLogger(__name__)
 
+_NODE_OPS = frozenset({"demote", "promote", "drop_disk", "revoke", "hold", "forget"})
+_UNGATED_OPS = frozenset({"heartbeat", "unregister_node"})  # served while a leader rebuilds
+
 
 @dataclass(frozen=True)
 class ReadyGate:
@@ -89,9 +92,9 @@ class MasterServer:
             return None
         if op == "unregister_node":
             session.pop("node_id", None)
-        if op in ("demote", "promote", "drop_disk", "revoke", "hold", "forget"):
+        if op in _NODE_OPS:
             raise InvalidRequest(f"op: {op!r} is a node operation, not a master one")
-        if self._ready is not None and op not in ("heartbeat", "unregister_node"):
+        if self._ready is not None and op not in _UNGATED_OPS:
             self._ready.event.wait(self._ready.wait_s)
         return getattr(self.service, op)(**args)
 
