@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvcake.engine import linear
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
 from kvcake.engine.linear import (
@@ -164,3 +165,12 @@ def test_bad_backend_names_say_what_to_choose() -> None:
         EngineConfig(linear_backend="mkl")
     with pytest.raises(ValueError, match="choose from"):
         tune(_layers(), "fast")
+
+
+def test_a_new_tuning_version_measures_again(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tables measured the old way (e.g. on a busy machine, with fewer rounds) are not reused.
+    before = table_path(tmp_path, 2)
+    monkeypatch.setattr(linear, "TUNING_VERSION", linear.TUNING_VERSION + 1)
+    assert table_path(tmp_path, 2) != before
+    assert table_path(tmp_path, 2).parent == before.parent
