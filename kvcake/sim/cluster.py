@@ -8,6 +8,8 @@ The path of one request (disaggregated policies):
     prefill      FIFO on p; at its start the KV stream to d starts (layer-wise, overlapped);
                  PREFILL_DONE is the first token; p caches the prompt's blocks (and the store
                  tier, if any, takes them too)
+    hand-off     at PREFILL_DONE d is settled (handoff.py): a decode check after prefill may
+                 reject the request or move it to another decode node (its KV streamed again)
     decode       when the prefill is done and the KV stream has landed, the request joins d's
                  continuous batch at the next step boundary; it finishes after output_len - 1
                  more tokens
@@ -16,9 +18,10 @@ Colocated (vLLM-like): the Conductor (policy colocated) picks one instance, whic
 its HBM prefix cache) and then decodes the request itself; nothing crosses the network.
 
 Nodes: prefill instance i is node i, decode instance j is node num_prefill + j (built from the
-config in topology.py; the network's flows in transfers.py, the decode node guard in guard.py,
-the colocated HBM cache in colocated.py). The Conductor is used unchanged: the simulator only
-reports to it what happened (starts, finishes, cache changes), as the live frontend will.
+config in topology.py; the network's flows in transfers.py, the hand-off to decode (KV streams,
+the decode node settled when the prefill ends) in handoff.py, a live profile's shared host in
+host.py, the colocated HBM cache in colocated.py). The Conductor is used unchanged: the simulator
+only reports to it what happened (starts, finishes, cache changes), as the live frontend will.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from kvcake.conductor import CostModel, DecodeEstimate, Placement, Rejection, ScheduleRequest
+from kvcake.conductor import CostModel, Placement, ScheduleRequest
 from kvcake.sim.cache import BlockLRU
 from kvcake.sim.colocated import cache_in_free_hbm, place_colocated
 from kvcake.sim.config import SimConfig
 from kvcake.sim.decode import Seq
 from kvcake.sim.events import Event, EventKind, EventQueue
 from kvcake.sim.guard import DecodeNodeGuard
+from kvcake.sim.handoff import DecodeHandoff
+from kvcake.sim.host import SharedHost
 from kvcake.sim.network import Network
 from kvcake.sim.prefill import QueuedPrefill
 from kvcake.sim.records import Arrival, RequestState, summarize
@@ -78,6 +83,8 @@ class Cluster:
         self.num_events = 0
         self.local_fetch_tokens = 0
         self.guard = DecodeNodeGuard(len(self.decodes), self.kv_capacity_tokens)
+        self.handoff = DecodeHandoff(config, self.conductor, self.transfers, self.guard,
+                                     self.decode_ids, self.kv_per_token)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -92,30 +99,16 @@ class Cluster:
             EventKind.DECODE_STEP_DONE: self._on_step_done,
         }
         queue = self.queue
-        coupled = [d for d in self.decodes if d.costs.decode_step_busy_s is not None]
-        for d in coupled:  # a live profile's host: decode steps follow its prefills
-            d.host_prefill_busy = self._host_prefilling
-        ratio = getattr(self.cost, "prefill_busy_ratio", None)
-        if ratio is not None and not self.config.colocated:
-            for p in self.prefills:  # ... and a prefill the host's decoding when it starts
-                p.slowdown_at_start = lambda: ratio if self._host_decoding() else 1.0
+        host = SharedHost(self.prefills, self.decodes, self.cost, self.config.colocated)
         while len(queue):
             event = queue.pop()
             self.num_events += 1
             for follow in handlers[event.kind](event):
                 queue.push(follow)
-            for d in coupled:
+            for d in host.coupled:  # a live profile's host: decode runs follow its prefills
                 if (cut := d.follow_host(event.time_s)) is not None:
                     queue.push(cut)
         return self.summary()
-
-    def _host_prefilling(self) -> bool:
-        """Whether a prefill computes on the (one, shared) host now."""
-        return any(p.running is not None for p in self.prefills)
-
-    def _host_decoding(self) -> bool:
-        """Whether a decode instance of the (one, shared) host has a batch now."""
-        return any(d.running for d in self.decodes)
 
     def summary(self) -> dict[str, Any]:
         cfg = self.config
@@ -236,31 +229,12 @@ class Cluster:
         events = [self.prefills[m].start_gang(now_s) for m in item.group]
         return events + self._report_start(item.group[0], item, now_s)
 
-    def _restream_kv(self, state: RequestState, p: int, now_s: float) -> None:
-        """The KV streamed toward the first decode choice is sent to the new one instead (its
-        flows already in flight still finish; they no longer count)."""
-        d = self._decode_index[state.decode_instance or ""]
-        state.kv_arrived = False
-        state.kv_epoch += 1
-        senders = state.prefill_group or (p,)
-        state.pending_kv = len(senders)
-        kv = Transfer(TransferKind.KV, state.index, state.kv_epoch)
-        for sender in senders:
-            self.transfers.start(now_s, kv, sender, self.config.num_prefill + d,
-                                 state.arrival.input_len * self.kv_per_token / len(senders))
-
     def _report_start(self, p: int, started: QueuedPrefill, now_s: float) -> list[Event]:
         state = self.states[started.req]
         state.prefill_start_s = now_s
         self.conductor.on_prefill_started(self.prefill_ids[p], state.request_id, now_s)
-        d = self._decode_index[state.decode_instance or ""]
-        senders = started.group or (p,)  # each CPP member streams its own layers' KV
-        state.pending_kv = len(senders)
-        kv = Transfer(TransferKind.KV, state.index)
-        for sender in senders:
-            self.transfers.start(now_s, kv, sender, self.config.num_prefill + d,
-                                 state.arrival.input_len * self.kv_per_token / len(senders))
-        return self.transfers.next_event()
+        # the KV streams to the decode node from the start (each CPP member sends its layers')
+        return self.handoff.stream(state, started.group or (p,), now_s)
 
     # ---- completions -------------------------------------------------------------------------
 
@@ -279,56 +253,13 @@ class Cluster:
             keys = state.arrival.block_keys
             self._report_stored(STORE, keys, self.store.insert(keys))
         events = self._prefill_started(p, now_s, nxt)
-        admitted = self.conductor.admit_decode(state.request_id, now_s)
-        if isinstance(admitted, Rejection):  # checked after prefill: the prefill was spent for nothing
-            state.rejected = "tbt_slo_after_prefill"
+        events += self.handoff.at_prefill_end(state, p, now_s, self.decodes)
+        if state.rejected is not None:  # rejected after prefill: the prefill was spent for nothing
             return events
-        if admitted is not None and self.config.decode_node_guard:
-            admitted = self._guard_decode(state, admitted, now_s)
-            if admitted is None:
-                state.rejected = "tbt_slo_after_prefill"
-                return events
-        if admitted is None and self.config.decode_reselect_at_handoff:
-            events.extend(self._reselect_decode(state, p, now_s))
-        if admitted is not None and admitted.instance_id != state.decode_instance:
-            # Chosen again at the end of the prefill: the KV goes to the new decode node.
-            state.decode_instance = admitted.instance_id
-            self._restream_kv(state, p, now_s)
-            events.extend(self.transfers.next_event())
         state.first_token_s = now_s
         if state.kv_arrived:
             events.extend(self._to_decode(state, now_s))
         return events
-
-    def _reselect_decode(self, state: RequestState, p: int, now_s: float) -> list[Event]:
-        """`decode_reselect_at_handoff`: the arrival decision stands, the node may change (the
-        guard's `hand_off`); a moved request's booking and KV stream follow it."""
-        a = state.arrival
-        chosen = self._decode_index[state.decode_instance or ""]
-        d = self.guard.hand_off(state.index, a.input_len + a.output_len, chosen, self.decodes)
-        if d == chosen:
-            return []
-        self.conductor.move_decode(state.request_id, self.decode_ids[d], now_s)
-        state.decode_instance = self.decode_ids[d]
-        self._restream_kv(state, p, now_s)
-        return self.transfers.next_event()
-
-    def _guard_decode(self, state: RequestState, admitted: DecodeEstimate,
-                      now_s: float) -> DecodeEstimate | None:
-        """`decode_node_guard` (guard.py): the decode node the Conductor chose if it can start
-        the request at once, else the one with the most room that can (the Conductor moves the
-        booking), else None (rejected after prefill: the Conductor forgets it)."""
-        chosen = self._decode_index[admitted.instance_id]
-        d = self.guard.place(state.index, state.arrival.input_len + state.arrival.output_len,
-                             chosen, self.decodes)
-        if d is None:
-            self.conductor.on_request_aborted(state.request_id)
-            return None
-        if d == chosen:
-            return admitted
-        self.conductor.move_decode(state.request_id, self.decode_ids[d], now_s)
-        return DecodeEstimate(self.decode_ids[d], admitted.batch_size, admitted.context_tokens,
-                              admitted.tbt_s)
 
     def _to_decode(self, state: RequestState, now_s: float) -> list[Event]:
         if state.arrival.output_len <= 1:  # the prefill's token was the only one
