@@ -42,6 +42,22 @@ def range_key(namespace: str, key: int, layers: range) -> str:
 
 
 @dataclass(frozen=True)
+class StoredLayout:
+    """How a namespace's blocks lie in the store: `num_layers` layers of `layer_nbytes` each,
+    and the layer slices a CPP group's stages write (`split`, empty: whole blocks only)."""
+
+    namespace: str
+    layer_nbytes: int
+    num_layers: int
+    split: tuple[range, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.layer_nbytes < 1 or self.num_layers < 1:
+            raise ValueError(f"StoredLayout: layer_nbytes and num_layers must be >= 1, got "
+                             f"{self.layer_nbytes} and {self.num_layers}")
+
+
+@dataclass(frozen=True)
 class BlocksRead:
     """What was read: each block's size (None: not in the store), its buffer, the wall time,
     and the bytes moved."""
@@ -52,15 +68,16 @@ class BlocksRead:
     nbytes: int = 0
 
 
-def read_layers(store: StoreClient, namespace: str, keys: list[int], layer_nbytes: int,
-                num_layers: int, want: range, split: Sequence[range] = (),
+def read_layers(store: StoreClient, layout: StoredLayout, keys: list[int], want: range,
                 reader: str = "") -> BlocksRead:
     """Layers `want` of each block of `keys`, each block's in one buffer (layer order); a block's
     size is `len(want) * layer_nbytes`, None where neither kind of object holds it intact.
 
-    `split`: the layer slices CPP stages write (one group's `split_layers`). A `want` that is one
-    of them reads that slice object first, else the whole block; a `want` of every layer reads
-    the whole block first, else all slices of `split`. At most two store batches."""
+    `layout.split`: the layer slices CPP stages write (one group's `split_layers`). A `want`
+    that is one of them reads that slice object first, else the whole block; a `want` of every
+    layer reads the whole block first, else all slices of the split. At most two store batches."""
+    namespace, layer_nbytes, num_layers, split = (layout.namespace, layout.layer_nbytes,
+                                                  layout.num_layers, layout.split)
     if not 0 <= want.start < want.stop <= num_layers or want.step != 1:
         raise ValueError(f"want: layers in [0, {num_layers}), got {want}")
     size = len(want) * layer_nbytes
@@ -109,15 +126,15 @@ def read_layers(store: StoreClient, namespace: str, keys: list[int], layer_nbyte
     return BlocksRead(sizes, buffers, time.perf_counter() - start, moved)
 
 
-def readable_by_all(store: StoreClient, namespace: str, keys: list[int],
-                    sizes: list[int | None], split: Sequence[range], own: range,
-                    reader: str = "") -> list[int | None]:
+def readable_by_all(store: StoreClient, layout: StoredLayout, keys: list[int],
+                    sizes: list[int | None], own: range, reader: str = "") -> list[int | None]:
     """`sizes` cut at the first block the other stages of a group could not read: neither its
     whole object nor every other slice of `split` is stored. The first stage sets the prefix the
     whole group reuses, and a stage that read less fails the request: the store evicts objects
     one by one, so one stage's slice may be gone while this one's is not."""
+    namespace = layout.namespace
     end = next((i for i, n in enumerate(sizes) if n is None), len(sizes))
-    others = [r for r in split if r != own]
+    others = [r for r in layout.split if r != own]
     if end == 0 or not others:
         return list(sizes)
     names = [name for k in keys[:end]

@@ -53,7 +53,7 @@ import torch
 
 from kvcake.engine.sampling import SamplingParams
 from kvcake.engine.stage import StageEngine, split_layers
-from kvcake.server.worker.block_fetch import read_layers, readable_by_all
+from kvcake.server.worker.block_fetch import StoredLayout, read_layers, readable_by_all
 from kvcake.server.worker.cpp_stage import CppBegin, CppChunk, CppMember, KvTarget
 from kvcake.server.worker.messages import (
     NEXT_STAGE_NEW,
@@ -275,14 +275,15 @@ class CppRole:
         store = self.worker.store
         assert store is not None
         stage = self.stage
+        layout = StoredLayout(stage.namespace, stage.pool.layer_nbytes,
+                              stage.model_config.num_layers, self.split)
         while (order := self._fetches.get()) is not None:  # this stage's layers only
-            read = read_layers(store, stage.namespace, order.fetch_keys, stage.pool.layer_nbytes,
-                               stage.model_config.num_layers, stage.layers, self.split,
+            read = read_layers(store, layout, order.fetch_keys, stage.layers,
                                self.worker.worker_id)
             sizes = read.sizes
             if stage.is_first:  # the prefix stage 0 reuses is the group's: all must have it
-                sizes = readable_by_all(store, stage.namespace, order.fetch_keys, sizes,
-                                        self.split, stage.layers, self.worker.worker_id)
+                sizes = readable_by_all(store, layout, order.fetch_keys, sizes, stage.layers,
+                                        self.worker.worker_id)
             self.worker.post(_Fetched(order.request_id, sizes, read.buffers, read.seconds,
                                       read.nbytes))
 

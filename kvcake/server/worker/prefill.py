@@ -30,7 +30,7 @@ from typing import Any
 
 from kvcake.engine.engine import RequestOutput
 from kvcake.engine.sequence import FinishReason
-from kvcake.server.worker.block_fetch import read_layers
+from kvcake.server.worker.block_fetch import StoredLayout, read_layers
 from kvcake.server.worker.handoff import HandoffPolicy
 from kvcake.server.worker.kv_runs import block_runs
 from kvcake.server.worker.messages import (
@@ -191,9 +191,10 @@ class PrefillRole:
         while (order := self._fetches.get()) is not None:
             # whole blocks, else the layer slices a CPP group's stages stored (block_fetch.py)
             bounds = order.fetch_layer_bounds
-            split = [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-            read = read_layers(store, ns, order.fetch_keys, nbytes // num_layers, num_layers,
-                               range(num_layers), split, self.worker.worker_id)
+            split = tuple(range(a, b) for a, b in zip(bounds, bounds[1:], strict=False))
+            layout = StoredLayout(ns, nbytes // num_layers, num_layers, split)
+            read = read_layers(store, layout, order.fetch_keys, range(num_layers),
+                               self.worker.worker_id)
             self.worker.post(_Fetched(order, read.sizes, read.buffers, read.seconds))
 
     def _import(self, fetched: _Fetched) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvcake.server.worker.block_fetch import (
+    StoredLayout,
     block_key,
     range_key,
     read_layers,
@@ -20,6 +21,8 @@ NS = "ns"
 LAYER = 64  # bytes of one layer of one block
 LAYERS = 4
 SPLIT = (range(0, 3), range(3, 4))  # a group of 2 stages, 3 + 1 layers
+GROUP = StoredLayout(NS, LAYER, LAYERS, SPLIT)
+WHOLE = StoredLayout(NS, LAYER, LAYERS)
 
 
 def block(key: int) -> bytes:
@@ -44,29 +47,34 @@ def store() -> Iterator[StoreClient]:
 
 
 def test_a_stage_reads_its_slice_or_its_part_of_a_whole_block(store: StoreClient) -> None:
-    read = read_layers(store, NS, [2, 1, 3, 4], LAYER, LAYERS, SPLIT[0], SPLIT)
+    read = read_layers(store, GROUP, [2, 1, 3, 4], SPLIT[0])
     assert read.sizes == [3 * LAYER] * 3 + [None]
     assert [bytes(b) for b in read.buffers[:3]] == [part(k, SPLIT[0]) for k in (2, 1, 3)]
     assert read.nbytes == 2 * 3 * LAYER + LAYERS * LAYER  # two slices, one whole block
-    last = read_layers(store, NS, [2, 3], LAYER, LAYERS, SPLIT[1], SPLIT)
+    last = read_layers(store, GROUP, [2, 3], SPLIT[1])
     assert last.sizes == [LAYER, None] and bytes(last.buffers[0]) == part(2, SPLIT[1])
 
 
 def test_a_whole_model_reader_puts_the_slices_together(store: StoreClient) -> None:
-    read = read_layers(store, NS, [1, 2, 3], LAYER, LAYERS, range(LAYERS), SPLIT)
+    read = read_layers(store, GROUP, [1, 2, 3], range(LAYERS))
     assert read.sizes == [LAYERS * LAYER, LAYERS * LAYER, None]  # 3 lacks its last layer
     assert [bytes(b) for b in read.buffers[:2]] == [block(1), block(2)]
-    unsplit = read_layers(store, NS, [1, 2], LAYER, LAYERS, range(LAYERS))
+    unsplit = read_layers(store, WHOLE, [1, 2], range(LAYERS))
     assert unsplit.sizes == [LAYERS * LAYER, None]  # no split known: whole blocks only
     with pytest.raises(ValueError, match=r"want: layers in \[0, 4\)"):
-        read_layers(store, NS, [1], LAYER, LAYERS, range(2, 5))
+        read_layers(store, WHOLE, [1], range(2, 5))
 
 
 def test_the_first_stage_reuses_only_what_every_stage_can_read(store: StoreClient) -> None:
     """Block 3's second slice is not stored (evicted, or its stage's write failed): the first
     stage, which read its own slice of it, stops the group's prefix before it."""
-    read = read_layers(store, NS, [2, 1, 3, 2], LAYER, LAYERS, SPLIT[0], SPLIT)
+    read = read_layers(store, GROUP, [2, 1, 3, 2], SPLIT[0])
     assert read.sizes == [3 * LAYER] * 4
-    sizes = readable_by_all(store, NS, [2, 1, 3, 2], read.sizes, SPLIT, SPLIT[0])
+    sizes = readable_by_all(store, GROUP, [2, 1, 3, 2], read.sizes, SPLIT[0])
     assert sizes == [3 * LAYER, 3 * LAYER, None, None]
-    assert readable_by_all(store, NS, [2], [None], SPLIT, SPLIT[0]) == [None]
+    assert readable_by_all(store, GROUP, [2], [None], SPLIT[0]) == [None]
+
+
+def test_a_layout_without_layers_is_refused() -> None:
+    with pytest.raises(ValueError, match="layer_nbytes and num_layers must be >= 1"):
+        StoredLayout(NS, 0, LAYERS)
