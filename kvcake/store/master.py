@@ -25,7 +25,7 @@ from typing import Any
 from kvcake.clock import Clock, SystemClock
 from kvcake.store.config import MasterConfig
 from kvcake.store.errors import InvalidRequest, NoSpace, StoreError, TransferFailed
-from kvcake.store.index import ActionKind, ObjectMeta, Replica, StoreIndex, TierAction
+from kvcake.store.index import ActionKind, ObjectMeta, Replica, StoreIndex
 from kvcake.store.master_args import (
     batch_entry,
     commit_item,
@@ -34,7 +34,7 @@ from kvcake.store.master_args import (
     key_size_checksum,
     reserve_spec,
 )
-from kvcake.store.node_handle import NodeHandle, RemoteNode
+from kvcake.store.node_handle import NodeHandle, RemoteNode, carry_out
 from kvcake.store.rebuild import adopt
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class MasterService:
         self._revoke(self.index.take_revoked())
         for action in self.index.take_actions():
             handle = self._handles.get(action.node_id)
-            ok = handle is not None and self._run_one(handle, action)
+            ok = handle is not None and carry_out(handle, action)
             if action.kind is ActionKind.PROMOTE:
                 self.index.promote_done(action.key, action.version, ok, self.clock.now_s())
             elif action.kind is ActionKind.DEMOTE:
@@ -382,19 +382,3 @@ class MasterService:
                 log.error("node %s could not revoke %d dropped replicas: its replicas are no "
                           "longer described as revocable; a client that remembered one may "
                           "still read it there: %s", node_id, len(entries), exc)
-
-    def _run_one(self, handle: NodeHandle, action: TierAction) -> bool:
-        try:
-            if action.kind is ActionKind.DROP_DISK:
-                handle.drop_disk(action.key, action.disk_version)
-            else:
-                method = handle.demote if action.kind is ActionKind.DEMOTE else handle.promote
-                method(action.key, action.offset, action.alloc_bytes, action.version,
-                       action.disk_version)
-            return True
-        except (StoreError, OSError, ValueError) as exc:
-            log.warning("%s of %r on node %s failed: %s", action.kind.value, action.key,
-                        action.node_id, exc)
-            return False
-
-

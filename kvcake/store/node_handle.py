@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from kvcake.auth import ClusterSecret
 from kvcake.store.errors import StoreError
+from kvcake.store.index import ActionKind, TierAction
 from kvcake.store.protocol import RpcConnection
 
 log = logging.getLogger(__name__)
@@ -92,3 +93,19 @@ class RemoteNode:
         for conn in (self._conn, self._revoke_conn):
             if conn is not None:
                 conn.close()
+
+
+def carry_out(handle: NodeHandle, action: TierAction) -> bool:
+    """Have `handle`'s node do one DRAM<->disk action of the index; False (logged) if it failed."""
+    try:
+        if action.kind is ActionKind.DROP_DISK:
+            handle.drop_disk(action.key, action.disk_version)
+        else:
+            method = handle.demote if action.kind is ActionKind.DEMOTE else handle.promote
+            method(action.key, action.offset, action.alloc_bytes, action.version,
+                   action.disk_version)
+        return True
+    except (StoreError, OSError, ValueError) as exc:
+        log.warning("%s of %r on node %s failed: %s", action.kind.value, action.key,
+                    action.node_id, exc)
+        return False

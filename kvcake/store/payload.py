@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kvcake.store.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from kvcake.store.protocol import FrameReader
+    from kvcake.store.frames import FrameReader
 
 # Ops whose frame is followed by raw payload bytes, and the argument that says how many: the
 # server hands the handler a `Payload` to read them straight into their destination (no msgpack

@@ -23,11 +23,13 @@ import msgpack
 from kvcake import auth
 from kvcake.auth import ClusterSecret
 from kvcake.store.errors import WIRE_ERRORS, InvalidRequest, MasterUnavailable, StoreError
+from kvcake.store.frames import LENGTH_PREFIX
+from kvcake.store.frames import MAX_FRAME_BYTES as MAX_FRAME_BYTES  # re-exported: the framing
+from kvcake.store.frames import FrameReader as FrameReader
+from kvcake.store.frames import read_frame as read_frame
 from kvcake.store.payload import PAYLOAD_OPS
 
 T = TypeVar("T")
-MAX_FRAME_BYTES = 16 << 20
-_LEN = struct.Struct(">I")
 
 _STR, _INT, _BOOL, _DICT, _LIST = str, int, bool, dict, list
 # op -> {arg: (type, required)}
@@ -120,121 +122,12 @@ def validate(message: object) -> tuple[int, str, dict[str, Any]]:
 
 def encode(message: dict[str, Any]) -> bytes:
     body = msgpack.packb(message, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
+    return LENGTH_PREFIX.pack(len(body)) + body
 
 
 def error_reply(req_id: int, exc: BaseException) -> dict[str, Any]:
     name = type(exc).__name__ if type(exc).__name__ in WIRE_ERRORS else "StoreError"
     return {"id": req_id, "ok": False, "error": {"type": name, "message": str(exc)}}
-
-
-def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes | None:
-    buf = bytearray(num_bytes)
-    view = memoryview(buf)
-    got = 0
-    while got < num_bytes:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return None
-        got += n
-    return bytes(buf)
-
-
-def read_frame(sock: socket.socket) -> object | None:
-    """The decoded body of the next frame, or None at a clean end of stream. Raises
-    InvalidRequest for an oversized or undecodable frame (the stream is then out of sync)."""
-    head = _recv_exact(sock, _LEN.size)
-    if head is None:
-        return None
-    (length,) = _LEN.unpack(head)
-    if length > MAX_FRAME_BYTES:
-        raise InvalidRequest(f"frame: {length} bytes is over the {MAX_FRAME_BYTES} byte limit")
-    body = _recv_exact(sock, length)
-    if body is None:
-        return None
-    return _decode(body)
-
-
-def _decode(body: bytes | bytearray | memoryview) -> object:
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise InvalidRequest(f"frame: not valid msgpack ({exc})") from None
-
-
-def _whole_frame(chunk: bytes) -> memoryview | None:
-    """The body of `chunk` if it is exactly one frame (length prefix and body), else None."""
-    if len(chunk) < _LEN.size:
-        return None
-    (length,) = _LEN.unpack_from(chunk)
-    if len(chunk) != _LEN.size + length:
-        return None
-    return memoryview(chunk)[_LEN.size:]
-
-
-class FrameReader:
-    """`read_frame` for one socket with fewer system calls: what one recv brings (usually a
-    whole small frame, length prefix included) is kept for the next frame. One reader per
-    socket, used by one thread at a time."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._buf = bytearray()
-
-    def read(self) -> object | None:
-        """The decoded body of the next frame; None at the end of stream; InvalidRequest for
-        an oversized or undecodable frame (the stream is then out of sync)."""
-        if not self._buf:  # the usual case: nothing left over from the last recv
-            chunk = self._sock.recv(1 << 16)
-            if not chunk:
-                return None
-            whole = _whole_frame(chunk)
-            if whole is not None:  # decoded from the chunk itself: no copy into the buffer
-                return _decode(whole)
-            self._buf += chunk
-        needed = _LEN.size
-        while True:
-            if len(self._buf) >= _LEN.size:
-                (length,) = _LEN.unpack_from(self._buf)
-                if length > MAX_FRAME_BYTES and auth.is_hello(self._buf):
-                    raise auth.AuthError("the server requires the cluster secret: configure "
-                                         "the same secret on this side")
-                if length > MAX_FRAME_BYTES:
-                    raise InvalidRequest(f"frame: {length} bytes is over the {MAX_FRAME_BYTES} "
-                                         "byte limit")
-                needed = _LEN.size + length
-                if len(self._buf) >= needed:
-                    body = bytes(self._buf[_LEN.size:needed])
-                    del self._buf[:needed]
-                    return _decode(body)
-            chunk = self._sock.recv(max(1 << 16, needed - len(self._buf)))
-            if not chunk:
-                return None
-            self._buf += chunk
-
-    def read_exact_into(self, dest: memoryview) -> None:
-        """The next len(dest) bytes of the stream (after the frames read) into `dest`: what is
-        buffered first, then straight from the socket. OSError if the stream ends first."""
-        dest = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
-        have = min(len(self._buf), len(dest))
-        if have:
-            with memoryview(self._buf) as buffered:  # no intermediate copy of the slice
-                dest[:have] = buffered[:have]
-            del self._buf[:have]
-        got = have
-        while got < len(dest):
-            n = self._sock.recv_into(dest[got:])
-            if n == 0:
-                raise ConnectionError("the stream ended inside a payload")
-            got += n
-
-    def skip(self, num_bytes: int) -> None:
-        """Discard the next `num_bytes` bytes of the stream."""
-        scratch = memoryview(bytearray(min(num_bytes, 1 << 20)))
-        while num_bytes:
-            step = min(num_bytes, len(scratch))
-            self.read_exact_into(scratch[:step])
-            num_bytes -= step
 
 
 def parse_address(address: str, field: str = "address") -> tuple[str, int]:
