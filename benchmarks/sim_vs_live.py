@@ -108,22 +108,28 @@ def transfer_bandwidth(out_dir: Path) -> tuple[float, str]:
 DECODE_REFIT = "decode_refit.json"
 
 
+def one_thread_engine(model_dir: Path, kv_cache_bytes: int) -> Any:
+    """An engine of the current code on one torch thread, as `kvcake profile` measures one."""
+    import torch
+
+    from kvcake.engine.config import EngineConfig
+    from kvcake.engine.engine import Engine
+
+    torch.set_num_threads(1)
+    return Engine(str(model_dir), EngineConfig(kv_cache_bytes=kv_cache_bytes,
+                                               max_model_len=cap.MAX_MODEL_LEN))
+
+
 def refit_decode(out_dir: Path, model_dir: Path) -> dict[str, Any]:
     """Decode steps measured again on one 1-thread engine over the batches and contexts the live
     decode worker runs at (batch 1..24, 512 or 2,048 tokens each; best of 3): `profile.json`'s
     decode points were measured before the profiler timed whole batches (its early requests
     had finished by the timed steps: the points' batches were smaller than labelled, and the
     fit had a ~0 batch term and a negative context term)."""
-    import torch
-
     from kvcake.conductor import DecodeStepPredictor
-    from kvcake.engine.config import EngineConfig
-    from kvcake.engine.engine import Engine
     from kvcake.server.cluster.profiler import ProfileGrid, measure_decode
 
-    torch.set_num_threads(1)
-    engine = Engine(str(model_dir), EngineConfig(kv_cache_bytes=KV_POOL_BYTES,
-                                                 max_model_len=cap.MAX_MODEL_LEN))
+    engine = one_thread_engine(model_dir, KV_POOL_BYTES)
     grid = ProfileGrid(decode_batch_sizes=(1, 4, 8, 16, 24), decode_context_lens=(512, 2048),
                        repeats=3)
     points = measure_decode(engine, grid)
@@ -143,16 +149,10 @@ def refit_prefill(out_dir: Path, model_dir: Path) -> dict[str, Any]:
     8,192 tokens, 0 / 50 / 90% cached; best of 2): the regime stays fixed, only the simulator's
     price of a prefill follows the engine (`prefill_refit.json`, used instead of
     `profile.json`'s prefill fit)."""
-    import torch
-
     from kvcake.conductor import PrefillTimePredictor
-    from kvcake.engine.config import EngineConfig
-    from kvcake.engine.engine import Engine
     from kvcake.server.cluster.profiler import ProfileGrid, measure_prefill
 
-    torch.set_num_threads(1)
-    engine = Engine(str(model_dir), EngineConfig(kv_cache_bytes=2 * KV_POOL_BYTES,
-                                                 max_model_len=cap.MAX_MODEL_LEN))
+    engine = one_thread_engine(model_dir, 2 * KV_POOL_BYTES)
     grid = ProfileGrid(input_lens=(256, 1024, 2048, 4096, 8192), prefix_fracs=(0.0, 0.5, 0.9),
                        repeats=2)
     points = measure_prefill(engine, grid)
