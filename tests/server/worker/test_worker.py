@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvcake import LLM, SamplingParams
+from kvcake.auth import ClusterSecret
 from kvcake.engine.config import EngineConfig
 from kvcake.server.worker.config import Role, WorkerConfig
 from kvcake.server.worker.link import MessageLink
@@ -24,16 +25,22 @@ from kvcake.server.worker.worker import Worker
 from tests.server.worker.links import next_of
 
 ENGINE = EngineConfig(kv_cache_bytes=4 * 2**20)
+# The worker admits only links that prove this module's secret: a worker keeps one frontend
+# link and a newer one replaces it, so a stray connection (another test's frontend still
+# reconnecting to an address this worker's port now reuses) would otherwise take the link
+# mid-request. Seen once in CI, 2026-12-02.
+SECRET = ClusterSecret.generate()
 
 
 @pytest.fixture(scope="module")
 def colocated() -> Iterator[Worker]:
-    with Worker(WorkerConfig(role=Role.COLOCATED, engine=ENGINE, worker_id="c0")) as worker:
+    with Worker(WorkerConfig(role=Role.COLOCATED, engine=ENGINE, worker_id="c0",
+                             secret=SECRET)) as worker:
         yield worker
 
 
 def test_hello_describes_the_kv_layout(colocated: Worker) -> None:
-    link = MessageLink.connect(colocated.address)
+    link = MessageLink.connect(colocated.address, secret=SECRET)
     try:
         hello = next_of(link, Hello)
         assert (hello.worker_id, hello.role, hello.block_size, hello.num_layers) == (
@@ -49,7 +56,7 @@ def test_hello_describes_the_kv_layout(colocated: Worker) -> None:
 
 
 def test_colocated_order_streams_the_offline_tokens(colocated: Worker) -> None:
-    link = MessageLink.connect(colocated.address)
+    link = MessageLink.connect(colocated.address, secret=SECRET)
     prompt = list(range(40))
     try:
         next_of(link, Hello)
@@ -71,7 +78,7 @@ def test_colocated_order_streams_the_offline_tokens(colocated: Worker) -> None:
 
 
 def test_a_refused_order_is_reported_and_the_worker_keeps_serving(colocated: Worker) -> None:
-    link = MessageLink.connect(colocated.address)
+    link = MessageLink.connect(colocated.address, secret=SECRET)
     try:
         next_of(link, Hello)
         link.send(PrefillOrder("bad", [1, 9999], {"max_tokens": 2}, [], {}, []))
@@ -89,13 +96,13 @@ def test_a_refused_order_is_reported_and_the_worker_keeps_serving(colocated: Wor
 
 
 def test_a_garbage_frame_drops_the_link_not_the_worker(colocated: Worker) -> None:
-    link = MessageLink.connect(colocated.address)
+    link = MessageLink.connect(colocated.address, secret=SECRET)
     next_of(link, Hello)
     link._sock.sendall(struct.pack(">I", 2) + b"\xc1\xc1")
     while (message := link.recv()) is not None:  # the worker closes this link ...
         assert isinstance(message, LoadReport)
     link.close()
-    again = MessageLink.connect(colocated.address)  # ... and keeps serving
+    again = MessageLink.connect(colocated.address, secret=SECRET)  # ... and keeps serving
     try:
         assert next_of(again, Hello).worker_id == "c0"
     finally:
@@ -103,7 +110,7 @@ def test_a_garbage_frame_drops_the_link_not_the_worker(colocated: Worker) -> Non
 
 
 def test_shutdown_is_passed_to_the_process_owner(colocated: Worker) -> None:
-    link = MessageLink.connect(colocated.address)
+    link = MessageLink.connect(colocated.address, secret=SECRET)
     try:
         next_of(link, Hello)
         assert not colocated.shutdown_requested.is_set()
@@ -116,7 +123,7 @@ def test_shutdown_is_passed_to_the_process_owner(colocated: Worker) -> None:
 def test_an_order_with_targets_outside_the_decode_pool_is_refused(colocated: Worker) -> None:
     """Targets are blocks of the decode pool the order names: without a pool size, or past
     its end, the order would write the wrong place, so it is refused before any compute."""
-    link = MessageLink.connect(colocated.address)
+    link = MessageLink.connect(colocated.address, secret=SECRET)
     pool = {"name": "kv-pool-d9", "segment_id": 1, "length_bytes": 1 << 20}
     try:
         next_of(link, Hello)
