@@ -27,13 +27,12 @@ from kvcake.engine.stage import StageEngine
 from kvcake.hashing import block_keys
 from kvcake.server.worker.block_fetch import range_key
 from kvcake.server.worker.messages import StoreEvents
+from kvcake.server.worker.recent_keys import RecentKeys
 from kvcake.server.worker.role import RoleHost
 from kvcake.store import StoreError
 from kvcake.transfer import TransferError
 
 log = logging.getLogger(__name__)
-
-_MAX_REMEMBERED_KEYS = 200_000
 
 _Write = tuple[list[int], np.ndarray]  # block keys, their slices [blocks, slice bytes]
 
@@ -43,7 +42,7 @@ class StageStoreWriter:
         self.worker = worker
         self.stage = stage
         self._writes: queue.Queue[_Write | None] = queue.Queue()
-        self._put_keys: dict[int, None] = {}  # keys handed to the writer (insertion ordered)
+        self._put_keys = RecentKeys()  # keys handed to the writer
         self._thread: threading.Thread | None = None
         self.num_stored = 0  # slices stored (tests, inspection)
 
@@ -75,10 +74,7 @@ class StageStoreWriter:
                   if b >= first_block and int(k) not in self._put_keys]
         if not picked:
             return 0
-        for k, _ in picked:
-            self._put_keys[k] = None
-        while len(self._put_keys) > _MAX_REMEMBERED_KEYS:
-            del self._put_keys[next(iter(self._put_keys))]
+        self._put_keys.add(k for k, _ in picked)
         index = torch.tensor([i for _, i in picked], dtype=torch.long)
         # [layers, blocks, ...] -> [blocks, layers, ...]: each block's slice in layer order
         data = stage.pool.kv.index_select(1, index).transpose(0, 1).contiguous()
@@ -97,8 +93,7 @@ class StageStoreWriter:
             except (StoreError, TransferError, OSError) as exc:
                 log.warning("%s: store write of %d block slices failed: %s",
                             self.worker.worker_id, len(keys), exc)
-                for k in keys:
-                    self._put_keys.pop(k, None)
+                self._put_keys.forget(keys)
                 continue
             self.num_stored += len(keys)
             # Written now, or already there (put returns False): either way the store has them.

@@ -15,8 +15,9 @@ import queue
 import threading
 from typing import TYPE_CHECKING
 
-from kvcake.hashing import key_hex
+from kvcake.server.worker.block_fetch import block_key
 from kvcake.server.worker.messages import StoreEvents
+from kvcake.server.worker.recent_keys import RecentKeys
 from kvcake.server.worker.role import RoleHost
 from kvcake.store import StoreError
 from kvcake.transfer import TransferError
@@ -27,15 +28,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_MAX_REMEMBERED_KEYS = 200_000
-
 
 class StoreWriter:
     def __init__(self, worker: RoleHost, engine: Engine) -> None:
         self.worker = worker
         self.engine = engine
         self._writes: queue.Queue[tuple[list[BlockKey], list[bytes]] | None] = queue.Queue()
-        self._put_keys: dict[int, None] = {}  # keys handed to the writer (insertion ordered)
+        self._put_keys = RecentKeys()  # keys handed to the writer
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -63,9 +62,7 @@ class StoreWriter:
                 break
             keys.append(key)
             blobs.append(data)
-            self._put_keys[int(key)] = None
-        while len(self._put_keys) > _MAX_REMEMBERED_KEYS:
-            del self._put_keys[next(iter(self._put_keys))]
+        self._put_keys.add(int(k) for k in keys)
         if keys:
             self._writes.put((keys, blobs))
 
@@ -79,12 +76,11 @@ class StoreWriter:
                 return
             keys, blobs = item
             try:
-                store.put_batch([f"{ns}:{key_hex(k)}" for k in keys], blobs)
+                store.put_batch([block_key(ns, k) for k in keys], blobs)
             except (StoreError, TransferError, OSError) as exc:
                 log.warning("%s: store write of %d blocks failed: %s", self.worker.worker_id,
                             len(keys), exc)
-                for k in keys:
-                    self._put_keys.pop(int(k), None)
+                self._put_keys.forget(int(k) for k in keys)
                 continue
             # Written now, or already there (put returns False): either way the store has them.
             self.worker.send(StoreEvents([int(k) for k in keys]))
