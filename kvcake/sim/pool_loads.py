@@ -37,25 +37,64 @@ class PoolDemand:
         return num_prefill / self.prefill_s, num_decode / self.decode_s
 
 
-def pool_demand(trace: Trace, cost: CostModel, kv_capacity_tokens: int,
-                block_size: int) -> PoolDemand:
+def request_demand(trace: Trace, cost: CostModel, kv_capacity_tokens: int,
+                   block_size: int) -> list[tuple[float, float]]:
+    """Each request's (prefill node-s, decode node-s), as `PoolDemand` prices them."""
     seen: set[int] = set()
-    prefill = decode = 0.0
-    requests = trace.requests
-    for r in requests:
+    out = []
+    for r in trace.requests:
         hit = 0
         for key in r.hash_ids:
             if key not in seen:
                 break
             hit += 1
         seen.update(r.hash_ids)
-        prefill += cost.prefill_time_s(r.input_len, min(hit * block_size, r.input_len - 1))
+        prefill = cost.prefill_time_s(r.input_len, min(hit * block_size, r.input_len - 1))
         context = r.input_len + r.output_len
         step_s = cost.decode_step_time_s(max(1, kv_capacity_tokens // context), kv_capacity_tokens)
-        decode += context * r.output_len * step_s / kv_capacity_tokens
-    n = max(1, len(requests))
+        out.append((prefill, context * r.output_len * step_s / kv_capacity_tokens))
+    return out
+
+
+def pool_demand(trace: Trace, cost: CostModel, kv_capacity_tokens: int, block_size: int,
+                only: set[int] | None = None) -> PoolDemand:
+    """The mean demand per request (of the requests whose positions are in `only`, if given:
+    e.g. `prefill_admitted`'s), and their arrival rate over the whole trace's span."""
+    costs = request_demand(trace, cost, kv_capacity_tokens, block_size)
+    if only is not None:
+        costs = [c for i, c in enumerate(costs) if i in only]
+    requests = trace.requests
+    n, total = max(1, len(costs)), max(1, len(requests))
     span_s = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 0.0
-    return PoolDemand(prefill / n, decode / n, (n - 1) / span_s if span_s > 0 else math.inf)
+    rate = (total - 1) / span_s * len(costs) / total if span_s > 0 else math.inf
+    return PoolDemand(sum(c[0] for c in costs) / n, sum(c[1] for c in costs) / n, rate)
+
+
+def prefill_admitted(trace: Trace, cost: CostModel, kv_capacity_tokens: int, block_size: int,
+                     num_prefill: int, speed: float, efficiency: float = 1.0) -> set[int]:
+    """The requests (positions in the trace) a saturated prefill pool admits, in the fluid
+    limit of its TTFT check: a full queue sheds the dearest prompts first (a prompt is admitted
+    only if the queue plus its own prefill fits the SLO), so the cheapest are kept until their
+    prefill fills `efficiency` x the pool's node-seconds over the arrival span replayed at
+    `speed` (below 1 where the pool does more work per request than `pool_demand`'s price, whose
+    cache holds every earlier block); all of them if the pool does not bind. What the decode
+    pool is offered under the baseline is priced on these (`pool_demand(..., only=...)`)."""
+    if not speed > 0:
+        raise ValueError(f"speed must be > 0, got {speed!r}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    costs = request_demand(trace, cost, kv_capacity_tokens, block_size)
+    requests = trace.requests
+    span_s = (requests[-1].arrival_s - requests[0].arrival_s) / speed if len(requests) > 1 else 0.0
+    budget = efficiency * num_prefill * span_s
+    kept: set[int] = set()
+    spent = 0.0
+    for i in sorted(range(len(costs)), key=lambda i: (costs[i][0], i)):
+        spent += costs[i][0]
+        if spent > budget:
+            break
+        kept.add(i)
+    return kept
 
 
 @dataclass(frozen=True)

@@ -162,3 +162,27 @@ def test_served_mix_price_and_turn_aways_that_would_have_found_room() -> None:
                      [0.0] * 3)
     assert turned_away_with_room(states, full) == 0.0
     assert turned_away_with_room(states[:3], loads) is None and served_prefill_s([]) is None
+
+
+def test_prefill_admitted_sheds_the_dearest_prompts_first_and_prices_the_rest() -> None:
+    from kvcake.sim.pool_loads import prefill_admitted
+
+    # Three unrelated prompts over 10 s; the dearest arrives first.
+    trace = Trace((TraceRequest(0, 0.0, 4096, 10, (1, 2, 3, 4, 5, 6, 7, 8)),
+                   TraceRequest(1, 5_000.0, 1024, 10, (9, 10)),
+                   TraceRequest(2, 10_000.0, 2048, 10, (11, 12, 13, 14))), "three")
+    c = [COST.prefill_time_s(n, 0) for n in (4096, 1024, 2048)]
+    capacity = 1_000_000
+    # One node for 10 s at half its time: room for the two cheap prompts, not the dear one.
+    efficiency = (c[1] + c[2] + c[0] / 2) / 10
+    assert c[1] + c[2] < efficiency * 10 < sum(c)
+    kept = prefill_admitted(trace, COST, capacity, 512, 1, 1.0, efficiency)
+    assert kept == {1, 2}
+    # Replayed twice as fast the same budget is half: only the cheapest fits.
+    assert prefill_admitted(trace, COST, capacity, 512, 1, 2.0, efficiency) == {1}
+    assert prefill_admitted(trace, COST, capacity, 512, 8, 1.0) == {0, 1, 2}  # not binding
+    demand = pool_demand(trace, COST, capacity, 512, only=kept)
+    assert demand.prefill_s == pytest.approx((c[1] + c[2]) / 2)
+    assert demand.arrival_rate == pytest.approx(0.2 * 2 / 3)  # 2 of the 3 arrivals over 10 s
+    with pytest.raises(ValueError, match="efficiency"):
+        prefill_admitted(trace, COST, capacity, 512, 1, 1.0, 1.5)
