@@ -348,17 +348,22 @@ class Conductor:
         prefill of `request_id` is done; where may it decode?
 
         The decode instance is chosen again now, by the least predicted TBT with the request
-        added (its booking moves there): that instance's estimate. A Rejection (the request
+        added (its booking moves there): that instance's estimate (`decode_check_keeps_node`:
+        only the instance chosen at arrival is asked). A Rejection (the request
         forgotten, as `on_request_aborted`) when even that TBT exceeds the SLO: the prefill was
         spent for nothing. Under every other admission mode the decision was made at arrival:
         None."""
         if not self._admission.checks_decode_after_prefill:
             return None
+        placed = self._placements.placed.get(request_id)
         expected = self._placements.take_decode(request_id)  # counted below as joining now
-        if expected is None:
+        if expected is None or placed is None:
             return None
         estimates = self._decode_choice.estimate_now(*expected, now_s)
-        best = self._decode_choice.choose(estimates)
+        if self.config.decode_check_keeps_node:  # only the instance its KV was streamed to
+            best = next(e for e in estimates if e.instance_id == placed[1])
+        else:
+            best = self._decode_choice.choose(estimates)
         rejection = self._admission.after_prefill(request_id, best, now_s, estimates)
         if rejection is None:
             self._placements.rebook_decode(request_id, best.instance_id, now_s, expected)

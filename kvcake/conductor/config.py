@@ -95,6 +95,10 @@ class ConductorConfig:
         pool's own guard of the TBT SLO stays behind the early check, and a request the early
         check let through that finds decode full is rejected there, its prefill spent.
         False: the arrival decision is final (the request waits for decode memory).
+    decode_check_keeps_node: the decode check after prefill asks only the decode instance
+        chosen at arrival, where the KV was streamed during the prefill (the seed's workflow,
+        steps 3-4): it decodes there if that instance's TBT meets the SLO, else it is rejected.
+        False (the default): the instance is chosen again among all (its booking moves).
     """
 
     policy: Policy = Policy.GLOBAL_CACHE
@@ -116,6 +120,7 @@ class ConductorConfig:
     cpp_min_chunk_tokens: int = 1000
     decode_kv_capacity_tokens: int | None = None
     decode_check_after_prefill: bool = False
+    decode_check_keeps_node: bool = False
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.

@@ -127,6 +127,9 @@ def _register_simulate(subparsers: Any) -> None:
                      help="where the arrival decision is final: hand a prefilled request to the "
                           "decode node chosen at arrival if it can start it, else to the one with the "
                           "most room that can (its KV sent again), else wait at the first")
+    sim.add_argument("--decode-check-keeps-node", action="store_true",
+                     help="the decode check after prefill asks only the decode node chosen at "
+                          "arrival (its KV streamed there): decode there or be rejected")
     sim.add_argument("--predicted-output-len", type=_positive_int, default=None,
                      help="output length the Conductor is told (default: the trace's mean)")
     sim.add_argument("--uniform-decode-s", type=_positive_float, default=None,
@@ -174,6 +177,9 @@ def _register_reproduce(subparsers: Any) -> None:
                      help="overload: early and prediction hand a prefilled request to the decode "
                           "node chosen at arrival if it can start it, else to the one with the "
                           "most room that can (its KV sent again), else wait at the first")
+    rep.add_argument("--decode-check-keeps-node", action="store_true",
+                     help="overload: the baseline's decode check after prefill asks only the "
+                          "decode node chosen at arrival: decode there or be rejected")
     rep.add_argument("--json", action="store_true",
                      help="print the experiment's numbers as one JSON object (not the path)")
     rep.set_defaults(func=_reproduce)
@@ -217,6 +223,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_check_after_prefill=args.decode_check_after_prefill,
         decode_node_guard=args.decode_node_guard,
         decode_reselect_at_handoff=args.decode_reselect_at_handoff,
+        decode_check_keeps_node=args.decode_check_keeps_node,
     )
 
 
@@ -262,7 +269,8 @@ def _reproduce(args: argparse.Namespace) -> int:
                      seed=args.seed, ttft_slo_s=args.ttft_slo_s, tbt_slo_ms=args.tbt_slo_ms,
                      cpp_min_tokens=args.cpp_min_tokens, cpp_nodes=args.cpp_nodes,
                      cpp_chunk_tokens=args.cpp_chunk_tokens,
-                     decode_reselect_at_handoff=args.decode_reselect_at_handoff)
+                     decode_reselect_at_handoff=args.decode_reselect_at_handoff,
+                     decode_check_keeps_node=args.decode_check_keeps_node)
     report = run_experiment(args.experiment, args.trace, args.out, base)
     print(json.dumps(report.data, sort_keys=True) if args.json else report.path)
     return 0

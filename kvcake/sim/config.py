@@ -63,6 +63,11 @@ class SimConfig:
         at arrival; a moved request's KV is streamed again to its new node (the booking moves
         with it). The baseline (a decode check after prefill) re-chooses at hand-off anyway.
         False: bound to the instance chosen at arrival (the seed's "pre-selected").
+    decode_check_keeps_node: the decode check after prefill (the baseline, or
+        `decode_check_after_prefill`) asks only the decode instance chosen at arrival, where the
+        KV was streamed during the prefill: the request decodes there if it fits (with
+        `decode_node_guard`: if that node can start it at once), else it is rejected. False: the
+        decode instance is chosen again among all when the prefill ends.
     """
 
     num_prefill: int = 8
@@ -94,6 +99,7 @@ class SimConfig:
     decode_check_after_prefill: bool = False
     decode_node_guard: bool = False
     decode_reselect_at_handoff: bool = False
+    decode_check_keeps_node: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -21,13 +21,14 @@ class DecodeNodeGuard:
         self._commit_of: dict[int, tuple[int, int]] = {}  # request -> (decode node, tokens)
 
     def place(self, req: int, need: int, chosen: int,
-              decodes: Sequence[DecodeInstance]) -> int | None:
+              decodes: Sequence[DecodeInstance], only_chosen: bool = False) -> int | None:
         """The decode node that takes request `req` (`need` KV tokens): `chosen` if it has the
-        room, else the node with the most room if that is enough, else None. The request's KV
-        is committed to the node returned until `release`."""
+        room, else (unless `only_chosen`) the node with the most room if that is enough, else
+        None. The request's KV is committed to the node returned until `release`."""
         room = [self.kv_capacity_tokens - inst.reserved_tokens - self._committed[d]
                 for d, inst in enumerate(decodes)]
-        d = chosen if room[chosen] >= need else max(range(len(room)), key=room.__getitem__)
+        d = (chosen if room[chosen] >= need or only_chosen
+             else max(range(len(room)), key=room.__getitem__))
         if room[d] < need:
             return None
         self._committed[d] += need

@@ -8,7 +8,8 @@ the decode node's final choice when the prefill ends.
                     node again; with `decode_node_guard` the node must start it at once, else the
                     one with the most room that can, else a rejection; with
                     `decode_reselect_at_handoff` (the arrival decision is final) a full node hands
-                    the request to one with room. A request whose node changes has its KV
+                    the request to one with room; with `decode_check_keeps_node` the check asks
+                    only the node chosen at arrival (no other is tried). A request whose node changes has its KV
                     streamed again under a new KV epoch (flows in flight finish, no longer count).
 
 The guard (guard.py) books each request's KV at its node until the request joins the batch there.
@@ -92,7 +93,7 @@ class DecodeHandoff:
         booking), else None (rejected after prefill: the Conductor forgets it)."""
         chosen = self._decode_index[admitted.instance_id]
         d = self.guard.place(state.index, state.arrival.input_len + state.arrival.output_len,
-                             chosen, decodes)
+                             chosen, decodes, self.config.decode_check_keeps_node)
         if d is None:
             self.conductor.on_request_aborted(state.request_id)
             return None

@@ -50,8 +50,13 @@ def setting_lines(base: SimConfig, mean_out: int, t_d: float, demand: PoolDemand
         f"prediction-based rejection forecasts with a uniform t_d = {t_d:.1f} s (the baseline "
         f"run's mean decode time; the bound mean output x TBT SLO would be "
         f"{mean_out * base.tbt_slo_ms / 1000:.1f} s). The baseline checks the decode side "
-        "(TBT SLO and KV memory) when the prefill ends, and its decode node takes a request only "
-        "if it can start it at once (its KV reserved beside the batch's); early and prediction "
+        "(TBT SLO and KV memory) when the prefill ends, "
+        + ("on the decode node chosen at arrival only (its KV streamed there; "
+           "`--decode-check-keeps-node`), which takes the request if it can start it at once, "
+           "else it is rejected; " if base.decode_check_keeps_node else
+           "and its decode node takes a request only if it can start it at once (its KV "
+           "reserved beside the batch's), else the node with the most room that can; ")
+        + "early and prediction "
         "decide at arrival, finally "
         + ("(the decode instance chosen then is their admission test; when the prefill ends "
            "the request goes to that instance if it can start it at once, else to the decode "

@@ -47,7 +47,8 @@ class Context:
         speed = "" if b.speed == 1.0 else f"_speed{b.speed:g}"
         ttft = "" if b.ttft_slo_s == SimConfig.ttft_slo_s else f"_ttft{b.ttft_slo_s:g}s"
         cpp = "" if b.cpp_min_tokens is None else f"_cpp{b.cpp_nodes}"
-        handoff = "_reselect" if b.decode_reselect_at_handoff else ""
+        handoff = ("_reselect" if b.decode_reselect_at_handoff else "") + (
+            "_keepnode" if b.decode_check_keeps_node else "")
         return self.trace_path.stem.replace("_trace", "") + speed + ttft + cpp + handoff
 
     def sim(self, **changes: Any) -> SimResult:
@@ -325,7 +326,8 @@ def _command(name: str, trace_path: Path, out: Path, base: SimConfig) -> str:
                f" --tbt-slo-ms {base.tbt_slo_ms:g}")
             + ("" if base.cpp_min_tokens is None else
                f" --cpp-min-tokens {base.cpp_min_tokens} --cpp-nodes {base.cpp_nodes}")
-            + (" --decode-reselect-at-handoff" if base.decode_reselect_at_handoff else ""))
+            + (" --decode-reselect-at-handoff" if base.decode_reselect_at_handoff else "")
+            + (" --decode-check-keeps-node" if base.decode_check_keeps_node else ""))
 
 
 def effective_share(result: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> float:

@@ -435,6 +435,30 @@ def test_decode_after_prefill_chooses_the_decode_instance_again_when_the_prefill
     assert c.decode_load(b.decode_id).num_booked == 1 and late.request_id == "c"
 
 
+def test_decode_check_keeps_node_asks_only_the_instance_chosen_at_arrival() -> None:
+    # One request on a decode instance steps in 0.011 s, two in 0.012 s > the SLO. a and b
+    # decode on d0 and d1; c arrives (both busy: pre-selected d0, the first of the least
+    # booked), then b finishes: when c's prefill ends d1 is empty and d0 still full.
+    outcomes = {}
+    for keeps in (False, True):
+        c = make(admission="decode_after_prefill", num_decode=2, tbt_slo_s=0.0115,
+                 decode_check_keeps_node=keeps)
+        a = placed(c.schedule(request("a", output_len=1000), 0.0))
+        b = placed(c.schedule(request("b", first_key=100, output_len=1000), 0.0))
+        assert (a.decode_id, b.decode_id) == ("d0", "d1")
+        for rid, d in (("a", "d0"), ("b", "d1")):
+            admitted = c.admit_decode(rid, 0.2)
+            assert isinstance(admitted, DecodeEstimate) and admitted.instance_id == d
+            c.on_decode_joined(d, rid, 0.2)
+        assert placed(c.schedule(request("c", first_key=200), 0.2)).decode_id == "d0"
+        c.on_decode_finished("d1", "b", 0.3)
+        outcomes[keeps] = c.admit_decode("c", 0.4)
+    moved, kept = outcomes[False], outcomes[True]
+    assert isinstance(moved, DecodeEstimate) and moved.instance_id == "d1"
+    assert isinstance(kept, Rejection) and kept.reason is RejectReason.TBT_SLO
+    assert kept.predicted_tbt_s == pytest.approx(0.012)
+
+
 def test_admit_decode_is_a_no_op_under_arrival_admission() -> None:
     c = make(admission="early")
     placed(c.schedule(request("a"), 0.0))

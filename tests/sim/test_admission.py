@@ -132,3 +132,17 @@ def test_hand_off_counts_requests_on_their_way_and_waits_where_no_node_has_room(
     guard.release(2)  # request 2 joined d1's batch: its KV is the batch's now
     nodes[1].reserved_tokens = 800
     assert guard.hand_off(4, 200, 0, nodes) == 1
+
+
+def test_decode_check_keeps_node_refuses_where_only_another_node_has_room() -> None:
+    from types import SimpleNamespace
+
+    from kvcake.sim.guard import DecodeNodeGuard
+
+    nodes = [SimpleNamespace(reserved_tokens=900), SimpleNamespace(reserved_tokens=0)]
+    guard = DecodeNodeGuard(2, 1000)
+    assert guard.place(1, 100, 0, nodes, only_chosen=True) == 0  # room 100 on the chosen node
+    assert guard.place(2, 100, 0, nodes, only_chosen=True) is None  # none left there; d1 not asked
+    assert guard.place(2, 100, 0, nodes) == 1  # the default takes the node with the most room
+    guard.release(1)
+    assert guard.place(3, 100, 0, nodes, only_chosen=True) == 0
