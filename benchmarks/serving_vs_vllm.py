@@ -294,6 +294,47 @@ def probe(url: str, model: str, args: argparse.Namespace, vocab_size: int) -> di
     return summary
 
 
+SERVER_HISTOGRAMS = ("time_to_first_token_seconds", "request_queue_time_seconds",
+                     "request_prefill_time_seconds")
+
+
+def histogram_sums(url: str) -> dict[str, float]:
+    """The server's own per-request histograms (vllm: or kvcake: prefix), `_sum` over labels:
+    the delta around one request sent alone is that request's value."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    sums: dict[str, float] = {}
+    for name in SERVER_HISTOGRAMS:
+        found = re.findall(rf"^(?:vllm:|kvcake:){name}_sum(?:\{{[^}}]*\}})? (\S+)$", text,
+                           re.MULTILINE)
+        if found:
+            sums[name] = sum(float(v) for v in found)
+    return sums
+
+
+def ttft_sweep(url: str, model: str, args: argparse.Namespace,
+               vocab_size: int) -> dict[str, Any]:
+    """Diagnostic (`--ttft-sweep`): fresh random prompts of each length sent one at a time to the
+    idle server (cold: no prefix to reuse), 2 tokens out. Per length the medians of the client's
+    TTFT, the server's own TTFT (arrival to first token) and, where the server exports them, its
+    queue and prefill time; the client minus the server TTFT is the HTTP and framing outside."""
+    rng = random.Random(args.seed + 7)
+    out: dict[str, Any] = {}
+    for length in args.ttft_sweep:
+        rows: list[dict[str, float]] = []
+        for _ in range(args.sweep_trials):
+            before = histogram_sums(url)
+            [r], _ = send(url, model, [PlannedRequest(0.0, random_prompt(rng, length, vocab_size),
+                                                      2)])
+            after = histogram_sums(url)
+            assert r.ttft_s is not None
+            row = {"client_ttft_ms": 1000 * r.ttft_s}
+            row.update({f"server_{k.removesuffix('_seconds')}_ms": 1000 * (after[k] - before[k])
+                        for k in after if k in before})
+            rows.append(row)
+        out[str(length)] = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
+    return out
+
+
 def trace_workload(args: argparse.Namespace, vocab_size: int) -> list[PlannedRequest] | None:
     if not args.trace.is_file():
         print(f"trace: {args.trace} not found; skipping the trace replay (pass --trace FILE)",
@@ -346,6 +387,10 @@ def measure(system: System, args: argparse.Namespace, port: int, run_dir: Path, 
                        "probe": probe(server.url, model, args, vocab_size)})
         shown = {k: v for k, v in result["probe"].items() if k != "trials"}
         print(f"[{name}] probe: {json.dumps(shown)}", file=sys.stderr, flush=True)
+        if args.ttft_sweep:
+            result["ttft_sweep"] = ttft_sweep(server.url, model, args, vocab_size)
+            print(f"[{name}] ttft sweep: {json.dumps(result['ttft_sweep'])}", file=sys.stderr,
+                  flush=True)
         if planned is not None:
             result["trace"] = run_trace(server.url, model, planned, args)
             shown = {k: v for k, v in result["trace"].items() if k != "requests"}
@@ -418,6 +463,26 @@ def summary_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | None
     """ours / vLLM per summary metric: the first kvcake and the first vLLM column."""
     peer, ours = peer_and_ours(list(results))
     return ratios(results[ours[0]] if ours else None, results[peer] if peer else None, SUMMARY)
+
+
+def print_sweep(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """`--ttft-sweep`: per length and system the medians over repeats of each sweep figure."""
+    names = [n for n in runs if all("ttft_sweep" in r for r in runs[n])]
+    if not names:
+        return
+    print("| prompt len | system | " + " | ".join(("client TTFT", "server TTFT", "server queue",
+                                                   "server prefill")) + " (ms) |")
+    print("|---" * 6 + "|")
+    keys = ("client_ttft_ms", "server_time_to_first_token_ms", "server_request_queue_time_ms",
+            "server_request_prefill_time_ms")
+    for length in runs[names[0]][0]["ttft_sweep"]:
+        for n in names:
+            cells = []
+            for k in keys:
+                vs = [r["ttft_sweep"][length].get(k) for r in runs[n]]
+                vs = [v for v in vs if v is not None]
+                cells.append(fmt(statistics.median(vs)) if vs else "-")
+            print(f"| {length} | {n} | {' | '.join(cells)} |")
 
 
 def print_positions(runs: list[dict[str, Any]], labels: list[str]) -> None:
@@ -503,6 +568,12 @@ def parse_args() -> argparse.Namespace:
                    help="before each system starts, after the previous one's processes have all "
                         "exited: wait this long and record the host's CPU busy share, free memory "
                         "and one core's speed")
+    p.add_argument("--ttft-sweep", type=lambda v: [int(x) for x in v.split(",") if x],
+                   default=[], metavar="LENS",
+                   help="diagnostic, before the trace: cold prompts of these lengths (e.g. "
+                        "256,845,2048) sent one at a time, the client's and the server's own "
+                        "TTFT (and vLLM's queue / prefill time) per length; printed per system")
+    p.add_argument("--sweep-trials", type=int, default=3, help="prompts per --ttft-sweep length")
     p.add_argument("--out", type=Path, help="write all results as JSON here")
     p.add_argument("--json-summary", action="store_true",
                    help='print one last line {"ratios": {...}}: the first kvcake system / the '
@@ -569,6 +640,9 @@ def main() -> int:
         print(f"trace: {len(planned)} requests at {args.rate:g}/s, {num_in} prompt and "
               f"{num_out} output tokens (scale {args.scale_tokens:g})")
     print_table(per_system)
+    if args.ttft_sweep:
+        print()
+        print_sweep(per_system)
     print()
     print_runs(runs)
     if args.repeats > 1 and len(args.systems) == 2:
