@@ -113,7 +113,8 @@ def main() -> int:
         store = [sys.executable, "-m", "kvcake.store"]
         quiet: dict[str, Any] = {} if args.verbose else {
             "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        master = hosts.spawn("b", [*store, "master", "--host", hosts.ip("b"), "--port", "24500"],
+        master = hosts.spawn("b", [*store, "master", "--host", hosts.ip("b"), "--port", "24500",
+                                   "--no-node"],
                              **quiet)
         wait_for(lambda: _answers(f"{hosts.ip('b')}:24500") or master.poll() is not None,
                  "the store master on host b", timeout_s=120.0)

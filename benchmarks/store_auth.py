@@ -66,7 +66,7 @@ class Store:
     def __init__(self, secret_file: Path | None) -> None:
         flags = ["--secret-file", str(secret_file)] if secret_file else []
         self.procs: list[subprocess.Popen[str]] = []
-        master = self._spawn("master", "--port", "0", *flags)
+        master = self._spawn("master", "--port", "0", "--no-node", *flags)
         self.address = _wait_for(master, r"master listening on (\S+)")
         node = self._spawn("node", "--master", self.address, "--dram", "512MiB", "--rails", "1",
                            *flags)

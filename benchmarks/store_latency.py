@@ -109,7 +109,7 @@ def redis_latency(size: int, ops: int, port: int) -> dict[str, float] | None:
 
 def ours_latency(size: int, ops: int, port: int) -> dict[str, float]:
     procs = [subprocess.Popen([sys.executable, "-m", "kvcake.store", "master", "--port",
-                               str(port), "--stats-interval-s", "3600"],
+                               str(port), "--no-node", "--stats-interval-s", "3600"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         _wait_port(port)

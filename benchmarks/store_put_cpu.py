@@ -1,15 +1,19 @@
 """Where a small put's CPU goes: CPU per put of the client, the master and the node.
 
-Starts `kvcake store master` and `kvcake store node` as separate processes (the default row of
-benchmarks/store_vs_peers.py, `ours-tcp`), then this process puts `--n` objects of `--size`
+Starts `kvcake store master --no-node` and `kvcake store node` as separate processes (the
+`ours-tcp-no-node` row of benchmarks/store_vs_peers.py) or, with `--hosted`, `kvcake store
+master` as it starts by default, hosting its node (the `ours-tcp` row; its CPU is reported as
+the master's, the node's is 0), then this process puts `--n` objects of `--size`
 bytes with the default client over TCP, `--rounds` times after one warm-up round (each round's
 keys are removed before the next, so later rounds reuse freed ranges: the steady state). Per
 round: wall time per put, this client's user and system CPU per put (`os.times`), and the
 master's and node's (`/proc/PID/stat`, clock ticks: 10 ms, so use `--n` of a few thousand).
 No peer runs here: it measures our three processes only, to compare two versions of our code
-(run it once per version, alternating; `PYTHONPATH=DIR` picks the `kvcake` package in DIR).
+(run it once per version, alternating; `PYTHONPATH=DIR` picks the `kvcake` package in DIR;
+a version from before `--no-node` existed starts its master without a node by default: give
+it `--old-cli`).
 
-    .venv/bin/python benchmarks/store_put_cpu.py [--n 2000] [--size 65536] [--rounds 3]
+    .venv/bin/python benchmarks/store_put_cpu.py [--n 2000] [--size 65536] [--rounds 3] [--hosted]
 
 Ports used: --port and --port+1. Linux only (/proc).
 """
@@ -42,11 +46,23 @@ def cpu_us(pid: int) -> tuple[float, float]:
     return int(fields[11]) * _TICK_US, int(fields[12]) * _TICK_US
 
 
-def start(port: int, logs: Path) -> list[subprocess.Popen[Any]]:
-    """A master and a node, started and registered as store_vs_peers.py starts them."""
+def start(port: int, logs: Path, hosted: bool, old_cli: bool = False
+          ) -> list[subprocess.Popen[Any]]:
+    """A master and a node, started and registered as store_vs_peers.py starts them; `hosted`:
+    the master only, hosting its node (the node's process is the master's)."""
     master_log = open(logs / "master.log", "w")  # noqa: SIM115
+    if hosted:
+        flags = ["--with-node", "1GiB"] if old_cli else []
+        procs = [subprocess.Popen([sys.executable, "-m", "kvcake.store", "master", "--port",
+                                   str(port), "--node-port", str(port + 1), *flags,
+                                   "--stats-interval-s", "3600"],
+                                  stdout=master_log, stderr=subprocess.STDOUT)]
+        _wait_port(port)
+        _wait_port(port + 1)
+        return procs * 2  # the node's CPU is the master's: reported there, 0 for the node
+    flags = [] if old_cli else ["--no-node"]
     procs = [subprocess.Popen([sys.executable, "-m", "kvcake.store", "master", "--port",
-                               str(port), "--stats-interval-s", "3600"],
+                               str(port), *flags, "--stats-interval-s", "3600"],
                               stdout=master_log, stderr=subprocess.STDOUT)]
     _wait_port(port)
     node_log = open(logs / "node.log", "w")  # noqa: SIM115
@@ -69,6 +85,8 @@ def put_round(client: StoreClient, procs: list[subprocess.Popen[Any]], value: by
         client.put(key, value)
     wall1, times1 = time.perf_counter(), os.times()
     master1, node1 = cpu_us(procs[0].pid), cpu_us(procs[1].pid)
+    if procs[0] is procs[1]:  # hosted: one process, counted once
+        node0 = node1
     client.remove_batch(keys)
     return {"wall": (wall1 - wall0) * 1e6 / n,
             "client_user": (times1.user - times0.user) * 1e6 / n,
@@ -83,13 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=64 << 10, help="bytes per object")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after a warm-up)")
     parser.add_argument("--port", type=int, default=23600)
+    parser.add_argument("--hosted", action="store_true",
+                        help="the default deployment: `kvcake store master` hosting its node")
+    parser.add_argument("--old-cli", action="store_true",
+                        help="the kvcake measured predates --no-node (its master hosts no node "
+                        "unless --with-node)")
     args = parser.parse_args(argv)
     if args.n < 1 or args.size < 0 or args.rounds < 1:
         parser.error("--n and --rounds must be >= 1, --size >= 0")
     print(f"kvcake from {Path(kvcake.__file__).parent.parent}; {args.size} bytes x {args.n} "
           f"puts; us per put", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvcake-put-cpu-") as logs:
-        procs = start(args.port, Path(logs))
+        procs = start(args.port, Path(logs), args.hosted, args.old_cli)
         try:
             config = TransferConfig(serve=False, use_shared_memory=False, num_rails=4)
             with StoreClient(f"127.0.0.1:{args.port}", transfer_config=config) as client:
@@ -102,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{m['master_sys']:.1f}  node user {m['node_user']:.1f} sys "
                           f"{m['node_sys']:.1f}", flush=True)
         finally:
-            for proc in reversed(procs):
+            for proc in reversed(dict.fromkeys(procs)):
                 _terminate(proc)
     return 0
 

@@ -1,20 +1,23 @@
 """Our store vs Redis vs the real Mooncake store, side by side in one run, on loopback.
 
 The same layout for every system: one storage process, one client process that puts and gets.
-  ours:     `kvcake store master` + `kvcake store node` (the storage process; the master holds
-            metadata only); this script is the client, over TCP ("ours-tcp") and, as a second
-            row, over the node's shared-memory segment ("ours-shm", same host, no TCP at all)
-            and, as a third row, over TCP with `StoreClient(async_seal=True)` ("ours-tcp-seal":
-            a small put returns once its one-way seal is sent, not acknowledged; writer.py)
-            and, as a fourth, over TCP with the client's location cache off ("ours-tcp-nocache":
-            `location_cache=0`; every get asks the master first). The default client
-            ("ours-tcp") remembers where the objects it wrote or read live and reads them
-            without asking the master, still checked by version, xxh3-64 and the node's
-            revocation mark (reader.py, master.py: linearizable with removes and evictions).
-            "ours-hosted-tcp": `kvcake store master --with-node 2GiB` (one storage process: the
-            master hosts the node, store/hosted.py), default client over TCP: a single put is
-            one request (`put_inline`: the master's process receives the bytes into the node's
-            segment, checks their xxh3-64, commits; acknowledged)
+  ours:     "ours-tcp" (the default deployment): `kvcake store master` as it starts by default,
+            hosting a store node of 1 GiB in its process (store/hosted.py, store/cli.py; one
+            storage process, like redis-server), default client over TCP: a single put is one
+            request (`put_inline`: the master's process receives the bytes into the node's
+            segment, checks their xxh3-64, commits; acknowledged).
+            "ours-tcp-no-node": `kvcake store master --no-node` (metadata only, as
+            mooncake_master) + `kvcake store node --dram 2GiB` (the storage process), default
+            client over TCP: a small put writes into a reserved slot on the node, then commits
+            at the master (two round trips). The same two processes serve three more rows: over
+            the node's shared-memory segment ("ours-shm", same host, no TCP at all), over TCP
+            with `StoreClient(async_seal=True)` ("ours-tcp-seal": a small put returns once its
+            one-way seal is sent, not acknowledged; writer.py) and over TCP with the client's
+            location cache off ("ours-tcp-nocache": `location_cache=0`; every get asks the master
+            first). The default client remembers where the objects it wrote or read live and
+            reads them without asking the master, still checked by version, xxh3-64 and the
+            node's revocation mark (reader.py, master.py: linearizable with removes and
+            evictions).
   redis:    `redis-server` (Debian), this script is the client through redis-py
   mooncake: `mooncake_master` + a Mooncake client process holding a segment (storage) + a second,
             pure Mooncake client process that puts and gets (PyPI
@@ -110,7 +113,7 @@ for line in sys.stdin:
 
 
 class Ours:
-    node_flags: tuple[str, ...] = ()  # more `kvcake store node` flags (e.g. --no-prefault)
+    node_flags: tuple[str, ...] = ()  # flags for every node we start (--no-prefault)
 
     def __init__(self, name: str, port: int, shm: bool, async_seal: bool = False,
                  location_cache: int | None = None, hosted: bool = False) -> None:
@@ -125,13 +128,13 @@ class Ours:
         """`logs`: the run's directory for the master's and node's output."""
         if shared is not None:  # the second row uses the same master and node
             address = shared.address
-        elif self.hosted:  # one process: the master hosts the node (store/hosted.py)
+        elif self.hosted:  # the default: the master hosts a node (store/hosted.py, cli.py)
             log = open(logs / f"{self.name}-hosted.log", "w")  # noqa: SIM115
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvcake.store", "master", "--port", str(self.port),
-                 "--with-node", "2GiB", "--node-id", "bench-hosted", "--node-port",
-                 str(self.port + 1), "--node-rails", "4", "--stats-interval-s", "3600"],
-                stdout=log, stderr=subprocess.STDOUT))
+                 "--node-id", "bench-hosted", "--node-port", str(self.port + 1),
+                 "--stats-interval-s", "3600", *self.node_flags], stdout=log,
+                stderr=subprocess.STDOUT))
             address = f"127.0.0.1:{self.port}"
             _wait_port(self.port)
             _wait_port(self.port + 1)
@@ -139,7 +142,8 @@ class Ours:
             log = open(logs / f"{self.name}-master.log", "w")  # noqa: SIM115
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvcake.store", "master", "--port", str(self.port),
-                 "--stats-interval-s", "3600"], stdout=log, stderr=subprocess.STDOUT))
+                 "--no-node", "--stats-interval-s", "3600"], stdout=log,
+                stderr=subprocess.STDOUT))
             address = f"127.0.0.1:{self.port}"
             _wait_port(self.port)
             node_log = open(logs / f"{self.name}-node.log", "w")  # noqa: SIM115
@@ -416,20 +420,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=21100, help="base port (uses 20 ports)")
     parser.add_argument("--transfer-port", type=int, default=21800)
     parser.add_argument("--skip", default="",
-                        help="comma list of: redis, mooncake, transfer, seal, nocache, hosted")
+                        help="comma list of: redis, mooncake, transfer, seal, nocache, "
+                        "no-node (the no-node deployment's rows: ours-tcp-no-node, ours-shm, "
+                        "seal, nocache)")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--no-prefault", action="store_true",
-                        help="our separate node does not make its segment resident at start "
+                        help="our nodes do not make their segments resident at start "
                              "(kvcake store node --no-prefault), to measure what that costs puts")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     if args.no_prefault:
         Ours.node_flags = ("--no-prefault",)
-    ours_tcp = Ours("ours-tcp", args.port, shm=False)
-    ours_shm = Ours("ours-shm", args.port, shm=True)
-    ours_seal = Ours("ours-tcp-seal", args.port, shm=False, async_seal=True)
-    ours_nocache = Ours("ours-tcp-nocache", args.port, shm=False, location_cache=0)
-    ours_hosted = Ours("ours-hosted-tcp", args.port + 3, shm=False, hosted=True)
+    ours_tcp = Ours("ours-tcp", args.port, shm=False, hosted=True)  # the default deployment
+    no_node = args.port + 3  # `master --no-node` + `node`: the next rows share its processes
+    ours_no_node = Ours("ours-tcp-no-node", no_node, shm=False)
+    ours_shm = Ours("ours-shm", no_node, shm=True)
+    ours_seal = Ours("ours-tcp-seal", no_node, shm=False, async_seal=True)
+    ours_nocache = Ours("ours-tcp-nocache", no_node, shm=False, location_cache=0)
     systems: list[Any] = []
     started: list[Any] = []
     # The servers' logs (and Mooncake's worker script): removed after a clean run, kept (and
@@ -439,21 +446,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ours_tcp.start(logs)
         started.append(ours_tcp)
-        ours_shm.start(logs, shared=ours_tcp)
-        started.append(ours_shm)
-        systems += [ours_tcp, ours_shm]
-        if "seal" not in skip:
-            ours_seal.start(logs, shared=ours_tcp)
-            started.append(ours_seal)
-            systems.append(ours_seal)
-        if "nocache" not in skip:
-            ours_nocache.start(logs, shared=ours_tcp)
-            started.append(ours_nocache)
-            systems.append(ours_nocache)
-        if "hosted" not in skip:
-            ours_hosted.start(logs)
-            started.append(ours_hosted)
-            systems.append(ours_hosted)
+        systems.append(ours_tcp)
+        if "no-node" not in skip:
+            ours_no_node.start(logs)
+            started.append(ours_no_node)
+            ours_shm.start(logs, shared=ours_no_node)
+            started.append(ours_shm)
+            systems += [ours_no_node, ours_shm]
+            for row, name in ((ours_seal, "seal"), (ours_nocache, "nocache")):
+                if name not in skip:
+                    row.start(logs, shared=ours_no_node)
+                    started.append(row)
+                    systems.append(row)
         if "redis" not in skip:
             redis = Redis(args.port + 5)
             redis.start()

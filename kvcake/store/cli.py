@@ -1,6 +1,14 @@
-"""`kvcake store master --port P [--with-node 4GiB]` and `kvcake store node --master HOST:P --dram 4GiB [--disk DIR
---disk-size 20GiB]`. Both log, report stats every `--stats-interval-s`, and stop cleanly on
-SIGTERM or SIGINT: a node unregisters first, so the master drops only that node's replicas."""
+"""`kvcake store master --port P [--with-node 4GiB | --no-node]` and `kvcake store node --master
+HOST:P --dram 4GiB [--disk DIR --disk-size 20GiB]`. Both log, report stats every
+`--stats-interval-s`, and stop cleanly on SIGTERM or SIGINT: a node unregisters first, so the
+master drops only that node's replicas.
+
+Deployments. By default `kvcake store master` hosts a store node of `DEFAULT_HOSTED_DRAM` in its
+own process (store/hosted.py), as `redis-server` holds its data: one command gives a working
+store, and a small put is one request to it. Dedicated `kvcake store node` processes join it to
+pool more DRAM and SSD. `--no-node` runs a metadata-only master, as Mooncake's `mooncake_master`
+runs: the data then lives only in the nodes that join. A master elected through `--etcd` hosts
+no node (a standby's node would hold nothing; its nodes register in etcd)."""
 
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ from kvcake.units import parse_size
 
 log = logging.getLogger("kvcake.store")
 _MASTER = MasterConfig()
+DEFAULT_HOSTED_DRAM = "1GiB"  # the node a master hosts unless told otherwise (module docstring)
 
 
 def register(subparsers: Any) -> None:
@@ -26,7 +35,8 @@ def register(subparsers: Any) -> None:
     sub = store.add_subparsers(dest="store_command", metavar="ROLE")
     sub.required = True
 
-    master = sub.add_parser("master", help="the metadata master")
+    master = sub.add_parser("master", help="the master (metadata; hosts a store node "
+                            "unless --no-node)")
     master.add_argument("--host", default="127.0.0.1", help="address the RPC port binds")
     master.add_argument("--port", type=int, required=True, help="0 picks a free port")
     _etcd_flags(master, "elect one master among those started with the same etcd and "
@@ -46,17 +56,21 @@ def register(subparsers: Any) -> None:
     master.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on this port of --host (0: any port)")
     master.add_argument("--with-node", default=None, metavar="DRAM",
-                        help="host a store node with a DRAM segment of this size (e.g. 4GiB) in "
-                        "this process: a single put placed on it is one client round trip "
-                        "(store/hosted.py); other nodes join as usual")
-    master.add_argument("--node-id", default=None, help="the hosted node's id (--with-node)")
+                        help="the DRAM segment of the store node this master hosts in its "
+                        f"process (default {DEFAULT_HOSTED_DRAM}; not with --etcd): a single put "
+                        "placed on it is one client round trip (store/hosted.py); other nodes "
+                        "join as usual")
+    master.add_argument("--no-node", action="store_true",
+                        help="a metadata-only master (as mooncake_master): it hosts no node, the "
+                        "data lives in the `kvcake store node` processes that join")
+    master.add_argument("--node-id", default=None, help="the hosted node's id")
     master.add_argument("--node-port", type=int, default=0,
-                        help="the hosted node's segment server port (--with-node; 0: any)")
+                        help="the hosted node's segment server port (0: any)")
     master.add_argument("--node-rails", type=int, default=4,
-                        help="the hosted node's transfer connections per peer (--with-node)")
+                        help="the hosted node's transfer connections per peer")
     master.add_argument("--no-prefault", dest="prefault", action="store_false",
                         help="the hosted node does not make its segment resident at start "
-                             "(--with-node; see node --no-prefault)")
+                             "(see node --no-prefault)")
     _secret_flags(master)
     master.set_defaults(func=run_master)
 
@@ -112,15 +126,9 @@ def _secret(args: argparse.Namespace) -> Any:
         raise ValueError(f"--secret-file/--secret-env: {exc}") from None
 
 
-def _serve_until_signal(report: Callable[[], dict[str, Any]], interval_s: float) -> None:
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        log.info("signal %d: shutting down", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+def _serve_until_signal(report: Callable[[], dict[str, Any]], interval_s: float,
+                        stop: threading.Event) -> None:
+    """Log `report()` every `interval_s` until `stop` (set by SIGTERM / SIGINT) is set."""
     while not stop.wait(interval_s):
         log.info("stats %s", json.dumps(report(), sort_keys=True))
 
@@ -137,45 +145,57 @@ def run_master(args: argparse.Namespace) -> int:
                           lease_s=args.lease_s, put_timeout_s=args.put_timeout_s,
                           heartbeat_timeout_s=args.heartbeat_timeout_s,
                           default_replicas=args.replicas, strategy=Strategy(args.strategy))
+    hosted_dram = hosted_node_dram(args)
     _logging()
-    if args.etcd and args.with_node:
-        raise ValueError("--with-node: not with --etcd (an elected master hosts no node); start "
-                         "`kvcake store node` processes instead")
+    stop = _stop_on_signal()  # before starting: a SIGTERM during the start stops it cleanly
     if args.etcd:
-        return _run_elected_master(args, config)
-    if args.with_node:
-        return _run_hosting_master(args, config)
+        return _run_elected_master(args, config, stop)
+    if hosted_dram is not None:
+        return _run_hosting_master(args, config, hosted_dram, stop)
     server = MasterServer(MasterService(config), args.host, args.port, secret=_secret(args))
     server.start()
     log.info("master listening on %s", server.address)
-    return _serve_then_close(args, server.service.stats, server.close, "master stopped")
+    return _serve_then_close(args, server.service.stats, server.close, "master stopped", stop)
 
 
-def _run_hosting_master(args: argparse.Namespace, config: MasterConfig) -> int:
+def hosted_node_dram(args: argparse.Namespace) -> int | None:
+    """The DRAM bytes of the node `kvcake store master` hosts (module docstring), None for a
+    metadata-only master (`--no-node`, or elected through `--etcd`)."""
+    if args.no_node and args.with_node:
+        raise ValueError("--with-node/--no-node: give one (a hosted node of that size, or none)")
+    if args.etcd and args.with_node:
+        raise ValueError("--with-node: not with --etcd (an elected master hosts no node); start "
+                         "`kvcake store node` processes instead")
+    if args.no_node or args.etcd:
+        return None
+    return parse_size(args.with_node or DEFAULT_HOSTED_DRAM, "--with-node")
+
+
+def _run_hosting_master(args: argparse.Namespace, config: MasterConfig, dram_bytes: int,
+                        stop: threading.Event) -> int:
     """A master with a node in its process (store/hosted.py) until SIGTERM / SIGINT."""
     from kvcake.store.hosted import HostedConfig, HostedStore
     from kvcake.transfer import TransferConfig
 
     secret = _secret(args)
-    node = NodeConfig(dram_bytes=parse_size(args.with_node, "--with-node"),
-                      prefault=args.prefault)
+    node = NodeConfig(dram_bytes=dram_bytes, prefault=args.prefault)
     transfer = TransferConfig(host=args.host, port=args.node_port, num_rails=args.node_rails,
                               secret=secret)
     store = HostedStore(HostedConfig(config, node, args.host, args.port, args.node_id),
                         transfer_config=transfer, secret=secret)
     store.start()
-    log.info("master listening on %s, hosting node %s (segment server %s)", store.address,
+    log.info("master listening on %s (hosting node %s, segment server %s)", store.address,
              store.node.node_id, store.node.engine.address)
     return _serve_then_close(args, store.service.stats, store.close,
-                             "master and its node stopped")
+                             "master and its node stopped", stop)
 
 
 def _serve_then_close(args: argparse.Namespace, stats: Any, close: Callable[[], None],
-                      stopped: str) -> int:
+                      stopped: str, stop: threading.Event) -> int:
     """Serve /metrics (with --metrics-port) and log stats until SIGTERM / SIGINT, then close."""
     metrics = _serve_metrics(stats, args.host, args.metrics_port)
     try:
-        _serve_until_signal(stats, args.stats_interval_s)
+        _serve_until_signal(stats, args.stats_interval_s, stop)
     finally:
         if metrics is not None:
             metrics.shutdown()
@@ -199,7 +219,8 @@ def _serve_metrics(stats: Any, host: str, port: int | None) -> Any:
     return http
 
 
-def _run_elected_master(args: argparse.Namespace, config: MasterConfig) -> int:
+def _run_elected_master(args: argparse.Namespace, config: MasterConfig,
+                        stop: threading.Event) -> int:
     """Stand by until elected, then lead (store/elected.py); exit 1 if the lease is lost."""
     from kvcake.registry import Etcd
     from kvcake.store.elected import ElectedMaster
@@ -207,7 +228,6 @@ def _run_elected_master(args: argparse.Namespace, config: MasterConfig) -> int:
     master = ElectedMaster(Etcd(args.etcd), args.cluster, config, host=args.host,
                            port=args.port, advertise_host=_advertised(args),
                            secret=_secret(args), recovery_s=args.recovery_s)
-    stop = _stop_on_signal()
     master.start()
     try:
         next_report_s = time.monotonic() + args.stats_interval_s
@@ -250,6 +270,7 @@ def run_node(args: argparse.Namespace) -> int:
     transfer = TransferConfig(host=args.host, port=args.port, num_rails=args.rails,
                               secret=_secret(args), advertise_host=advertise)
     _logging()
+    stop = _stop_on_signal()  # before starting: a SIGTERM during the start stops it cleanly
     node = StoreNode(config, master, node_id=args.node_id, transfer_config=transfer,
                      host=args.host, advertise_host=advertise)
     try:
@@ -265,7 +286,7 @@ def run_node(args: argparse.Namespace) -> int:
         registration = Registration(Etcd(args.etcd), args.cluster, member).start()
     log.info("node %s joined %s; segment server %s", node.node_id, master, node.engine.address)
     try:
-        _serve_until_signal(node.stats, args.stats_interval_s)
+        _serve_until_signal(node.stats, args.stats_interval_s, stop)
     finally:
         if registration is not None:
             registration.close()

@@ -53,7 +53,7 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
 
 def test_master_and_nodes_serve_and_stop_on_sigterm(
         procs: list[subprocess.Popen[str]], tmp_path: Path) -> None:
-    master = _spawn("master", "--port", "0", "--strategy", "local_first")
+    master = _spawn("master", "--port", "0", "--no-node", "--strategy", "local_first")
     procs.append(master)
     address = _wait_for(master, r"master listening on (\S+)").group(1)
     nodes = []
@@ -98,7 +98,7 @@ def test_a_master_with_a_secret_admits_only_nodes_and_clients_that_hold_it(
     secret = ClusterSecret.generate()
     secret_file = tmp_path / "secret"
     secret.write(secret_file)
-    master = _spawn("master", "--port", "0", "--secret-file", str(secret_file))
+    master = _spawn("master", "--port", "0", "--no-node", "--secret-file", str(secret_file))
     procs.append(master)
     address = _wait_for(master, r"master listening on (\S+)").group(1)
     env = {**os.environ, "MY_CLUSTER_SECRET": secret.text()}
@@ -126,6 +126,7 @@ def test_a_master_with_a_secret_admits_only_nodes_and_clients_that_hold_it(
 @pytest.mark.parametrize("argv, prefault", [
     (["node", "--master", "127.0.0.1:1", "--dram", "1MiB"], True),
     (["node", "--master", "127.0.0.1:1", "--dram", "1MiB", "--no-prefault"], False),
+    (["master", "--port", "1"], True),  # the node a master hosts by default
     (["master", "--port", "1", "--with-node", "1MiB"], True),
     (["master", "--port", "1", "--with-node", "1MiB", "--no-prefault"], False),
 ])
@@ -140,3 +141,61 @@ def test_a_dedicated_node_prefaults_its_segment_unless_told_not_to(
     register(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["store", *argv]).prefault is prefault
     assert NodeConfig(1 << 20).prefault is False  # a worker's or an embedded store's node
+
+
+def _master_args(argv: list[str]) -> object:
+    import argparse
+
+    from kvcake.store.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["store", "master", "--port", "1", *argv])
+
+
+@pytest.mark.parametrize("argv, dram", [
+    ([], 1 << 30),  # the default deployment: the master hosts a 1 GiB node (Redis-like)
+    (["--with-node", "16MiB"], 16 << 20),
+    (["--no-node"], None),  # metadata only, as mooncake_master
+    (["--etcd", "127.0.0.1:1"], None),  # an elected master hosts no node
+])
+def test_a_master_hosts_a_node_by_default(argv: list[str], dram: int | None) -> None:
+    from kvcake.store.cli import DEFAULT_HOSTED_DRAM, hosted_node_dram
+
+    assert DEFAULT_HOSTED_DRAM == "1GiB"
+    assert hosted_node_dram(_master_args(argv)) == dram  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--with-node", "1MiB", "--no-node"], "give one"),
+    (["--with-node", "1MiB", "--etcd", "127.0.0.1:1"], "--etcd"),
+    (["--with-node", "lots"], "--with-node"),
+])
+def test_contradictory_node_flags_are_refused(argv: list[str], says: str) -> None:
+    from kvcake.store.cli import hosted_node_dram
+
+    with pytest.raises(ValueError, match=says):
+        hosted_node_dram(_master_args(argv))  # type: ignore[arg-type]
+
+
+def test_the_default_master_stores_by_itself_and_dedicated_nodes_join_it(
+        procs: list[subprocess.Popen[str]]) -> None:
+    master = _spawn("master", "--port", "0", "--no-prefault")  # the default node, not faulted in
+    procs.append(master)
+    address = _wait_for(master, r"master listening on (\S+) \(hosting node").group(1)
+    tcp = TransferConfig(serve=False, use_shared_memory=False, num_rails=1)
+    with StoreClient(address, transfer_config=tcp) as client:
+        stats = client.stats()
+        assert stats["num_nodes"] == 1 and stats["hosted_node"]
+        assert client.put("one", b"1" * 70_000)  # one request to the hosting master
+        assert client.get("one") == b"1" * 70_000
+        node = _spawn("node", "--master", address, "--dram", "8MiB", "--node-id", "extra",
+                      "--rails", "1")
+        procs.append(node)
+        _wait_for(node, "node extra joined")
+        assert client.stats()["num_nodes"] == 2
+        assert client.get("one") == b"1" * 70_000
+    for proc in (node, master):
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        assert code == 0, (code, proc.stdout.read() if proc.stdout else "")
