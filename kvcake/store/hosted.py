@@ -1,6 +1,7 @@
 """A master that hosts a store node in its own process: a small put is one client round trip.
 
-    kvcake store master --port 21000 --with-node 4GiB      # master + node "hosted" in one process
+    kvcake store master --port 21000 [--with-node 4GiB]    # master + node "hosted" in one process
+                                                           # (the default, 1 GiB; cli.py)
 
 Through a separate master and node, a put is two round trips to two processes (the bytes to the
 node, then the commit to the master). Here the client sends `put_inline` (key, size, the
