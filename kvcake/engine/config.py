@@ -207,7 +207,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-LINEAR_MODES = ("auto", "aten", "aten_t", "onednn", "mkl_gemv")
+LINEAR_MODES = ("auto", "aten", "aten_t", "onednn", "mkl_gemv", "mkl_split")
 ATTENTION_MODES = ("auto", "kernel", "gather")
 
 
@@ -226,7 +226,7 @@ class EngineConfig:
     seed: int = 0  # seeds dummy weights of presets
     enable_prefix_caching: bool = True
     # CPU fp32 GEMM backend of the linear layers: "auto" measures per shape at start-up
-    # (kvcake/engine/linear.py), or one of aten | aten_t | onednn | mkl_gemv forced.
+    # (kvcake/engine/linear.py), or one of aten | aten_t | onednn | mkl_gemv | mkl_split forced.
     linear_backend: str = "auto"
     # Decode attention: "auto" = the paged-attention op when it builds (else "gather"),
     # "kernel" = the op or an error, "gather" = copy each context out of the pool, then SDPA.

@@ -10,7 +10,10 @@
 - `csrc/fused_ops.cpp`: fp32 `rms_norm`, `add_rms_norm` (residual add + norm), `silu_mul`
   (SwiGLU's gate) and `rope_qkv_store` (RoPE on q and k, and the K/V write into the pool), each
   one pass on the calling thread instead of 2-8 eager kernels (fewer dispatches, and no parallel
-  regions waiting for a descheduled thread on a busy machine).
+  regions waiting for a descheduled thread on a busy machine);
+- `csrc/split_gemv.cpp`: `split_gemv`, a one-row product whose weight parts (each packed by MKL
+  for one row) are multiplied in one parallel region, one part per thread (linear.py's
+  `mkl_split`).
 
 The library is compiled once per machine by the system C++
 compiler (`$CXX`, else `c++`; Debian's g++) against the installed torch's headers, into
@@ -40,7 +43,8 @@ import torch
 from torch import Tensor
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_attention.cpp", "fused_ops.cpp", "prefill_attention.cpp"))
+                for name in ("paged_attention.cpp", "fused_ops.cpp", "prefill_attention.cpp",
+                             "split_gemv.cpp"))
 HEADER = SOURCES[0].with_name("fast_exp.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC",
@@ -127,7 +131,7 @@ def fused_ops() -> SimpleNamespace:
     ops = torch.ops.kvcake
     return SimpleNamespace(**{name: getattr(ops, name).default for name in (
         "rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_store", "paged_decode_attention",
-        "paged_prefill_attention")})
+        "paged_prefill_attention", "split_gemv")})
 
 
 def paged_decode_attention(q: Tensor, kv_layer: Tensor, block_tables: Tensor,

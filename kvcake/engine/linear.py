@@ -12,7 +12,11 @@ table per CPU, torch version and thread count, `table_path`), never a guess from
 - `onednn`: the weight reordered once into oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied by `mkldnn._linear_pointwise`;
 - `mkl_gemv`: the weight packed once by MKL for exactly one row (`torch.ops.mkl._mkl_linear`);
-  only in the one-row bucket.
+  only in the one-row bucket. MKL runs it on the calling thread alone;
+- `mkl_split`: the weight's rows split into one part per torch thread, each part packed by MKL
+  for one row, the parts multiplied in one parallel region (`torch.ops.kvcake.split_gemv`,
+  csrc/split_gemv.cpp), so every core reads its share of the weight; one-row bucket only, needs
+  kvcake's CPU ops.
 
 In the memory-bound buckets (at most COLD_ROWS rows) torch's default stays unless another
 backend measures clearly faster; in the compute-bound ones (prefill chunks) the prepacked oneDNN
@@ -41,9 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvcake.engine import cpu_ops
 from kvcake.engine.config import LINEAR_MODES
 
-BACKENDS = LINEAR_MODES[1:]  # ("aten", "aten_t", "onednn", "mkl_gemv")
+BACKENDS = LINEAR_MODES[1:]  # ("aten", "aten_t", "onednn", "mkl_gemv", "mkl_split")
+ONE_ROW = ("mkl_gemv", "mkl_split")  # backends packed for a product with exactly one row
 
 # Row-count buckets: (upper bound of the bucket, the row count measured for it).
 BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (8, 4), (64, 16), (512, 256), (1 << 62, 1024))
@@ -71,9 +77,10 @@ def _available(backend: str) -> bool:
     if backend == "onednn":
         return torch.backends.mkldnn.is_available() and \
             hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    if backend == "mkl_gemv":
-        return torch.backends.mkl.is_available() and \
+    if backend in ONE_ROW:
+        mkl = torch.backends.mkl.is_available() and \
             hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+        return mkl and (backend == "mkl_gemv" or cpu_ops.load())
     return True
 
 
@@ -86,6 +93,7 @@ class Kernel:
         self.choice: list[str] = ["aten"] * len(BUCKETS)
         self._onednn: Tensor | None = None
         self._mkl: Tensor | None = None
+        self._split: tuple[list[Tensor], list[Tensor]] | None = None  # (packed, weight) parts
         self._fns: list[Callable[[Tensor], Tensor]] | None = None  # per bucket, see `bind`
 
     def prepare(self, backend: str) -> None:
@@ -93,6 +101,10 @@ class Kernel:
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
         elif backend == "mkl_gemv" and self._mkl is None:
             self._mkl = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
+        elif backend == "mkl_split" and self._split is None:
+            parts = list(self.weight.chunk(max(1, torch.get_num_threads()), 0))  # row views
+            self._split = ([torch.ops.mkl._mkl_reorder_linear_weight(p, 1) for p in parts],
+                           parts)
 
     def drop_unused(self) -> None:
         """Free the packed forms no bucket chose, and bind the chosen ones."""
@@ -100,6 +112,8 @@ class Kernel:
             self._onednn = None
         if "mkl_gemv" not in self.choice:
             self._mkl = None
+        if "mkl_split" not in self.choice:
+            self._split = None
         self.bind()
 
     def bind(self) -> None:
@@ -117,6 +131,9 @@ class Kernel:
         if backend == "mkl_gemv" and self._mkl is not None:
             packed, op = self._mkl, torch.ops.mkl._mkl_linear.default
             return lambda x: op(x, packed, w, b, 1)
+        if backend == "mkl_split" and self._split is not None:
+            (packs, parts), split = self._split, cpu_ops.fused_ops().split_gemv
+            return lambda x: split(x, packs, parts, b)
         return lambda x: self.run(x, backend)
 
     def run(self, x: Tensor, backend: str) -> Tensor:
@@ -131,6 +148,9 @@ class Kernel:
         if backend == "mkl_gemv":
             assert self._mkl is not None and x.shape[0] == 1
             return torch.ops.mkl._mkl_linear(x, self._mkl, self.weight, self.bias, 1)
+        if backend == "mkl_split":
+            assert self._split is not None and x.shape[0] == 1
+            return cpu_ops.fused_ops().split_gemv(x, *self._split, self.bias)
         raise ValueError(f"linear backend {backend!r}: choose from {', '.join(BACKENDS)}")
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -164,7 +184,7 @@ class Choice:
 
 
 def _eligible(backend: str, bucket: int) -> bool:
-    return _available(backend) and (backend != "mkl_gemv" or BUCKETS[bucket][1] == 1)
+    return _available(backend) and (backend not in ONE_ROW or BUCKETS[bucket][1] == 1)
 
 
 MIN_ROUNDS, MAX_ROUNDS, SLOW_ROUNDS, SLOW_CALL_S = 8, 200, 3, 0.005
@@ -172,8 +192,9 @@ MARGIN = 1.05
 # Compute-bound buckets: more samples per backend (a few of them can all be disturbed on a busy
 # machine), within at most this many seconds per bucket.
 GEMM_MIN_ROUNDS, GEMM_BUDGET_S = 16, 0.4
-# Part of the table's key: a change of how choices are measured measures them again.
-TUNING_VERSION = 2
+# Part of the table's key: a change of how choices are measured (or of the candidates: 3 added
+# `mkl_split`) measures them again.
+TUNING_VERSION = 3
 
 
 def tune(layers: Iterable[Linear], mode: str = "auto", *, budget_s: float = 0.05,

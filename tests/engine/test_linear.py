@@ -21,6 +21,7 @@ from kvcake.engine.linear import (
     COLD_ROWS,
     GEMM_MIN_ROUNDS,
     MIN_ROUNDS,
+    ONE_ROW,
     Kernel,
     Linear,
     bucket_of,
@@ -48,7 +49,7 @@ def test_every_backend_matches_transformers(hf_dir: Path, hf_logits: torch.Tenso
     engine = Engine(str(hf_dir), EngineConfig(kv_cache_bytes=2**22, device="cpu",
                                               max_num_batched_tokens=chunk,
                                               linear_backend=backend))
-    wanted = backend if backend != "mkl_gemv" or chunk == 1 else "aten"
+    wanted = backend if backend not in ONE_ROW or chunk == 1 else "aten"
     assert engine.model.lm_head.kernel is not None
     assert engine.model.lm_head.kernel.choice[bucket_of(chunk)] == wanted
     _, ours = engine.prompt_logits(PROMPT)
@@ -62,7 +63,7 @@ def test_kernel_equals_f_linear_with_bias(backend: str) -> None:
     kernel = Kernel(w, b)
     kernel.prepare(backend)
     for rows in (1, 3, 70):
-        if backend == "mkl_gemv" and rows != 1:
+        if backend in ONE_ROW and rows != 1:
             continue
         x = torch.randn(rows, 40, generator=gen)
         assert torch.allclose(kernel.run(x, backend), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
@@ -123,7 +124,7 @@ def test_auto_choices_are_eligible_and_packed_forms_unused_are_dropped() -> None
     layers = _layers()
     for choice in tune(layers, "auto"):
         assert all(b in BACKENDS for b in choice.backends)
-        assert all(b != "mkl_gemv" for b in choice.backends[1:])  # one-row packing only
+        assert all(b not in ONE_ROW for b in choice.backends[1:])  # one-row packing only
     x = torch.randn(5, 64)
     for layer in layers[:2]:
         kernel = layer.kernel
@@ -174,3 +175,69 @@ def test_a_new_tuning_version_measures_again(tmp_path: Path,
     monkeypatch.setattr(linear, "TUNING_VERSION", linear.TUNING_VERSION + 1)
     assert table_path(tmp_path, 2) != before
     assert table_path(tmp_path, 2).parent == before.parent
+
+
+def _split_ops() -> None:
+    from kvcake.engine import cpu_ops
+    if not cpu_ops.load():
+        pytest.skip(f"kvcake's CPU ops did not build: {cpu_ops.load_error()}")
+    if not linear._available("mkl_split"):
+        pytest.skip("this torch has no MKL packed GEMV")
+
+
+def test_the_split_one_row_product_covers_every_part_whatever_the_thread_count() -> None:
+    _split_ops()
+    # 7 rows over 1-3 threads: parts of unequal size (chunk), each written to its own slice.
+    gen = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(7, 32, generator=gen), torch.randn(7, generator=gen), \
+        torch.randn(1, 32, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for bias in (b, None):
+                kernel = Kernel(w, bias)
+                kernel.prepare("mkl_split")
+                assert kernel._split is not None and len(kernel._split[0]) == min(n, 7)
+                assert torch.allclose(kernel.run(x, "mkl_split"), F.linear(x, w, bias),
+                                      atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Timed:
+    """A clock that advances by an injected cost per (backend, rows) at each measured call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cost: dict[str, float]) -> None:
+        self.now = 0.0
+        run = Kernel.run
+
+        def timed(kernel: Kernel, x: torch.Tensor, backend: str) -> torch.Tensor:
+            self.now += cost.get(backend, 1.0) if x.shape[0] == 1 else 1.0
+            return run(kernel, x, backend)
+
+        monkeypatch.setattr(Kernel, "run", timed)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(("split_ticks", "wanted"), [(12, "mkl_split"), (25, "mkl_gemv"),
+                                                     (20, "mkl_gemv")])
+def test_the_one_row_bucket_takes_the_split_product_only_where_it_measured_faster(
+        monkeypatch: pytest.MonkeyPatch, split_ticks: int, wanted: str) -> None:
+    _split_ops()
+    # Whole ticks (exact differences): aten 30, MKL's one-thread GEMV 20; the split wins only
+    # where it is faster (a tie keeps the one-thread GEMV, listed first), so a machine where it
+    # loses keeps the faster one.
+    cost = {"aten": 30.0, "aten_t": 30.0, "onednn": 30.0, "mkl_gemv": 20.0,
+            "mkl_split": float(split_ticks)}
+    layer = Linear(64, 96)
+    (choice,) = tune([layer], "auto", clock=_Timed(monkeypatch, cost))
+    assert choice.backends[0] == wanted
+    assert all(b not in ONE_ROW for b in choice.backends[1:])
+    assert choice.ms[0]["mkl_split"] == 1e3 * split_ticks
+    kernel = layer.kernel
+    assert kernel is not None and (kernel._split is None) == (wanted != "mkl_split")
+    x = torch.randn(1, 64)
+    assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)

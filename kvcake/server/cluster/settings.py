@@ -74,7 +74,7 @@ class EngineSettings(_Settings):
     enable_prefix_caching: bool = setting(_E.enable_prefix_caching,
                                           "reuse cached prompt prefixes", flag="prefix-caching")
     linear_backend: str = setting(_E.linear_backend,
-                                  "CPU GEMM backend: auto | aten | aten_t | onednn | mkl_gemv")
+                                  "CPU GEMM backend: auto | aten | aten_t | onednn | mkl_gemv | mkl_split")
     attention: str = setting(_E.attention, "decode attention: auto | kernel | gather")
 
     def to_config(self) -> EngineConfig:
