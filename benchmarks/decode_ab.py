@@ -18,10 +18,10 @@ Face directory. Printed, in order:
    the context grows alike for all), `--blocks` rounds: `tuned` (the start-up choices) and
    every backend forced for that batch's row bucket wherever it applies. Per mode: the step's
    wall ms p10 / p50 / p90 and CPU ms p50 (this process);
-4. per batch size, one more such round with every component timed (tuned choices): each linear
+4. per batch size, one more such round with every component timed, per mode: each linear
    kind, the decode attention op, the rest of the model's forward (norms, RoPE, embedding, the
    layer loop), and the rest of the step outside the model (scheduling, the runner's tensors,
-   sampling, outputs), p50 ms per step, each against its floor.
+   sampling, outputs), p50 ms per step, with each one's floor.
 
 A mode's steps differ only in the GEMM backend of the bucket under test; the machine is shared,
 so read p10/p50 of several blocks, and take the bench lock (`flock /tmp/kvcake_bench.lock ...`).
@@ -45,7 +45,16 @@ import torch
 from kvcake.engine import model as model_mod
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
-from kvcake.engine.linear import BACKENDS, Kernel, Linear, _eligible, bucket_of
+from kvcake.engine.linear import (
+    BACKENDS,
+    BUCKET_NAMES,
+    BUCKETS,
+    COLD_ROWS,
+    Kernel,
+    Linear,
+    _eligible,
+    bucket_of,
+)
 from kvcake.engine.loader import dummy_weights, save_hf_dir
 from kvcake.engine.sampling import SamplingParams
 
@@ -117,9 +126,31 @@ def _ab(engine: Engine, kernels: list[Kernel], tuned: dict[int, list[str]], buck
             for m in modes}
 
 
-def _components(engine: Engine, kinds: dict[str, list[Kernel]], bucket: int,
-                steps: int) -> dict[str, float]:
-    """p50 ms per step of each component (tuned choices), timed by wrappers."""
+def _components(engine: Engine, kinds: dict[str, list[Kernel]], tuned: dict[int, list[str]],
+                bucket: int, modes: list[str], blocks: int,
+                block_steps: int) -> dict[str, dict[str, float]]:
+    """Per mode, p50 ms per step of each component, timed by wrappers (modes alternating in
+    blocks, as in `_ab`)."""
+    kernels = [k for ks in kinds.values() for k in ks]
+    per: dict[str, dict[str, list[float]]] = {m: defaultdict(list) for m in modes}
+    for blk in range(blocks):
+        for mode in (modes if blk % 2 == 0 else modes[::-1]):
+            _set_mode(kernels, tuned, bucket, mode)
+            engine.step()
+            _timed_steps(engine, kinds, bucket, block_steps, per[mode])
+    _set_mode(kernels, tuned, bucket, "tuned")
+    result = {}
+    for mode in modes:
+        out = {name: 1e3 * statistics.median(v) for name, v in per[mode].items()}
+        linears = sum(out.get(kind, 0.0) for kind in kinds)
+        out["model_other"] = out["forward"] - linears - out.get("attention", 0.0)
+        out["outside_model"] = out["step"] - out["forward"]
+        result[mode] = out
+    return result
+
+
+def _timed_steps(engine: Engine, kinds: dict[str, list[Kernel]], bucket: int, steps: int,
+                 per: dict[str, list[float]]) -> None:
     acc: dict[str, float] = defaultdict(float)
 
     def timed(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -138,7 +169,6 @@ def _components(engine: Engine, kinds: dict[str, list[Kernel]], bucket: int,
     model_mod.paged_decode_attention = timed(attention, "attention")  # type: ignore[assignment]
     forward = engine.model.forward
     engine.model.forward = timed(forward, "forward")  # type: ignore[method-assign]
-    per: dict[str, list[float]] = defaultdict(list)
     try:
         for _ in range(steps):
             acc.clear()
@@ -153,11 +183,6 @@ def _components(engine: Engine, kinds: dict[str, list[Kernel]], bucket: int,
         for kernels in kinds.values():
             for k in kernels:
                 k.bind()
-    out = {name: 1e3 * statistics.median(v) for name, v in per.items()}
-    linears = sum(out.get(kind, 0.0) for kind in kinds)
-    out["model_other"] = out["forward"] - linears - out.get("attention", 0.0)
-    out["outside_model"] = out["step"] - out["forward"]
-    return out
 
 
 def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -167,14 +192,16 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     batches = sorted(int(b) for b in args.batches.split(","))
     engine = Engine(model, EngineConfig(dtype="float32", device="cpu", kv_cache_bytes=1 << 30,
                                         max_num_batched_tokens=args.context + 16))
-    print("start-up choices (rows 1 | 2-8 | 9-64 | 65-512 | 513+), tuner ms at 1 and 4 rows:")
+    print(f"start-up choices (rows {BUCKET_NAMES}), the tuner's ms in the few-row buckets:")
     tuner: dict[str, Any] = {}
     for c in engine.linear_choices:
         key = f"{c.shape[0]}x{c.shape[1]}"
-        tuner[key] = {"choice": list(c.backends), "ms_rows1": c.ms[0], "ms_rows4": c.ms[1]}
-        ms1 = ", ".join(f"{b} {t:.3f}" for b, t in c.ms[0].items()) or "(from the table)"
-        ms4 = ", ".join(f"{b} {t:.3f}" for b, t in c.ms[1].items())
-        print(f"  {key}: {'|'.join(c.backends)}\n    1 row: {ms1}\n    4 rows: {ms4}")
+        tuner[key] = {"choice": list(c.backends), "ms": list(c.ms)}
+        print(f"  {key}: {'|'.join(c.backends)}")
+        for (_, rows), ms in zip(BUCKETS, c.ms, strict=True):
+            if rows <= COLD_ROWS:
+                line = ", ".join(f"{b} {t:.3f}" for b, t in ms.items()) or "(from the table)"
+                print(f"    {rows} rows: {line}")
     kinds = _kernels(engine)
     kernels = [k for ks in kinds.values() for k in ks]
     tuned = {id(k): list(k.choice) for k in kernels}
@@ -195,8 +222,8 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
         bucket = bucket_of(batch)
         modes = ["tuned"] + [b for b in BACKENDS if _eligible(b, bucket)]
         ab = _ab(engine, kernels, tuned, bucket, modes, args.blocks, args.block_steps)
-        comp = _components(engine, kinds, bucket, args.blocks * args.block_steps)
-        ctx = args.context + 3 + (len(modes) * (args.block_steps + 1) + 1) * args.blocks
+        comp = _components(engine, kinds, tuned, bucket, modes, args.blocks, args.block_steps)
+        ctx = args.context + 3 + 2 * len(modes) * (args.block_steps + 1) * args.blocks
         floors = {kind: b / bw / 1e6 for kind, b in weight_bytes.items()}
         floors["attention"] = batch * ctx * kv_bytes_per_token / bw / 1e6
         floors["step"] = sum(floors.values())
@@ -205,13 +232,14 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
             print(f"  {mode:>9}: wall p10 {r['wall_p10_ms']:6.2f}  p50 {r['wall_p50_ms']:6.2f}  "
                   f"p90 {r['wall_p90_ms']:6.2f} ms, CPU p50 {r['cpu_p50_ms']:6.2f} ms "
                   f"({r['steps']} steps)")
-        print("  components (tuned), p50 ms per step / floor at the measured bandwidth:")
+        print("  components, p50 ms per step (floor: bytes read / the measured bandwidth):")
+        print(f"    {'':>14}  {'floor':>6}" + "".join(f"  {m:>9}" for m in modes))
         for name in [*kinds, "attention", "model_other", "outside_model", "step"]:
-            floor = floors.get(name)
-            extra = f" / floor {floor:.2f} ({comp[name] / floor:.2f}x)" if floor else ""
-            print(f"    {name:>14}: {comp.get(name, 0.0):6.2f}{extra}")
-        share = comp["outside_model"] / comp["step"]
-        print(f"  outside the model: {100 * share:.1f}% of the step")
+            floor = f"{floors[name]:6.2f}" if name in floors else f"{'':6}"
+            print(f"    {name:>14}  {floor}" + "".join(f"  {comp[m].get(name, 0.0):9.2f}"
+                                                   for m in modes))
+        share = comp["tuned"]["outside_model"] / comp["tuned"]["step"]
+        print(f"  outside the model (tuned): {100 * share:.1f}% of the step")
         results["batches"][str(batch)] = {"ab": ab, "components": comp, "floors": floors}
         for rid in ids:
             engine.abort(rid)

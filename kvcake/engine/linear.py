@@ -52,8 +52,12 @@ BACKENDS = LINEAR_MODES[1:]  # ("aten", "aten_t", "onednn", "mkl_gemv", "mkl_spl
 ONE_ROW = ("mkl_gemv", "mkl_split")  # backends packed for a product with exactly one row
 
 # Row-count buckets: (upper bound of the bucket, the row count measured for it).
-BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (8, 4), (64, 16), (512, 256), (1 << 62, 1024))
-BUCKET_NAMES = "1 | 2-8 | 9-64 | 65-512 | 513+"
+# The few-row buckets are measured at 2, 4 and 8 rows: one bucket for 2-8 measured at 4 rows had
+# left batch-8 decode steps on a backend 10% slower in the engine than oneDNN's
+# (docs/benchmarks.md, issue 13 decode side, eighth session).
+BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (4, 4), (8, 8), (64, 16), (512, 256),
+                                        (1 << 62, 1024))
+BUCKET_NAMES = "1 | 2 | 3-4 | 5-8 | 9-64 | 65-512 | 513+"
 # Buckets of at most this many rows are memory-bound (the weights are read once per call): they
 # are timed with the caches flushed before each call, as in a real step, where the whole model's
 # weights stream through the cache; a hot-cache loop would time the L3 instead.
