@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import colocated_terms  # noqa: E402
 import serving_disagg_vs_colocated as cap  # noqa: E402
 
 from kvcake.bench.stats import paper_tbt_s  # noqa: E402
@@ -192,7 +193,7 @@ def port_in_use(port: int) -> bool:
 
 def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[Any],
                rate: float, budget: int | None, decode_fit: Any | None = None,
-               save: Path | None = None) -> dict[str, Any]:
+               save: Path | None = None, prefill_fit: Any | None = None) -> dict[str, Any]:
     """One replay of `planned` through a fresh `kind` cluster (pin_workers = `pin`)."""
     toml = cap.kvcake_toml
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -213,7 +214,8 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
                         results, duration = served.replay(planned)
             finally:
                 del os.environ[ENV]
-            steps = [json.loads(line) for path in Path(trace_dir).glob("steps-*.jsonl")
+            steps = [{**json.loads(line), "worker": path.stem.split("-", 1)[1]}
+                     for path in sorted(Path(trace_dir).glob("steps-*.jsonl"))
                      for line in path.read_text().splitlines()]
     finally:
         cap.kvcake_toml = toml
@@ -227,7 +229,11 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
               "ttft_ms_p50_p90": [round(summary["median_ttft_ms"], 1),
                                   round(summary["p90_ttft_ms"], 1)],
               "client_tbt_ms_p50_p90": pct(client, 50, 90)}
-    if steps:  # the decode worker's step trace (disaggregated only)
+    if steps and kind == "colocated":  # both workers' mixed steps (decode rows + chunks)
+        report["colocated_steps"] = colocated_terms.summary(
+            [{**s, "t0": s["t0"] - begun, "t1": s["t1"] - begun, "t2": s["t2"] - begun}
+             for s in steps], decode_fit, prefill_fit)
+    elif steps:  # the decode worker's step trace
         report.update(analyse(steps, client))
         report["contention"] = contention_by_prefill(steps, cpu, decode_fit)
     if save is not None:  # the raw series, times from the replay's start (the planned offsets')
@@ -265,11 +271,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="write each replay's raw series (steps, workers' CPU samples, requests) "
                         "to PREFIX-<system>-pin<on|off>.json (for sim_vs_live.py --batch-series)")
     args = p.parse_args(argv)
-    decode_fit = None
+    decode_fit = prefill_fit = None
     if args.decode_fit is not None:
-        from kvcake.conductor import DecodeStepPredictor
+        from kvcake.conductor import DecodeStepPredictor, PrefillTimePredictor
         decode_fit = DecodeStepPredictor.from_json(
             json.dumps(json.loads(args.decode_fit.read_text())["decode"]))
+        refit = args.decode_fit.parent / "prefill_refit.json"  # sim_vs_live --refit-prefill
+        if refit.is_file():
+            prefill_fit = PrefillTimePredictor.from_json(
+                json.dumps(json.loads(refit.read_text())["prefill"]))
     cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
     regime = cap.load_regime(cap_args)
     cap_args.vocab_size = cap.prepare_model(cap_args).vocab_size
@@ -286,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             save = (None if args.save is None else
                     Path(f"{args.save}-{kind}-pin{'on' if pin else 'off'}.json"))
             report = {"rate": args.rate, **replay_one(kind, pin, cap_args, regime, planned,
-                                                      args.rate, budget, decode_fit, save)}
+                                                      args.rate, budget, decode_fit, save,
+                                                      prefill_fit)}
             reports.append(report)
             for key, value in report.items():
                 print(f"{key}: {json.dumps(value)}")

@@ -66,6 +66,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import colocated_terms  # noqa: E402
 import host_terms  # noqa: E402
 import serving_disagg_vs_colocated as cap  # noqa: E402
 
@@ -479,6 +480,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the live decode batch, step and prefill busy share over time in a "
                         "decode_gaps.py --save file next to the simulated ones (its rate and "
                         "requests), then stop")
+    p.add_argument("--colocated-terms", type=Path, default=None, metavar="SAVED",
+                   help="the live profile's colocated step terms measured from a decode_gaps.py "
+                        "--systems colocated --save file (benchmarks/colocated_terms.py: decode "
+                        "and chunk factors with the other worker idle / stepping, per-step "
+                        "overhead, step dispersion); nothing fitted")
+    p.add_argument("--colocated-series", type=Path, default=None, metavar="SAVED",
+                   help="the saved colocated run's steps by kind (decode / mixed / chunk), "
+                        "requests per worker and batch over time next to the simulated ones, "
+                        "and that run's metrics, then stop")
     p.add_argument("--no-capacity", action="store_true",
                    help="skip the simulated capacity search (sim_capacity.json)")
     p.add_argument("--systems", default="disagg,colocated",
@@ -544,6 +554,34 @@ def main(argv: list[str] | None = None) -> int:
                                    base.prefill)
         profile = host_terms.with_terms(profile, terms)
         print(f"host terms measured from {args.host_terms}: {json.dumps(terms)}")
+    coloc = None
+    if args.colocated_terms is not None:
+        base = live_cost_from_dict(profile)
+        coloc = colocated_terms.measure(host_terms.load_saved(args.colocated_terms),
+                                        base.decode, base.prefill)
+        profile = {**profile, "live": {**profile["live"], "colocated": coloc["colocated"]}}
+        print(f"colocated terms measured from {args.colocated_terms}: "
+              f"{json.dumps(coloc['colocated'])}")
+    jitters = {"disagg": terms["step_jitter_quantiles"] if terms else None,
+               "colocated": coloc["step_jitter_quantiles"] if coloc else None}
+    if args.colocated_series is not None:
+        saved = host_terms.load_saved(args.colocated_series)
+        plan_ = cap.workload(records, regime, cap_args.vocab_size, saved["rate"],
+                             args.seed)[:len(saved["requests"])]
+        saved_trace = sim_trace(records[:len(plan_)], plan_, block_len)
+        saved_cost = live_cost_from_dict(profile).as_cost_model()
+        steps = colocated_terms.compare_steps(saved, saved_trace, configs["colocated"],
+                                              saved_cost)
+        colocated_terms.print_compare(steps)
+        same_run = compare({"colocated": live_metrics(host_terms.results_of(saved), regime)},
+                           {"colocated": sim_metrics(saved_trace, regime, configs["colocated"],
+                                                     saved_cost, jitters["colocated"])})
+        print_table(f"the saved colocated run ({saved['rate']:.3g}/s, {len(plan_)} requests)",
+                    same_run)
+        if args.json:
+            print(json.dumps({"colocated_steps": steps, "colocated_terms": coloc,
+                              "metrics": same_run}))
+        return 0
     if args.batch_series is not None:
         saved = host_terms.load_saved(args.batch_series)
         plan_ = cap.workload(records, regime, cap_args.vocab_size, saved["rate"],
@@ -561,12 +599,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"batch_series": series, "host_terms": terms,
                               "metrics": same_run}))
         return 0
-    if terms is not None and fit_live is not None:  # a second check rate, nothing fitted
+    if (terms is not None or coloc is not None) and fit_live is not None:  # nothing fitted
         fit_plan = cap.workload(records, regime, cap_args.vocab_size, args.fit_rate, args.seed)
         fit_cost = live_cost_from_dict(profile).as_cost_model()
         fit_metrics = compare(fit_live, {
             name: sim_metrics(sim_trace(records, fit_plan, block_len), regime, config, fit_cost,
-                              terms["step_jitter_quantiles"] if name == "disagg" else None)
+                              jitters[name])
             for name, config in configs.items() if name in fit_live})
         print_table(f"second check rate {args.fit_rate:.3g}/s", fit_metrics)
     elif fit_live is not None and "disagg" in fit_live:
@@ -585,8 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "live_profile.json").write_text(json.dumps(profile, indent=1) + "\n")
     cost = live_cost_from_dict(profile).as_cost_model()
     trace = sim_trace(records, planned, block_len)
-    sim = {name: sim_metrics(trace, regime, config, cost,
-                             terms["step_jitter_quantiles"] if terms and name == "disagg" else None)
+    sim = {name: sim_metrics(trace, regime, config, cost, jitters[name])
            for name, config in configs.items() if name in live}
     metrics = compare(live, sim)
     print(f"rate {rate:.3g}/s, {len(planned)} requests, block {block_len} tokens, transfer "
@@ -615,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         elif terms is not None:
             out |= {"host_terms": terms, "second_rate": args.fit_rate,
                     "second_rate_metrics": fit_metrics}
+        if coloc is not None:
+            out["colocated_terms"] = coloc
         print(json.dumps(out))
     return 0
 

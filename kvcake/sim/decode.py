@@ -14,7 +14,10 @@ A colocated (vLLM-like) instance also holds a prefill queue. Without chunked pre
 prefill runs as one step of its own and every decoding sequence stalls for it (its next token
 gap holds the whole prefill). With chunked prefill each step carries the decode batch plus a
 chunk of the head prefill, `chunk_budget_tokens - batch_size` tokens, and lasts the decode step
-plus the chunk's prefill time: decodes never stall but every step is slower.
+plus the chunk's prefill time: decodes never stall but every step is slower. With busy costs
+(`StepCosts.decode_step_busy_s` and `chunk_busy_s`, a live profile's colocated terms) a run is
+priced by whether the host's other worker steps (`host_prefill_busy`) and cut at its next step
+boundary when that changes (`follow_host`).
 
 Passive state: the cluster calls `add`/`add_prefill`/`on_step_done` and schedules the events
 they return.
@@ -59,8 +62,11 @@ class StepCosts:
     # (input_len, prefix_len, num_tokens, forward_tokens): a chunk's compute inside a forward
     chunk_s: Callable[[int, int, int, int], float] | None = None
     step_overhead_s: float = 0.0  # a forward's fixed cost (paid by a chunk-only step)
-    # a decode step while the host's prefill worker computes (None: no such coupling)
+    # a decode step while the host's prefill worker computes (None: no such coupling); on a
+    # colocated instance: while the host's other worker steps
     decode_step_busy_s: Callable[[int, int], float] | None = None
+    # colocated: a chunk's compute while the host's other worker steps (as `chunk_s`)
+    chunk_busy_s: Callable[[int, int, int, int], float] | None = None
 
 
 class DecodeInstance:
@@ -129,9 +135,11 @@ class DecodeInstance:
         `StepCosts.decode_step_busy_s`), the run is cut at its next step boundary and the steps
         after it are planned at the new cost (the step in flight keeps its own)."""
         if self.host_prefill_busy is None or self.costs.decode_step_busy_s is None or \
-                self.run is None or self._run_prefill is not None or \
-                self.host_prefill_busy() == self._run_busy:
+                self.run is None or self.host_prefill_busy() == self._run_busy:
             return None
+        if self._run_prefill is not None and (self.chunk_budget_tokens is None
+                                              or self.costs.chunk_busy_s is None):
+            return None  # a whole prefill, or chunks priced alike busy or not
         return self._cut(now_s)
 
     def on_step_done(self, now_s: float, token: int) -> tuple[list[Seq], list[Seq], Event | None]:
@@ -243,6 +251,7 @@ class DecodeInstance:
 
     def _plan_prefill(self, now_s: float, head: Seq) -> StepRun:
         self._run_prefill = head
+        self._run_busy = self.host_prefill_busy is not None and self.host_prefill_busy()
         start, total = head.prefill_done_len, head.context_len
         if self.chunk_budget_tokens is None:  # the whole prompt in one step; decodes stall
             self._run_chunk = total - start
@@ -271,10 +280,14 @@ class DecodeInstance:
                                      self.chunk_budget_tokens)
 
     def _chunk_step_s(self, batch: int, context: int, head: Seq, num_tokens: int) -> float:
-        decode_s = self.costs.decode_step_s(batch, context) if batch else self.costs.step_overhead_s
-        return decode_s + self._chunk_prefill_s(head, num_tokens, batch + num_tokens)
+        busy = self._run_busy and self.costs.chunk_busy_s is not None
+        decode = self.costs.decode_step_busy_s if busy else None
+        decode = decode or self.costs.decode_step_s
+        decode_s = decode(batch, context) if batch else self.costs.step_overhead_s
+        return decode_s + self._chunk_prefill_s(head, num_tokens, batch + num_tokens, busy)
 
-    def _chunk_prefill_s(self, head: Seq, num_tokens: int, forward_tokens: int = 0) -> float:
+    def _chunk_prefill_s(self, head: Seq, num_tokens: int, forward_tokens: int = 0,
+                         busy: bool = False) -> float:
         """A chunk's share of its prompt's prefill FLOPs, by token count, at the MFU of the
         forward it rides in (`StepCosts.chunk_s`; without it, its share of the whole prefill).
 
@@ -283,9 +296,10 @@ class DecodeInstance:
         chunk as a prefill of its own would make chunking look cheaper); what it costs is the
         lower MFU of small forwards."""
         new = head.context_len - head.prefix_len
-        if self.costs.chunk_s is not None:
-            return self.costs.chunk_s(head.context_len, head.prefix_len, num_tokens,
-                                      forward_tokens or num_tokens)
+        chunk_s = self.costs.chunk_busy_s if busy else self.costs.chunk_s
+        if chunk_s is not None:
+            return chunk_s(head.context_len, head.prefix_len, num_tokens,
+                           forward_tokens or num_tokens)
         return self.costs.prefill_s(head.context_len, head.prefix_len) * num_tokens / new
 
 

@@ -13,7 +13,8 @@ alone does not:
              "contention": {"decode": 1.6, "prefill": 1.3,      # optional, default 1.0 each
                             "decode_prefill_busy": 2.0,         # optional, default: "decode"
                             "prefill_decode_busy": 1.8},        # optional, default: "prefill"
-             "decode_step_overhead_s": 0.0005}          # optional, default 0
+             "decode_step_overhead_s": 0.0005,          # optional, default 0
+             "colocated": {...}}                        # optional: colocated_cost.py
 
 `LiveCost` answers what the simulator asks of a `CostModel` from those fits instead of FLOPs:
 a prefill is `prefill.predict(input, prefix)` (a chunk of it inside a larger forward: its
@@ -42,6 +43,10 @@ step the fit timed (sending the step's tokens, its loop: inbox, orders, load rep
 from the step trace (the gap from one step's end to the next one's start, back-to-back steps);
 added to every decode step.
 
+`colocated`: the colocated workers' step terms (`ColocatedTerms`, kvcake/sim/colocated_cost.py:
+decode and chunk factors with the host's other worker idle / stepping, a per-step overhead),
+used for colocated runs instead of `contention` and `decode_step_overhead_s`.
+
 Pure: no torch, no clock; `load_live_profile` reads one file.
 """
 
@@ -55,6 +60,7 @@ from typing import Any, cast
 
 from kvcake.conductor import CostModel, DecodeStepPredictor, PrefillTimePredictor
 from kvcake.conductor.profiles import HardwareProfile, ModelProfile
+from kvcake.sim.colocated_cost import ColocatedTerms
 
 _HBM_RESERVE = 0.9  # kvcake/sim/topology.py keeps this share of HBM for weights + KV
 _SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
@@ -76,6 +82,7 @@ class LiveCost:
     decode_busy_contention: float | None = None  # decode steps while the host prefills
     prefill_busy_contention: float | None = None  # prefills started while the host decodes
     decode_step_overhead_s: float = 0.0  # the worker's time per step outside the engine step
+    colocated: ColocatedTerms | None = None  # the colocated workers' step terms
 
     def __post_init__(self) -> None:
         for name, key in (("decode_contention", "decode"), ("prefill_contention", "prefill"),
@@ -191,6 +198,8 @@ def live_cost_from_dict(data: dict[str, Any], source: str = "live profile") -> L
         prefill_busy = contention.get("prefill_decode_busy")
         prefill_busy_factor = None if prefill_busy is None else float(prefill_busy)
         overhead = float(live.get("decode_step_overhead_s", 0.0))
+        colocated = (None if live.get("colocated") is None
+                     else ColocatedTerms.from_dict(live["colocated"]))
     except KeyError as exc:
         raise ValueError(f"{source}: missing {exc}; a live profile is `kvcake profile`'s JSON "
                          "plus a \"live\" object (kvcake/sim/live_profile.py)") from None
@@ -211,7 +220,7 @@ def live_cost_from_dict(data: dict[str, Any], source: str = "live profile") -> L
     return LiveCost(model, hardware, prefill, decode, pool_tokens, topology,
                     decode_contention=decode_factor, prefill_contention=prefill_factor,
                     decode_busy_contention=busy_factor, decode_step_overhead_s=overhead,
-                    prefill_busy_contention=prefill_busy_factor)
+                    prefill_busy_contention=prefill_busy_factor, colocated=colocated)
 
 
 def load_live_profile(path: str | Path) -> LiveCost:

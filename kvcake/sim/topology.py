@@ -77,6 +77,9 @@ def build_topology(config: SimConfig, cost: CostModel, kv_capacity: int) -> Topo
               if getattr(cost, "host_coupled", False) and not config.colocated else None)
     costs = StepCosts(cost.decode_step_time_s, cost.prefill_time_s, cost.chunk_compute_s,
                       hw.prefill_step_overhead_s, busy_s)
+    terms = getattr(cost, "colocated", None)  # a live profile's colocated step terms
+    if config.colocated and terms is not None:
+        costs = terms.step_costs(cost)
     if config.colocated:
         n = config.num_prefill + config.num_decode
         chunk_budget = config.chunk_budget_tokens if config.chunked_prefill else None

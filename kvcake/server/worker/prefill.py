@@ -31,6 +31,7 @@ from typing import Any
 from kvcake.engine.engine import RequestOutput
 from kvcake.engine.sequence import FinishReason
 from kvcake.server.worker.block_fetch import StoredLayout, read_layers
+from kvcake.server.worker.config import Role
 from kvcake.server.worker.handoff import HandoffPolicy
 from kvcake.server.worker.kv_runs import block_runs
 from kvcake.server.worker.messages import (
@@ -43,6 +44,7 @@ from kvcake.server.worker.messages import (
     sampling_from_wire,
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
+from kvcake.server.worker.step_trace import StepTrace
 from kvcake.server.worker.store_writer import StoreWriter
 from kvcake.transfer import (
     SegmentDesc,
@@ -97,6 +99,10 @@ class PrefillRole:
         self._fetches: queue.Queue[PrefillOrder | None] = queue.Queue()
         self._fetching: dict[str, PrefillOrder] = {}  # handed to the fetcher, not started
         self._fetcher: threading.Thread | None = None
+        # diagnostics, off by default: a colocated worker's mixed steps (decode rows + chunks)
+        self._trace = (StepTrace.from_env(worker.worker_id)
+                       if worker.config.role is Role.COLOCATED else None)
+        self._traced: list[tuple[Any, int, int]] = []  # (sequence, tokens, computed) at layer 0
 
     # -- the role contract (role.py) ---------------------------------------------------
     def start(self) -> None:
@@ -111,6 +117,8 @@ class PrefillRole:
         if self._fetcher is not None:
             self._fetches.put(None)
             self._fetcher.join(timeout=10)
+        if self._trace is not None:
+            self._trace.close()
 
     def has_pending(self) -> bool:
         return False
@@ -136,15 +144,36 @@ class PrefillRole:
                 self.worker.send(RequestFailed(message.request_id, "aborted"))
 
     def step(self) -> None:
+        trace = self._trace
+        if trace is not None:
+            t0, c0 = trace.now(), trace.cpu()
+            self._traced = []
         before = time.perf_counter()
         self._in_step = []
         outputs = self.engine.step(layer_hook=self._layer_hook)
         spent = time.perf_counter() - before
+        if trace is not None:
+            t1, c1 = trace.now(), trace.cpu()
         for state in self._in_step:
             state.compute_s += spent
         for output in outputs:
             self._on_output(output)
         self._note_progress()
+        if trace is not None and self._traced:
+            self._record_step(trace, t0, t1, c1 - c0)
+
+    def _record_step(self, trace: StepTrace, t0: float, t1: float, cpu_s: float) -> None:
+        """The step's decode rows and prompt chunks (what each sequence computed in it)."""
+        rows, chunks = [], []
+        for seq, tokens, computed in self._traced:
+            done = seq.num_computed_tokens - computed
+            if done <= 0:
+                continue  # not scheduled in this step
+            if computed >= seq.num_prompt_tokens:
+                rows.append((seq.request_id, tokens))
+            else:
+                chunks.append((seq.request_id, computed, done, seq.num_prompt_tokens))
+        trace.record(t0, t1, trace.now(), cpu_s, rows, chunks)
 
     def after_step(self) -> None:
         pass
@@ -214,6 +243,9 @@ class PrefillRole:
         """Layer `layer_idx` of every streaming request's blocks is written: ship it now."""
         if layer_idx == 0:
             self._start_step()
+            if self._trace is not None:  # scheduled, not yet computed: each one's start
+                self._traced = [(seq, seq.num_tokens, seq.num_computed_tokens)
+                                for seq in self.engine.batcher.running]
         for state in self._in_step:
             if state.kv_pool is not None and state.layerwise and not state.first_token_sent:
                 self._submit_layer(state, layer_idx, state.blocks_done, state.step_end_block)

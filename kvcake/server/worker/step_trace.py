@@ -5,7 +5,9 @@ directory).
 One line per engine step: `{"t0", "t1", "t2", "cpu", "rows"}`, the step's start and end and the
 end of sending its tokens (seconds on the monotonic clock, comparable with other processes' on
 the same host), the engine thread's CPU seconds in the step, and the sequences it ran
-(`[request_id, context tokens]`). The gap from one line's `t2` to the next's `t0` is the loop's
+(`[request_id, context tokens]`); a colocated worker's line also has `chunks`, the prompt chunks
+the step computed beside its decode rows (`[request_id, first position, tokens, prompt tokens]`;
+its `rows` then only the decoding sequences). The gap from one line's `t2` to the next's `t0` is the loop's
 time outside the engine (inbox, orders, load reports). `benchmarks/decode_gaps.py` reads it.
 """
 
@@ -42,9 +44,13 @@ class StepTrace:
         return cls((path / f"steps-{worker_id}-{os.getpid()}.jsonl").open("a", buffering=1))
 
     def record(self, t0: float, t1: float, t2: float, cpu_s: float,
-               rows: Sequence[tuple[str, int]]) -> None:
-        self._out.write(json.dumps({"t0": t0, "t1": t1, "t2": t2, "cpu": cpu_s,
-                                    "rows": [[rid, n] for rid, n in rows]}) + "\n")
+               rows: Sequence[tuple[str, int]],
+               chunks: Sequence[tuple[str, int, int, int]] | None = None) -> None:
+        line: dict[str, object] = {"t0": t0, "t1": t1, "t2": t2, "cpu": cpu_s,
+                                   "rows": [[rid, n] for rid, n in rows]}
+        if chunks is not None:
+            line["chunks"] = [list(c) for c in chunks]
+        self._out.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
         self._out.close()
