@@ -136,7 +136,8 @@ def kvcake_command(system: System, args: argparse.Namespace, port: int,
     if system.kind == "kvcake-single":
         return base + ["--mode", "single", "--model", str(args.model_dir), "--port", str(port),
                        "--dtype", system.dtype, "--num-threads", str(args.kvcake_threads),
-                       "--max-model-len", str(args.max_model_len)]
+                       "--max-model-len", str(args.max_model_len)] + \
+            (["--bind-threads"] if args.kvcake_bind_threads else [])
     # --num-threads is not forwarded to launched workers, so the cluster comes from a TOML file
     toml = run_dir / "disagg.toml"
     toml.write_text(
@@ -537,6 +538,9 @@ def parse_args() -> argparse.Namespace:
                    help="torch threads of --mode single (default: as many as vLLM's worker gets "
                         "with bind 0-1; 1 is faster when the cores are busy with other work); "
                         "the disaggregated workers use 1 each")
+    p.add_argument("--kvcake-bind-threads", action="store_true",
+                   help="kvcake-single: serve with --bind-threads (its torch threads one per "
+                        "CPU, as vLLM's launcher binds its worker's)")
     p.add_argument("--vllm-dtype", default="float32",
                    help="fp32: 3-4x faster prefill than bf16 on a CPU without AVX512-BF16/AMX "
                         "(docs/benchmarks.md); the peer launcher's own default is bfloat16")

@@ -13,7 +13,9 @@
   regions waiting for a descheduled thread on a busy machine);
 - `csrc/split_gemv.cpp`: `split_gemv`, a one-row product whose weight parts (each packed by MKL
   for one row) are multiplied in one parallel region, one part per thread (linear.py's
-  `mkl_split`).
+  `mkl_split`);
+- `csrc/thread_bind.cpp`: `bind_threads`, each thread of the caller's intra-op pool bound to one
+  CPU (as vLLM's CPU launcher binds its worker's OpenMP threads).
 
 The library is compiled once per machine by the system C++
 compiler (`$CXX`, else `c++`; Debian's g++) against the installed torch's headers, into
@@ -44,7 +46,7 @@ from torch import Tensor
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention.cpp", "fused_ops.cpp", "prefill_attention.cpp",
-                             "split_gemv.cpp"))
+                             "split_gemv.cpp", "thread_bind.cpp"))
 HEADER = SOURCES[0].with_name("fast_exp.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC",
@@ -156,6 +158,13 @@ def paged_prefill_attention(q: Tensor, kv_layer: Tensor, block_table: Tensor, ct
     block_table [>= ceil(ctx_len / block_size)] of kv_layer [num_blocks, 2, block_size, Hkv, D]
     (the chunk's own included) -> [n, Hq, D]. Needs `paged_prefill_supported`."""
     return fused_ops().paged_prefill_attention(q, kv_layer, block_table, ctx_len, scale)
+
+
+def bind_threads(cpus: list[int]) -> list[int]:
+    """Bind the calling thread's intra-op pool, thread i to cpus[i] (one CPU per thread of
+    `torch.get_num_threads()`); per thread the CPU it is bound to, -1 where that failed. Needs
+    `load()`; call it on the thread that runs the steps (OpenMP pools are per calling thread)."""
+    return list(torch.ops.kvcake.bind_threads(cpus))
 
 
 def main() -> int:

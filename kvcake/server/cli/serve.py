@@ -106,6 +106,7 @@ def local_config(args: argparse.Namespace) -> LocalBackendConfig:
                               max_waiting_requests=serve.max_waiting_requests,
                               retry_after_s=serve.retry_after_s,
                               num_threads=worker.num_threads,
+                              bind_threads=serve.bind_threads,
                               served_model_names=serve.served_model_name or ())
 
 

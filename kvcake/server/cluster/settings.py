@@ -155,6 +155,9 @@ class ServeSettings(_Settings):
     max_waiting_requests: int | None = setting(
         None, "answer 429 while this many requests wait for their first token (default: no "
         "limit)")
+    bind_threads: bool = setting(
+        False, "bind the engine's torch threads one per CPU of this process (as vLLM's CPU "
+        "launcher binds its worker's); off: the kernel places them", modes=("single",))
     retry_after_s: float = setting(1.0, "Retry-After of a 429 (the Conductor's floor of its "
                                    "estimate)")
     log_level: str = setting("info", "debug | info | warning | error")

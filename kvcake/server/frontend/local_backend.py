@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import queue
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvcake.engine import cpu_ops
 from kvcake.engine.chat_template import ChatTemplate
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine, RequestOutput
@@ -57,6 +60,7 @@ class LocalBackendConfig:
     max_waiting_requests: int | None = None  # None: no admission limit
     retry_after_s: float = 1.0
     num_threads: int | None = None  # torch intra-op threads of the engine; None: torch's default
+    bind_threads: bool = False  # those threads one per CPU of the process (`thread_cpus`)
     served_model_names: tuple[str, ...] = ()  # (): the model's own name
 
     def __post_init__(self) -> None:
@@ -67,6 +71,29 @@ class LocalBackendConfig:
             raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
+
+
+def thread_cpus(num_threads: int, allowed: set[int]) -> list[int] | None:
+    """The CPUs to bind `num_threads` intra-op threads to, one each: the lowest of `allowed` (the
+    process's affinity); None when there are fewer CPUs than threads (binding two threads to
+    one CPU would only serialise them)."""
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    cpus = sorted(allowed)
+    return cpus[:num_threads] if len(cpus) >= num_threads else None
+
+
+def bind_engine_threads(num_threads: int) -> list[int]:
+    """On the engine thread: bind its intra-op pool one thread per CPU (`thread_cpus`); the CPUs
+    bound, [] when not possible (too few CPUs, no kvcake CPU ops), with the reason logged."""
+    cpus = thread_cpus(num_threads, os.sched_getaffinity(0))
+    if cpus is None or not cpu_ops.load():
+        why = "fewer CPUs than threads" if cpus is None else cpu_ops.load_error()
+        print(f"kvcake: --bind-threads: threads left unbound ({why})", file=sys.stderr)
+        return []
+    bound = cpu_ops.bind_threads(cpus)
+    print(f"kvcake: engine threads bound to CPUs {bound}", file=sys.stderr)
+    return bound
 
 
 @dataclass
@@ -95,6 +122,7 @@ class LocalBackend:
         self._num_waiting = 0  # admitted, no token yet (guarded by _lock)
         self._stats = BackendStats()
         self._num_live = 0  # requests the engine thread holds (written by it only)
+        self.bound_cpus: list[int] = []  # with bind_threads: the CPUs the engine's threads got
         model_dir = Path(self.config.model)
         self._chat_template = ChatTemplate.load(model_dir) if model_dir.is_dir() else None
 
@@ -199,6 +227,8 @@ class LocalBackend:
     def _loop(self) -> None:
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)  # set here: OpenMP is per thread
+        if self.config.bind_threads:
+            self.bound_cpus = bind_engine_threads(torch.get_num_threads())
         live: dict[str, _Add] = {}
         while True:
             for command in self._drain(block=not self.engine.has_unfinished()):

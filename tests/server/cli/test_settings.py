@@ -63,6 +63,7 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "config": (str(EXAMPLE), None),
     "max_waiting_requests": ("7", 7),
     "retry_after_s": ("2.5", 2.5),
+    "bind_threads": (True, True),
     "log_level": ("debug", "debug"),
     "api_key": ("sk-walk", "sk-walk"),
     "max_request_bytes": ("1MiB", 2**20),
@@ -158,6 +159,7 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
         return [{"model": local.model, "served_model_name": local.served_model_names,
                  "max_waiting_requests": local.max_waiting_requests,
                  "retry_after_s": local.retry_after_s, "num_threads": local.num_threads,
+                 "bind_threads": local.bind_threads,
                  "host": settings_from_args(args)[0].host,
                  "port": settings_from_args(args)[0].port}[name]]
     cluster = config_from_args(args)

@@ -1,0 +1,64 @@
+"""`--bind-threads` of `kvcake serve --mode single`: which CPUs, and the op that binds."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from kvcake.engine import cpu_ops
+from kvcake.server.frontend.local_backend import LocalBackendConfig, thread_cpus
+
+
+def test_thread_cpus_takes_the_lowest_allowed_cpus_one_per_thread() -> None:
+    assert thread_cpus(2, {3, 1, 7}) == [1, 3]
+    assert thread_cpus(1, {5}) == [5]
+    assert thread_cpus(3, {0, 1, 2}) == [0, 1, 2]
+
+
+def test_thread_cpus_leaves_threads_unbound_when_cpus_are_fewer() -> None:
+    assert thread_cpus(2, {0}) is None
+
+
+def test_thread_cpus_rejects_a_pool_without_threads() -> None:
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        thread_cpus(0, {0, 1})
+
+
+def test_binding_is_off_unless_asked() -> None:
+    assert LocalBackendConfig().bind_threads is False
+
+
+def test_bind_threads_pins_the_calling_thread_to_the_first_cpu() -> None:
+    if not cpu_ops.load():
+        pytest.skip(f"kvcake CPU ops not built: {cpu_ops.load_error()}")
+    seen: dict[str, object] = {}
+
+    def run() -> None:  # a thread of its own: its pool (and its affinity) end with it
+        n = torch.get_num_threads()
+        cpus = thread_cpus(n, os.sched_getaffinity(0))
+        if cpus is None:
+            seen["skip"] = f"{n} torch threads, fewer CPUs"
+            return
+        seen["cpus"] = cpus
+        seen["bound"] = cpu_ops.bind_threads(cpus)
+        seen["own"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "skip" in seen:
+        pytest.skip(str(seen["skip"]))
+    cpus = seen["cpus"]
+    assert isinstance(cpus, list)
+    assert seen["bound"] == cpus
+    assert seen["own"] == {cpus[0]}
+
+
+def test_bind_threads_needs_one_cpu_per_thread() -> None:
+    if not cpu_ops.load():
+        pytest.skip(f"kvcake CPU ops not built: {cpu_ops.load_error()}")
+    with pytest.raises(RuntimeError, match="one CPU per intra-op thread"):
+        cpu_ops.bind_threads([0] * (torch.get_num_threads() + 1))
