@@ -13,8 +13,10 @@ decode batch, the engine step's wall and CPU time (per batch size too), the loop
 two steps, the sending of a step's tokens, and the paper's per-request TBT (mean of the slowest
 10% of a request's gaps) as the worker sent the tokens vs as the replay client received them:
 what the frontend, its SSE and the client add to the step. `--systems disagg,colocated` replays
-the same requests through the 2 colocated workers too (budget `--colocated-budget`, no step
-trace: shares, TTFT and client TBT), and `--pin both` runs each system with `pin_workers` off,
+the same requests through the 2 colocated workers too (budget `--colocated-budget`; both
+workers' step trace: each step's decode rows and prompt chunks, benchmarks/colocated_terms.py's
+factors per step kind with the other worker idle / stepping, given `--decode-fit` and the
+`prefill_refit.json` beside it), and `--pin both` runs each system with `pin_workers` off,
 then on (kvcake/server/cluster/cpu_pinning.py). Needs the bench lock (a live run).
 """
 
@@ -261,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated, of disagg and colocated (the capacity run's shapes)")
     p.add_argument("--pin", choices=("on", "off", "both"), default="on",
                    help="pin_workers of the clusters; both: an off/on A/B per system")
-    p.add_argument("--colocated-budget", type=int, default=64,
-                   help="the colocated workers' prefill-chunk budget (the quiet run's pick)")
+    p.add_argument("--colocated-budget", type=int, default=None,
+                   help="the colocated workers' prefill-chunk budget (default: --out-dir's "
+                        "colocated-budget.json, else 64)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--decode-fit", type=Path, default=None, metavar="JSON",
                    help="a decode step fit (sim_vs_live.py's decode_refit.json): each step's "
@@ -287,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     planned = cap.workload(records, regime, cap_args.vocab_size, args.rate,
                            args.seed)[:args.num_requests]
     pins = {"on": [True], "off": [False], "both": [False, True]}[args.pin]
+    if args.colocated_budget is None:
+        chosen = args.out_dir / "colocated-budget.json"
+        args.colocated_budget = (int(json.loads(chosen.read_text())["chunk_budget"])
+                                 if chosen.is_file() else 64)
     reports = []
     for kind in args.systems.split(","):
         if kind not in ("disagg", "colocated"):
