@@ -268,6 +268,11 @@ def diagnostics(trace: Trace, config: SimConfig, cost: Any, step: float = 1.1) -
            "tpot_mean_ms": 1000 * sim_tpot_mean_s(base.states)}
     if isinstance(cost, LiveCost):
         slower = dataclasses.replace(cost, decode_contention=cost.decode_contention * step)
+        if cost.colocated is not None:  # a colocated run's decode steps: its own terms
+            terms = cost.colocated
+            slower = dataclasses.replace(slower, colocated=dataclasses.replace(
+                terms, decode=terms.decode * step,
+                decode_other_busy=terms.decode_other_busy * step))
         tbt = base.summary["tbt_s"]["p50"]
         tbt_slow = simulate(config, trace, slower.as_cost_model()).summary["tbt_s"]["p50"]
         if tbt > 0 and tbt_slow > 0:
