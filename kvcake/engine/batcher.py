@@ -9,7 +9,8 @@ Each `schedule()` call plans one model step under a token budget (`max_num_batch
    preempted (blocks freed, back to the head of the queue, recomputed later).
 2. Then waiting sequences in arrival order, while budget, `max_num_seqs` and blocks allow.
    Admission allocates blocks for every token the sequence has, reusing cached prefix blocks;
-   the first admission records `num_cached_tokens`.
+   the first admission records `num_cached_tokens` and lists the sequence in
+   `BatchPlan.admitted_ids` (a preempted one coming back is not listed again).
 
 A chunk `samples` when it reaches the sequence's last token: only then are logits computed.
 The engine applies the step's results (`Sequence.num_computed_tokens`, new tokens) and calls
@@ -37,6 +38,7 @@ class ScheduledChunk:
 class BatchPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    admitted_ids: list[str] = field(default_factory=list)  # scheduled for the first time
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +98,7 @@ class Batcher:
             seq.num_computed_tokens = cached
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
+                plan.admitted_ids.append(seq.request_id)
             self.add_running(seq)
             n = min(seq.num_tokens - cached, budget)
             plan.chunks.append(self._chunk(seq, n))

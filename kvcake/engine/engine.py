@@ -190,6 +190,10 @@ class Engine(KvHandoff, KvExchange):
         plan = self.batcher.schedule()
         if not plan.chunks:
             return []
+        if plan.admitted_ids:  # their queue time ends here (a decode-only step skips this)
+            start_s = self.clock.now_s()
+            for request_id in plan.admitted_ids:
+                self._seqs[request_id].first_scheduled_s = start_s
         tables = {c.request_id: self.block_manager.block_ids(c.request_id) for c in plan.chunks}
         prompt_rows = {c.request_id: self._seqs[c.request_id].num_prompt_tokens - 1
                        for c in plan.chunks if c.request_id in self._prompt_lp}

@@ -26,6 +26,7 @@ class RequestOutput:
     # With the first token of a request whose params ask for prompt_logprobs: one per prompt
     # token, None for the first (nothing predicts it); None otherwise.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    first_scheduled_s: float | None = None  # clock time of the step that first scheduled it
 
 
 def request_output(seq: Seq, new_ids: list[int], logprobs: list[TokenLogprob] | None = None,
@@ -35,4 +36,5 @@ def request_output(seq: Seq, new_ids: list[int], logprobs: list[TokenLogprob] | 
         request_id=seq.request_id, new_token_ids=new_ids,
         finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens or 0,
-        arrival_s=seq.arrival_s, first_token_s=seq.first_token_s)
+        arrival_s=seq.arrival_s, first_token_s=seq.first_token_s,
+        first_scheduled_s=seq.first_scheduled_s)

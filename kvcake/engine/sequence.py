@@ -46,6 +46,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # set at first admission
+    first_scheduled_s: float | None = None  # clock time of the step that first scheduled it
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
     block_keys: list[BlockKey] = field(default_factory=list)

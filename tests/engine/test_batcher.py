@@ -63,3 +63,29 @@ def test_preemption_frees_newest_and_requeues_it_first() -> None:
     assert plan.preempted_ids == ["b"]
     assert seqs["b"].status is SequenceStatus.WAITING and seqs["b"].num_computed_tokens == 0
     assert b.waiting[0] is seqs["b"] and b.block_manager.block_ids("a") == [0, 2]
+
+
+def test_admitted_ids_name_first_admissions_only() -> None:
+    """The engine stamps a request's queue-time end on the step that lists it here: a sequence
+    coming back after preemption keeps its first stamp, so it is not listed again."""
+    b = Batcher(BlockManager(num_blocks=3, block_size=4), max_num_batched_tokens=64, max_num_seqs=4)
+    seqs = {"a": seq("a", 4), "b": seq("b", 4)}
+    b.add(seqs["a"])
+    b.add(seqs["b"])
+    plan = b.schedule()
+    assert plan.admitted_ids == ["a", "b"]
+    advance(b, plan.chunks, seqs)
+    plan = b.schedule()  # a decodes, b is preempted
+    assert plan.admitted_ids == [] and plan.preempted_ids == ["b"]
+    b.finish(seqs["a"])
+    plan = b.schedule()  # b readmitted (its first block from the prefix cache): not listed
+    assert plan.chunks == [ScheduledChunk("b", 4, 1, True)] and plan.admitted_ids == []
+
+
+def test_a_decode_only_step_admits_nobody() -> None:
+    b = Batcher(BlockManager(num_blocks=8, block_size=4), max_num_batched_tokens=64, max_num_seqs=4)
+    seqs = {"a": seq("a", 3)}
+    b.add(seqs["a"])
+    advance(b, b.schedule().chunks, seqs)
+    plan = b.schedule()
+    assert plan.chunks == [ScheduledChunk("a", 3, 1, True)] and plan.admitted_ids == []

@@ -257,6 +257,8 @@ class ApiFactory:
                     event = replace(event, token_ids=(), logprobs=None,
                                     finish_reason=FinishReason.LENGTH)
                 job.timer.on_tokens(self._now_s())
+                if event.queue_s is not None:
+                    job.timer.queue_s, job.timer.prefill_s = event.queue_s, event.prefill_s
                 job.num_cached_tokens = event.num_cached_tokens
                 if event.prompt_logprobs is not None:
                     job.prompt_logprobs = prompt_entries(job.prompt_token_ids,

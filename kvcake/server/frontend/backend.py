@@ -107,6 +107,11 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked
     # with the first token, when asked: one per prompt token, None for the first
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # with the first token, where the backend knows them (the in-process engine): seconds from
+    # the engine's arrival to the step that first scheduled the request, and from that step's
+    # start to the first token (vLLM's queue and prefill times)
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 class TokenStream(Protocol):

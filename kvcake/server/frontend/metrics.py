@@ -4,7 +4,10 @@ vLLM's names and labels under a `kvcake:` prefix, every family labelled with `mo
 
 - `kvcake:time_to_first_token_seconds`, `kvcake:inter_token_latency_seconds`,
   `kvcake:e2e_request_latency_seconds` (histograms), and ours, `kvcake:request_tbt_seconds`
-  (MOONCAKE's per-request TBT: mean of its slowest 10% gaps).
+  (MOONCAKE's per-request TBT: mean of its slowest 10% gaps); `kvcake:request_queue_time_seconds`
+  and `kvcake:request_prefill_time_seconds` (vLLM's: engine arrival to the step that first
+  schedules the request, that step's start to the first token), from backends that report them
+  (`--mode single`'s in-process engine).
 - `kvcake:request_success_total{finished_reason}`, `kvcake:prompt_tokens_total`,
   `kvcake:generation_tokens_total`, `kvcake:prefix_cache_queries_total` (prompt tokens looked
   up), `kvcake:prefix_cache_hits_total` (prompt tokens served from a prefix cache, local or the
@@ -47,6 +50,8 @@ class RequestTimer:
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
         self.gaps_s: list[float] = []
+        self.queue_s: float | None = None  # the backend's, where it reports them (TokenEvent)
+        self.prefill_s: float | None = None
 
     def on_tokens(self, now_s: float) -> None:
         if self.first_token_s is None:
@@ -119,6 +124,12 @@ class ServerMetrics:
         self.request_tbt = histogram("request_tbt_seconds",
                                      "MOONCAKE TBT: mean of a request's slowest 10% of gaps.")
         self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to last token.")
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Engine arrival to the step that first scheduled the request "
+                                    "(in-process engine only).")
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "That step's start to the first token (in-process engine "
+                                      "only).")
         self.success = counter("request_success_total", "Finished requests by reason.",
                                ("finished_reason",))
         self.rejected = counter("request_rejected_total", "Requests refused with HTTP 429.",
@@ -153,6 +164,9 @@ class ServerMetrics:
             for gap in timer.gaps_s:
                 self.itl.labels(name).observe(gap)
             self.request_tbt.labels(name).observe(paper_tbt_s(timer.gaps_s))
+        if timer.queue_s is not None and timer.prefill_s is not None:
+            self.queue_time.labels(name).observe(timer.queue_s)
+            self.prefill_time.labels(name).observe(timer.prefill_s)
         self.e2e.labels(name).observe(end_s - timer.arrival_s)
 
     def on_rejected(self, reason: str = "rejected") -> None:

@@ -60,3 +60,20 @@ def test_each_server_has_its_own_registry() -> None:
     first, second = _observed(), ServerMetrics("m")
     assert value(second.render(BackendStats()), "kvcake:request_success_total") == 0
     assert value(first.render(BackendStats()), "kvcake:request_success_total") == 1
+
+
+def test_queue_and_prefill_times_come_from_the_backend_only() -> None:
+    metrics = ServerMetrics("m")
+    reported = RequestTimer(arrival_s=1.0)
+    reported.on_tokens(1.3)
+    reported.queue_s, reported.prefill_s = 0.05, 0.25
+    silent = RequestTimer(arrival_s=2.0)  # a backend that does not report them
+    silent.on_tokens(2.4)
+    for timer in (reported, silent):
+        metrics.on_finished(timer, 3.0, num_cached_tokens=0, num_generated=1,
+                            reason=FinishReason.LENGTH)
+    text = metrics.render(BackendStats())
+    assert value(text, "kvcake:request_queue_time_seconds_count", model_name="m") == 1
+    assert value(text, "kvcake:request_queue_time_seconds_sum") == pytest.approx(0.05)
+    assert value(text, "kvcake:request_prefill_time_seconds_sum") == pytest.approx(0.25)
+    assert value(text, "kvcake:time_to_first_token_seconds_count") == 2

@@ -248,6 +248,11 @@ def test_metrics_exposition(server: Running, client: openai.OpenAI) -> None:
     text = httpx.get(server.url + "/metrics").text
     assert "# TYPE kvcake:time_to_first_token_seconds histogram" in text
     assert _metric(server, "kvcake:time_to_first_token_seconds_count", model_name="tiny") >= 2
+    # the in-process engine reports each request's queue and prefill time, within its TTFT
+    queued = _metric(server, "kvcake:request_queue_time_seconds_count")
+    assert queued >= 2 and queued == _metric(server, "kvcake:request_prefill_time_seconds_count")
+    assert 0 < _metric(server, "kvcake:request_prefill_time_seconds_sum") <= \
+        _metric(server, "kvcake:time_to_first_token_seconds_sum")
     hits = _metric(server, "kvcake:prefix_cache_hits_total")
     assert hits >= 48  # the repeat hit 3 blocks
     assert hits < _metric(server, "kvcake:prefix_cache_queries_total")
