@@ -135,3 +135,21 @@ def test_terms_measured_from_a_two_worker_trace() -> None:
     assert got["step_jitter_quantiles"][-1] == pytest.approx(1.0, rel=1e-3)
     # the live profile takes them as they are
     assert live_cost_from_dict(with_terms(terms)).colocated is not None
+
+
+def test_the_colocated_cluster_prices_its_steps_by_the_colocated_terms() -> None:
+    from kvcake.sim.config import SimConfig
+    from kvcake.sim.run import simulate
+    from kvcake.sim.trace import Trace, TraceRequest
+
+    # one request alone (the other worker idle): a 64-token prompt in chunks of 33 and 31
+    # tokens (budget 33, no batch), each 2 ms + 2 x 1 ms a token (the prefill fit's 1 ms, x2);
+    # then 2 decode steps of 1.5 x 11 ms + 2 ms
+    trace = Trace((TraceRequest(0, 0.0, 64, 3, (0, 1)),), "test", block_size=32)
+    config = SimConfig(num_prefill=1, num_decode=1, policy="colocated", chunked_prefill=True,
+                       chunk_budget_tokens=33, max_batch_size=32, block_size=32,
+                       admission="none")
+    cost = live_cost_from_dict(with_terms(TERMS)).as_cost_model()
+    state = simulate(config, trace, cost).states[0]
+    assert state.first_token_s == pytest.approx(0.002 + 0.066 + 0.002 + 0.062, rel=1e-6)
+    assert state.finish_s == pytest.approx(0.132 + 2 * 0.0185, rel=1e-6)
