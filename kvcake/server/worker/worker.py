@@ -84,6 +84,7 @@ class Worker:
         self._role: WorkerRole | None = None
         self._listener: socket.socket | None = None
         self._link: MessageLink | None = None
+        self._link_seq = 0  # the accept order of `_link`: only a later connection replaces it
         self._link_lock = threading.Lock()  # the accept side's threads swap `_link` under it
         self._inbox: queue.Queue[Any] = queue.Queue()  # messages, role-internal items, None
         self._threads: list[threading.Thread] = []
@@ -267,19 +268,26 @@ class Worker:
     # -- threads -----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         assert self._listener is not None
+        seq = 0
         while not self._stopping.is_set():
             try:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
+            seq += 1
             # The challenge runs on its own thread: a peer that never answers must not hold up
             # the frontend's reconnect behind it.
-            threading.Thread(target=self._admit, args=(sock,), daemon=True,
+            threading.Thread(target=self._admit, args=(sock, seq), daemon=True,
                              name=f"{self.worker_id}-admit").start()
 
-    def _admit(self, sock: socket.socket) -> None:
+    def _admit(self, sock: socket.socket, seq: int) -> None:
         """A connection that fails the cluster-secret challenge is logged and closed before a
-        byte of it is read as a message: the frontend's link and the engine are untouched."""
+        byte of it is read as a message: the frontend's link and the engine are untouched.
+
+        A newer connection (`seq`: accept order) replaces the link; an older one whose admission
+        ends later is closed instead. Its Hello went out first, so its peer may already have
+        closed it and connected again: without the order, this late thread would put the dead
+        link back and close the live one (seen in CI: a test's link closed mid-request)."""
         if not auth.admit(sock, self.config.secret, auth.WORKER, log):
             sock.close()
             return
@@ -290,10 +298,10 @@ class Worker:
             sock.close()
             return
         with self._link_lock:
-            if self._stopping.is_set():
+            if self._stopping.is_set() or seq < self._link_seq:
                 link.close()
                 return
-            old, self._link = self._link, link
+            old, self._link, self._link_seq = self._link, link, seq
         if old is not None:
             old.close()
         threading.Thread(target=self._read_loop, args=(link,), daemon=True,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Iterator
+from types import TracebackType
 
 import pytest
 
@@ -26,9 +28,10 @@ from tests.server.worker.links import next_of
 
 ENGINE = EngineConfig(kv_cache_bytes=4 * 2**20)
 # The worker admits only links that prove this module's secret: a worker keeps one frontend
-# link and a newer one replaces it, so a stray connection (another test's frontend still
-# reconnecting to an address this worker's port now reuses) would otherwise take the link
-# mid-request. Seen once in CI, 2026-12-02.
+# link and a newer one replaces it, so a connection from another process on a shared machine
+# (to a port it believes dead) must not take it. The CI failure of 2026-12-02 (two tests here
+# saw their link closed mid-request) was the worker's own admission order instead: see
+# test_a_late_admission_never_replaces_a_newer_link.
 SECRET = ClusterSecret.generate()
 
 
@@ -140,6 +143,52 @@ def test_an_order_with_targets_outside_the_decode_pool_is_refused(colocated: Wor
         assert next_of(link, PrefillDone).request_id == "ok"
     finally:
         link.close()
+
+
+class _FirstWaitsForSecond:
+    """The worker's link lock, except that the first thread to take it waits until a second
+    one has taken and released it: an admit thread that lost the CPU between sending Hello
+    and installing its link (what a loaded machine does), made to happen every time."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._order: dict[int, int] = {}  # thread id -> 1 (first in) or 2 (second)
+        self._second_out = threading.Event()
+        self.first_out = threading.Event()
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        self._order[me] = len(self._order) + 1
+        if self._order[me] == 1:
+            assert self._second_out.wait(10), "no second admission came"
+        self._lock.acquire()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._lock.release()
+        done = {1: self.first_out, 2: self._second_out}.get(self._order[threading.get_ident()])
+        if done is not None:
+            done.set()
+
+
+def test_a_late_admission_never_replaces_a_newer_link(colocated: Worker,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that reads Hello, closes and connects again (one test after another, or a
+    frontend that restarts) must keep its new link even when the worker finishes admitting
+    the old connection after the new one: the older connection is closed, not installed."""
+    gate = _FirstWaitsForSecond(colocated._link_lock)
+    monkeypatch.setattr(colocated, "_link_lock", gate)
+    first = MessageLink.connect(colocated.address, secret=SECRET)
+    next_of(first, Hello)  # sent before the link is installed: that thread now waits
+    first.close()
+    second = MessageLink.connect(colocated.address, secret=SECRET)
+    try:
+        next_of(second, Hello)
+        assert gate.first_out.wait(10)  # the first admission ended after the second one
+        second.send(PrefillOrder("late", [1, 2, 3], {"max_tokens": 1}, [], {}, []))
+        assert next_of(second, PrefillDone).request_id == "late"
+    finally:
+        second.close()
 
 
 def test_worker_config_is_validated() -> None:
