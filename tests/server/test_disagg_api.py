@@ -4,23 +4,27 @@ not), curl, cached tokens through usage, 4xx for bad input, 429 from the Conduct
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from kvcake import LLM, SamplingParams
-from kvcake.conductor import ConductorConfig
+from kvcake.conductor import ConductorConfig, DecodeStepPredictor, PrefillTimePredictor
 from kvcake.server.cluster.config import ClusterConfig
 from kvcake.server.cluster.launcher import Cluster
+from kvcake.server.cluster.profiler import Profile, cache_path
 from kvcake.server.frontend.api import ApiServer, create_app
 from tests.server.checks import check_curl_stream, check_min_tokens_masks_stop_ids
-from tests.server.test_disagg import ENGINE, WORKER, cluster_config, profile_dir
+from tests.server.test_disagg import ENGINE, WORKER, cluster_config
 
 
 class Serving:
@@ -119,9 +123,26 @@ def test_curl(server: Serving) -> None:
     assert json.loads(plain)["usage"]["prompt_tokens"] == 3
 
 
+def fixed_profile(config: ClusterConfig, directory: Path) -> ClusterConfig:
+    """`config` with a profile of fixed times (10 ms a prefill, 1 ms a decode step) in
+    `directory`: the Conductor's predictions do not depend on this machine's load. (A profile
+    measured under load can fit a polynomial whose value at a 5-token prompt is <= 0: the
+    predicted TTFT is then 0 and meets any SLO.)"""
+    # Under every torch thread count the launcher may look it up by (in-process workers set
+    # the process's count before it does).
+    for threads in range(1, max(os.cpu_count() or 1, torch.get_num_threads()) + 1):
+        profile = Profile(config.model, config.engine.dtype, threads,
+                          PrefillTimePredictor(1, 1.0, [0.01, 0.0, 0.0]),
+                          DecodeStepPredictor([0.001, 0.0, 0.0]))
+        cache_path(directory, config.model, config.engine.dtype, threads).write_text(
+            profile.to_json())
+    return replace(config, profile_dir=str(directory))
+
+
 def test_conductor_rejection_is_429_with_retry_after(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    config = cluster_config(tmp_path_factory, 1, 1, admission="slo", ttft_slo_s=1e-9)
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    config = fixed_profile(cluster_config(tmp_path_factory, 1, 1, admission="slo",
+                                          ttft_slo_s=1e-3), tmp_path)
     with Cluster(config, in_process=True) as cluster:
         assert cluster.backend is not None
         api = ApiServer(create_app(cluster.backend))
@@ -138,12 +159,14 @@ def test_conductor_rejection_is_429_with_retry_after(
 
 
 def test_prediction_based_early_rejection_is_429_when_decode_kv_would_not_fit(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        tmp_path: Path) -> None:
     # Decode workers of 8 blocks x 16 tokens: the Conductor forecasts against that pool (from the
-    # worker's hello) and refuses, at arrival, a request that would reserve more.
-    config = ClusterConfig.simple(1, 1, engine=replace(ENGINE, num_blocks=8), worker=dict(WORKER),
-                                  conductor=ConductorConfig.from_dict({"admission": "early"}),
-                                  profile_dir=profile_dir(tmp_path_factory))
+    # worker's hello) and refuses, at arrival, a request that would reserve more. (Its own
+    # profile: an 8-block engine cannot measure the profiler's 384-token prompts, so the
+    # session's measured one made this test pass only after another had cached it.)
+    config = fixed_profile(ClusterConfig.simple(
+        1, 1, engine=replace(ENGINE, num_blocks=8), worker=dict(WORKER),
+        conductor=ConductorConfig.from_dict({"admission": "early"})), tmp_path)
     with Cluster(config, in_process=True) as cluster:
         assert cluster.backend is not None
         api = ApiServer(create_app(cluster.backend))
