@@ -74,6 +74,15 @@ class StoreNode:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> StoreNode:
+        """Mount the segment and register; on any failure (an unreachable master) what was
+        started is stopped again: the control server no longer serves, the segment is gone."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close(unregister=False)
+            raise
+
+    def _start(self) -> StoreNode:
         if self._own_engine:
             self.engine.start()
         desc = self.engine.allocate_segment(self._segment_name, self.config.dram_bytes)

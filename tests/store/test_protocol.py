@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 
 import msgpack
 import pytest
 
+from kvcake.store.config import NodeConfig
 from kvcake.store.errors import InvalidRequest, MasterUnavailable, NoNodes, ObjectNotFound
 from kvcake.store.master_server import MasterServer
+from kvcake.store.node import StoreNode
 from kvcake.store.protocol import (
     FrameReader,
     RpcConnection,
@@ -19,6 +22,7 @@ from kvcake.store.protocol import (
     validate,
 )
 from kvcake.store.remote import RemoteMaster
+from tests.net import refused_address
 
 
 def _raw(server: MasterServer, payload: bytes) -> object:
@@ -69,13 +73,23 @@ def test_wire_errors_keep_their_types(master: MasterServer) -> None:
 
 
 def test_master_down_is_a_clear_error() -> None:
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with pytest.raises(MasterUnavailable, match=f"127.0.0.1:{port}"):
-        RemoteMaster(f"127.0.0.1:{port}")
+    with refused_address() as dead, pytest.raises(MasterUnavailable, match=dead):
+        RemoteMaster(dead)
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_address("nohost")
+
+
+def test_a_node_whose_master_is_down_leaves_nothing_running() -> None:
+    """Its control server was started before the master was dialled, and used to keep
+    serving (a thread and a listening port per failed start) after start() raised."""
+    before = set(threading.enumerate())
+    with refused_address() as dead:
+        node = StoreNode(NodeConfig(dram_bytes=1 << 20, prefault=False), dead)
+        with pytest.raises(MasterUnavailable, match="cannot connect"):
+            node.start()
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+    with pytest.raises(KeyError):
+        node.engine.segment(f"store-{node.node_id}")  # its DRAM segment is released too
 
 
 def test_master_stopping_mid_session_is_a_clear_error(master: MasterServer) -> None:

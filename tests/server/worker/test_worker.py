@@ -24,6 +24,7 @@ from kvcake.server.worker.messages import (
     Tokens,
 )
 from kvcake.server.worker.worker import Worker
+from tests.net import refused_address
 from tests.server.worker.links import next_of
 
 ENGINE = EngineConfig(kv_cache_bytes=4 * 2**20)
@@ -203,14 +204,13 @@ def test_worker_config_is_validated() -> None:
 
 
 def test_an_unreachable_master_fails_start_cleanly() -> None:
-    import socket
-
     from kvcake.store import MasterUnavailable
 
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{sock.getsockname()[1]}"
-    worker = Worker(WorkerConfig(role=Role.PREFILL, engine=ENGINE, master=dead))
-    with pytest.raises(MasterUnavailable, match="cannot connect"):
-        worker.start()
+    before = set(threading.enumerate())
+    with refused_address() as dead:
+        worker = Worker(WorkerConfig(role=Role.PREFILL, engine=ENGINE, master=dead))
+        with pytest.raises(MasterUnavailable, match="cannot connect"):
+            worker.start()
     assert worker.transfer is not None and not worker._threads
+    # nothing it started runs on (its store node's control server was left serving once)
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
