@@ -19,7 +19,7 @@ from kvcake.registry import (
 )
 from kvcake.registry.election import leader
 from kvcake.registry.members import list_members
-from kvcake.registry.process import free_port
+from tests.net import refused_address
 
 WAIT_S = 10.0  # upper bound on waits for a background thread; events end them early
 
@@ -46,15 +46,15 @@ def test_member_validation_and_roundtrip() -> None:
 
 
 def test_unreachable_etcd_names_the_endpoint() -> None:
-    port = free_port()
-    with pytest.raises(EtcdUnavailable, match=f"127.0.0.1:{port}"):
-        Etcd(f"127.0.0.1:{port}", timeout_s=1.0).grant(2)
+    with refused_address() as dead, pytest.raises(EtcdUnavailable, match=dead):
+        Etcd(dead, timeout_s=1.0).grant(2)
 
 
 def test_second_endpoint_answers_when_the_first_is_down(etcd: Etcd) -> None:
-    both = Etcd(f"127.0.0.1:{free_port()},{etcd.text}", timeout_s=1.0)
-    both.put("/kvcake/x/two-endpoints", b"1")
-    assert both.get("/kvcake/x/two-endpoints") == b"1"
+    with refused_address() as dead:
+        both = Etcd(f"{dead},{etcd.text}", timeout_s=1.0)
+        both.put("/kvcake/x/two-endpoints", b"1")
+        assert both.get("/kvcake/x/two-endpoints") == b"1"
 
 
 def test_registration_lives_with_its_lease(etcd: Etcd, cluster: str) -> None:

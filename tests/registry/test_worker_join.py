@@ -13,12 +13,12 @@ import pytest
 from kvcake.conductor import ConductorConfig
 from kvcake.registry import Etcd, Member, Registration
 from kvcake.registry.members import list_members
-from kvcake.registry.process import free_port
 from kvcake.server.cluster.backend import DisaggBackend, DisaggConfig
 from kvcake.server.cluster.membership import EtcdWorkers
 from kvcake.server.frontend.backend import GenerateRequest, Rejected
 from kvcake.server.worker.membership import WorkerMembership, advertised
 from kvcake.types import RequestId
+from tests.net import refused_address
 from tests.server.cluster.fakes import DECODE, PREFILL, FakeWorker, hello
 
 WAIT_S = 10.0
@@ -83,17 +83,19 @@ def test_unreachable_or_foreign_workers_are_refused(etcd: Etcd, cluster: str,
     good = FakeWorker("p1", "prefill").start()
     foreign = FakeWorker("p2", "prefill").start()
     foreign.hello = hello("p2", "prefill", namespace="kvcake/other/b16")
-    dead = f"127.0.0.1:{free_port()}"
     watch = EtcdWorkers(backend, etcd, cluster, resync_s=1.0).start()
     regs = [Registration(etcd, cluster, Member("prefill", "p1", good.address)).start()]
     try:
-        wait_until(lambda: backend.live_worker_ids() == ["p1"])
-        regs.append(Registration(etcd, cluster, Member("prefill", "p2", foreign.address)).start())
-        regs.append(Registration(etcd, cluster, Member("decode", "d9", dead)).start())
-        wait_until(lambda: len(watch.refused) == 2)
-        assert "KV namespace" in watch.refused["p2"]
-        assert "--advertise-host" in watch.refused["d9"] and dead in watch.refused["d9"]
-        assert backend.live_worker_ids() == ["p1"]
+        with refused_address() as dead:  # held to the end: no other server gets this port
+            wait_until(lambda: backend.live_worker_ids() == ["p1"])
+            regs.append(Registration(etcd, cluster,
+                                     Member("prefill", "p2", foreign.address)).start())
+            regs.append(Registration(etcd, cluster, Member("decode", "d9", dead)).start())
+            wait_until(lambda: len(watch.refused) == 2)
+            assert "KV namespace" in watch.refused["p2"]
+            assert "--advertise-host" in watch.refused["d9"] and dead in watch.refused["d9"]
+            assert backend.live_worker_ids() == ["p1"]
+            watch.close()  # stops dialling before the port is given back
     finally:
         watch.close()
         for reg in regs:
@@ -112,9 +114,10 @@ def test_worker_join_checks_its_advertised_address(etcd: Etcd, cluster: str) -> 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         bound = f"127.0.0.1:{listener.getsockname()[1]}"
         membership = WorkerMembership(etcd, cluster, "decode", "tiny", "ns")
-        with pytest.raises(ValueError, match="--advertise-host: this worker cannot be reached"):
+        with refused_address() as dead, \
+                pytest.raises(ValueError, match="--advertise-host: this worker cannot be reached"):
             # nothing listens there: a wrong --advertise-host is caught before registering
-            membership.join(_Bound(f"127.0.0.1:{free_port()}"), None)
+            membership.join(_Bound(dead), None)
         assert membership.join(_Bound(bound), None, ("node-decode-7", bound)) == bound
         members = list_members(etcd, cluster)
         assert sorted(m.role for m in members.values()) == ["decode", "store_node"]

@@ -5,7 +5,6 @@ workers. The full path with real engines is in test_disagg.py."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -35,6 +34,7 @@ from kvcake.server.worker.messages import (
 )
 from kvcake.store.errors import MasterUnavailable
 from kvcake.types import RequestId
+from tests.net import refused_address
 from tests.server.cluster.fakes import BLOCK_SIZE, DECODE, NUM_BLOCKS, PREFILL, FakeWorker
 
 PROMPT = tuple(range(1, 41))
@@ -149,15 +149,13 @@ def test_workers_that_leave_pings_unanswered_are_failed_as_hung(
 
 def test_a_start_that_fails_after_connecting_closes_every_link() -> None:
     p, d = FakeWorker("prefill-0", "prefill").start(), FakeWorker("decode-1", "decode").start()
-    free = socket.create_server(("127.0.0.1", 0))
-    port = free.getsockname()[1]
-    free.close()  # nothing listens there now: the store master is unreachable
-    config = DisaggConfig("tiny", (p.address, d.address), store_master=f"127.0.0.1:{port}",
-                          run_monitor=False)
-    backend = DisaggBackend(config, PREFILL, DECODE)
     try:
-        with pytest.raises(MasterUnavailable, match="cannot connect to 127.0.0.1"):
-            backend.start()
+        with refused_address() as dead:  # the store master is unreachable
+            config = DisaggConfig("tiny", (p.address, d.address), store_master=dead,
+                                  run_monitor=False)
+            backend = DisaggBackend(config, PREFILL, DECODE)
+            with pytest.raises(MasterUnavailable, match="cannot connect to 127.0.0.1"):
+                backend.start()
         assert p.wait_disconnected() and d.wait_disconnected()
         assert backend.live_worker_ids() == []
     finally:
