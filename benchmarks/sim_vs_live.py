@@ -24,6 +24,13 @@ decode steps' wall over the isolated fit with the prefill worker idle and comput
 factor): nothing is fitted to a compared metric, and a `--fit-rate` replay is then a second check
 rate. `--batch-series SAVED` (with `--sim-only`) prints the saved run's decode batch, step and
 prefill busy share over time next to the simulated ones, and the metrics of that run.
+`--colocated-terms SAVED` measures the colocated side's terms from a colocated step trace
+(`decode_gaps.py --systems colocated --save`; benchmarks/colocated_terms.py: decode and chunk
+factors over the isolated fits with the other colocated worker idle / stepping, the per-step
+overhead, the steps' dispersion), the live profile's `colocated` section
+(kvcake/sim/colocated_cost.py); `--colocated-series SAVED` (with `--sim-only`) prints the saved
+colocated run's steps by kind, requests per worker and batch over time next to the simulated
+ones, and that run's metrics.
 `--fit-rate R` also replays at rate R (`live_fit.json`) and fits the per-host contention factors
 of the live profile (kvcake/sim/live_profile.py: decode steps and prefills take f times the
 isolated fit on a shared host) so the simulated disaggregated TTFT p50 and TBT p50 at R match
