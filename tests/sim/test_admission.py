@@ -146,3 +146,26 @@ def test_decode_check_keeps_node_refuses_where_only_another_node_has_room() -> N
     assert guard.place(2, 100, 0, nodes) == 1  # the default takes the node with the most room
     guard.release(1)
     assert guard.place(3, 100, 0, nodes, only_chosen=True) == 0
+
+
+def test_the_baseline_keeping_its_arrival_node_rejects_where_another_node_had_room() -> None:
+    # The scenario of the re-selection test under the baseline: room for one request per decode
+    # node, pre-selected d0, d1, d0, d1; request 1 decodes 2 tokens, so d1 is free again when
+    # request 2's prefill ends. Chosen again at hand-off (default), request 2 takes d1 and
+    # request 3 finds both full; asking only the arrival node, request 2 is refused at d0 and
+    # request 3 gets its d1.
+    outs = (2000, 2, 2000, 2000)
+    trace = Trace(tuple(TraceRequest(i, 0.0, 2048, outs[i], tuple(range(i * 10, i * 10 + 4)))
+                        for i in range(4)), "four")
+    rejected = {}
+    for keeps in (False, True):
+        cluster = Cluster(SimConfig(
+            num_prefill=1, num_decode=2, admission="decode_after_prefill",
+            predicted_output_len=20, tbt_slo_ms=1000.0, decode_node_guard=True,
+            decode_check_keeps_node=keeps,
+            hardware_overrides=(("hbm_bytes", 161_243_918_792 - 6244 * 327_680),)),
+            arrivals_of(trace))
+        summary = cluster.run()
+        assert summary["rejected_by_reason"] == {"tbt_slo_after_prefill": 1}
+        rejected[keeps] = [s.index for s in cluster.states if s.rejected is not None]
+    assert rejected == {False: [3], True: [2]}
