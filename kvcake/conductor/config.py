@@ -98,6 +98,9 @@ class ConductorConfig:
     decode_check_keeps_node: the decode check after prefill asks only the decode instance
         chosen at arrival, where the KV was streamed during the prefill (the seed's workflow,
         steps 3-4): it decodes there if that instance's TBT meets the SLO, else it is rejected.
+        Under DECODE_AFTER_PREFILL that arrival choice reads each instance's forecast at the
+        request's predicted join time, as EARLY does (the requests in prefill booked to have
+        joined by then counted), not its load now, under which a burst herds onto one node.
         False (the default): the instance is chosen again among all (its booking moves).
     """
 

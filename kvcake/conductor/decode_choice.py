@@ -31,6 +31,9 @@ class DecodeChoice:
         self._decodes = decodes
         self._decode_model = decode_model
         self._last_estimates: dict[str, DecodeEstimate] = {}  # instance -> its last one
+        admission = config.admission
+        self._forecasts_join = admission is Admission.EARLY or (
+            admission is Admission.DECODE_AFTER_PREFILL and config.decode_check_keeps_node)
 
     def forget(self, instance_id: str) -> None:
         self._last_estimates.pop(instance_id, None)
@@ -38,8 +41,10 @@ class DecodeChoice:
     def estimate(self, req: ScheduleRequest, prefill_id: str, now_s: float,
                  ttft_s: float) -> tuple[DecodeEstimate, ...]:
         """Every candidate decode instance (colocated: the prefill instance itself) with `req`
-        added, at the moment it joins (Admission.EARLY: after its predicted TTFT) or now."""
-        at_s = now_s + ttft_s if self.config.admission is Admission.EARLY else now_s
+        added, at the moment it joins (after its predicted TTFT: Admission.EARLY, and the
+        baseline's pre-selection when it keeps its node, `forecasts_join`) or now."""
+        forecast = self._forecasts_join
+        at_s = now_s + ttft_s if forecast else now_s
         context = req.prompt_len + req.max_output_len // 2
         loads = self._decodes
         if self.config.policy is Policy.COLOCATED:
@@ -52,7 +57,7 @@ class DecodeChoice:
         last_estimates = self._last_estimates
         new = tuple.__new__  # what DecodeEstimate(...) does, without its Python-level __new__
         estimates = []
-        now = self.config.admission is not Admission.EARLY
+        now = not forecast
         forecasts: Iterable[tuple[int, int]]
         if not now and self.config.uniform_decode_s is not None:
             forecasts = (load.batch_window(now_s, at_s) for load in loads.values())
@@ -69,6 +74,18 @@ class DecodeChoice:
                 last_estimates[instance_id] = estimate
             estimates.append(estimate)
         return tuple(estimates)
+
+    @property
+    def forecasts_join(self) -> bool:
+        """Whether the arrival estimate reads each instance's forecast at the request's predicted
+        join time (counting the requests in prefill booked to have joined by then) rather than
+        its load now: Admission.EARLY, whose check it is, and Admission.DECODE_AFTER_PREFILL with
+        `decode_check_keeps_node`, whose arrival choice is final for the node (the KV streams
+        there during the prefill; only that node is checked after it). Read now, every arrival
+        of a prefill-queue time would be pre-selected to the same least-loaded node, which is
+        full when they reach it (herding); the fair baseline pre-selects as early rejection
+        does and only checks later."""
+        return self._forecasts_join
 
     def estimate_now(self, context: int, output_len: int,
                      now_s: float) -> tuple[DecodeEstimate, ...]:

@@ -459,6 +459,30 @@ def test_decode_check_keeps_node_asks_only_the_instance_chosen_at_arrival() -> N
     assert kept.predicted_tbt_s == pytest.approx(0.012)
 
 
+def test_the_keep_node_baseline_pre_selects_on_the_forecast_at_join_so_a_burst_spreads() -> None:
+    # a decodes on d0 (1000 tokens: to ~11 s); d1 is empty. A burst of four 200-token prompts
+    # arrives at 0.5 on one prefill instance: they join at 0.7, 0.9, 1.1, 1.3. Read now (the
+    # default baseline) d1 has the shorter batch for every one of them: all four pile onto d1.
+    # Keeping its node, the baseline reads the forecast at each one's join time, counting the
+    # ones booked before it: d1 (1 vs 2), then a tie at 2 (fewest booked: d0, the first), d1
+    # (2 vs 3), a tie at 3 (d0).
+    chosen = {}
+    for keeps in (False, True):
+        c = make(admission="decode_after_prefill", num_prefill=1, num_decode=2,
+                 decode_check_keeps_node=keeps)
+        assert placed(c.schedule(request("a", output_len=1000), 0.0)).decode_id == "d0"
+        c.on_prefill_finished("p0", "a", 0.2)
+        assert isinstance(c.admit_decode("a", 0.2), DecodeEstimate)
+        c.on_decode_joined("d0", "a", 0.2)
+        burst = [placed(c.schedule(request(f"r{i}", first_key=100 * (i + 1)), 0.5))
+                 for i in range(4)]
+        assert [d.predicted_ttft_s for d in burst] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+        chosen[keeps] = [d.decode_id for d in burst]
+        assert [d.predicted_tbt_s for d in burst] == pytest.approx(
+            [0.011] * 4 if not keeps else [0.011, 0.012, 0.012, 0.013])
+    assert chosen == {False: ["d1"] * 4, True: ["d1", "d0", "d1", "d0"]}
+
+
 def test_admit_decode_is_a_no_op_under_arrival_admission() -> None:
     c = make(admission="early")
     placed(c.schedule(request("a"), 0.0))
