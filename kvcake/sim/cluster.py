@@ -146,6 +146,7 @@ class Cluster:
             state.predicted_ttft_s = decision.predicted_ttft_s
             return []
         state.prefill_instance, state.decode_instance = decision.prefill_id, decision.decode_id
+        state.preselected_decode = decision.decode_id
         state.predicted_ttft_s = decision.predicted_ttft_s
         if self.config.colocated:
             return self._place_colocated(state, event.time_s)

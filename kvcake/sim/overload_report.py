@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvcake.sim.overload_runs import CHECKED, POLICIES, ROOM_BELOW_KV
+from kvcake.sim.overload_runs import CHECKED, HERD_WINDOW_S, POLICIES, ROOM_BELOW_KV
 from kvcake.sim.plots import plot_lines
 from kvcake.sim.pool_loads import BUCKET_S, PoolDemand, PoolLoads
 
@@ -117,9 +117,10 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
         "queue (requests per node) | decode KV in use | decode batch per node "
         "| waiting for decode (requests per node) | moved at hand-off "
         "| prefill-s per served request | turned away with room at join "
+        f"| top decode node's share of a {HERD_WINDOW_S:g} s window's placements (mean / max) "
         "| corr(prefill queue, decode KV) | decode KV swing (CV) | prefill queue swing "
         "(CV) | later rejections saved per arrival rejection |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base_by = results["decode_after_prefill"]["rejected_by_reason"]
     for name, r in results.items():
         lag = r["lag_s"]
@@ -130,6 +131,7 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
             f"{r['prefill_queue']:.2f} | {r['decode_kv']:.2f} | {r['decode_batch']:.1f} | "
             f"{r['decode_wait']:.1f} | {r['moved_at_handoff']:,} | "
             f"{_opt(r['prefill_s_per_served'], '.4f')} | {_opt(r['turned_away_with_room'], '.3f')} | "
+            f"{_herd(r['herding'])} | "
             f"{r['corr']:+.2f} | {r['decode_kv_cv']:.2f} | {r['prefill_queue_cv']:.2f} | "
             f"{'-' if saved is None else format(saved, '.2f')} |")
     return lines + [
@@ -144,11 +146,18 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
         "requests served (late ones too): a dearer served mix serves fewer on the same prefill. "
         "Turned away with room at join: the share of the requests turned away at arrival for "
         f"the decode load whose predicted join time met the decode pool below {ROOM_BELOW_KV:g} "
-        "of its KV in the run's own loads: the arrival check's errors.", ""]
+        "of its KV in the run's own loads: the arrival check's errors. Top decode node's share: "
+        f"in each {HERD_WINDOW_S:g} s window of arrivals, the placements pre-selected to the "
+        "decode node that got the most, over the window's placements (1 / decode nodes when "
+        "they spread evenly; near 1 when a burst herds onto one node).", ""]
 
 
 def _opt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _herd(shares: tuple[float, float] | None) -> str:
+    return "-" if shares is None else f"{shares[0]:.2f} / {shares[1]:.2f}"
 
 
 def plot_loads(ctx: Context, loads: dict[str, PoolLoads]) -> None:

@@ -81,6 +81,28 @@ def run_policies(ctx: Context, mean_out: int, kv_capacity: int, window: float
     return results, loads, t_d
 
 
+HERD_WINDOW_S = 10.0  # arrival windows in which `herding` counts each node's share
+
+
+def herding(states: list[RequestState], window_s: float = HERD_WINDOW_S
+            ) -> tuple[float, float] | None:
+    """(mean, largest) over the `window_s` arrival windows holding a placed request of the share
+    of the window's placements pre-selected to the one decode node that got the most: 1 / (decode
+    nodes) when arrivals spread evenly, 1 when every arrival of a window goes to one node. None:
+    nothing placed."""
+    if window_s <= 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    windows: dict[int, dict[str, int]] = {}
+    for s in states:
+        if s.preselected_decode is not None:
+            counts = windows.setdefault(int(s.arrival.arrival_s // window_s), {})
+            counts[s.preselected_decode] = counts.get(s.preselected_decode, 0) + 1
+    if not windows:
+        return None
+    shares = [max(c.values()) / sum(c.values()) for c in windows.values()]
+    return sum(shares) / len(shares), max(shares)
+
+
 def served_prefill_s(states: list[RequestState]) -> float | None:
     """Mean prefill seconds of the requests served (late ones too): how dear the served mix is."""
     served = [s.prefill_s for s in states if s.finish_s is not None and s.rejected is None]
@@ -119,7 +141,8 @@ def policy_result(res: SimResult, pl: PoolLoads, window: float) -> dict[str, Any
             # baseline's re-choice, or `decode_reselect_at_handoff`): its KV streamed again.
             "moved_at_handoff": sum(1 for st in res.states if st.kv_epoch > 0),
             "prefill_s_per_served": served_prefill_s(res.states),
-            "turned_away_with_room": turned_away_with_room(res.states, pl), "corr": corr, "decode_kv_cv": kv_cv,
+            "turned_away_with_room": turned_away_with_room(res.states, pl),
+            "herding": herding(res.states), "corr": corr, "decode_kv_cv": kv_cv,
             "prefill_queue_cv": queue_cv, "lag_s": mean_lag_s(res.states),
             "prefill_busy": window_mean(pl.times, pl.prefill_busy, *steady),
             "prefill_queue": window_mean(pl.times, pl.prefill_queue, *steady),

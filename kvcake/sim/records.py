@@ -30,6 +30,7 @@ class RequestState:
     arrival: Arrival
     prefill_instance: str | None = None
     decode_instance: str | None = None
+    preselected_decode: str | None = None  # the decode instance chosen at arrival
     prefix_len: int = 0  # prompt tokens whose KV was reused
     fetched_len: int = 0  # of those, tokens fetched from another holder
     predicted_ttft_s: float | None = None

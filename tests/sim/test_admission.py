@@ -169,3 +169,30 @@ def test_the_baseline_keeping_its_arrival_node_rejects_where_another_node_had_ro
         assert summary["rejected_by_reason"] == {"tbt_slo_after_prefill": 1}
         rejected[keeps] = [s.index for s in cluster.states if s.rejected is not None]
     assert rejected == {False: [3], True: [2]}
+
+
+def test_the_keep_node_baseline_pre_selects_a_burst_across_both_decode_nodes() -> None:
+    from kvcake.sim.overload_runs import herding
+
+    # Request 0 decodes on decode-0 (told 2,000 tokens: busy long past 5 s); a burst of four
+    # arrives at 5 s on one prefill node. Read now (the default baseline) decode-1 has the
+    # shorter batch for all four: they are pre-selected there (and re-chosen at hand-off).
+    # Keeping its node, the baseline reads the forecast at each one's join time, counting the
+    # ones booked before it: decode-1, decode-0, decode-1, decode-0, and keeps them there.
+    trace = Trace(tuple(TraceRequest(i, 0.0 if i == 0 else 5000.0, 2048, 2000,
+                                     tuple(range(i * 10, i * 10 + 4))) for i in range(5)), "five")
+    chosen, herds = {}, {}
+    for keeps in (False, True):
+        cluster = Cluster(SimConfig(
+            num_prefill=1, num_decode=2, admission="decode_after_prefill",
+            predicted_output_len=2000, tbt_slo_ms=1000.0, decode_check_keeps_node=keeps),
+            arrivals_of(trace))
+        assert cluster.run()["rejected"] == 0
+        chosen[keeps] = [s.preselected_decode for s in cluster.states]
+        herds[keeps] = herding(cluster.states)
+        if keeps:
+            assert [s.decode_instance for s in cluster.states] == chosen[keeps]
+    assert chosen == {False: ["decode-0"] + ["decode-1"] * 4,
+                      True: ["decode-0", "decode-1", "decode-0", "decode-1", "decode-0"]}
+    # One 10 s window holds all five: 4 of 5 on decode-1, or 3 of 5 on decode-0.
+    assert herds == {False: (0.8, 0.8), True: (0.6, 0.6)}

@@ -186,3 +186,21 @@ def test_prefill_admitted_sheds_the_dearest_prompts_first_and_prices_the_rest() 
     assert demand.arrival_rate == pytest.approx(0.2 * 2 / 3)  # 2 of the 3 arrivals over 10 s
     with pytest.raises(ValueError, match="efficiency"):
         prefill_admitted(trace, COST, capacity, 512, 1, 1.0, 1.5)
+
+
+def test_herding_is_the_top_decode_node_share_of_each_window_of_arrivals() -> None:
+    from kvcake.sim.overload_runs import herding
+    from kvcake.sim.records import RequestState
+    from kvcake.sim.run import arrivals_of
+
+    # Arrivals at 0, 1, 2, 3 s (one 10 s window) and 12, 13 s (the next); request 4 rejected.
+    times = (0.0, 1000.0, 2000.0, 3000.0, 12000.0, 13000.0)
+    trace = Trace(tuple(TraceRequest(i, t, 1024, 10, (i,)) for i, t in enumerate(times)), "six")
+    states = [RequestState(i, f"r{i}", a) for i, a in enumerate(arrivals_of(trace))]
+    for s, d in zip(states, ("d0", "d0", "d0", "d1", None, "d1"), strict=True):
+        s.preselected_decode = d
+    assert herding(states) == (pytest.approx((0.75 + 1.0) / 2), 1.0)
+    assert herding(states, window_s=5.0) == (pytest.approx(0.875), 1.0)  # 3 of 4, then 1 of 1
+    assert herding(states[4:5]) is None
+    with pytest.raises(ValueError, match="window_s"):
+        herding(states, window_s=0.0)
