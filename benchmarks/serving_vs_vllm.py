@@ -317,12 +317,15 @@ def ttft_sweep(url: str, model: str, args: argparse.Namespace,
     """Diagnostic (`--ttft-sweep`): fresh random prompts of each length sent one at a time to the
     idle server (cold: no prefix to reuse), 2 tokens out. Per length the medians of the client's
     TTFT, the server's own TTFT (arrival to first token) and, where the server exports them, its
-    queue and prefill time; the client minus the server TTFT is the HTTP and framing outside."""
+    queue and prefill time; the client minus the server TTFT is the HTTP and framing outside.
+    `--sweep-idle-s`: the server left idle that long before each prompt, as between the trace's
+    requests (threads asleep, caches cold)."""
     rng = random.Random(args.seed + 7)
     out: dict[str, Any] = {}
     for length in args.ttft_sweep:
         rows: list[dict[str, float]] = []
         for _ in range(args.sweep_trials):
+            time.sleep(args.sweep_idle_s)  # as in the trace: the server idle before a request
             before = histogram_sums(url)
             [r], _ = send(url, model, [PlannedRequest(0.0, random_prompt(rng, length, vocab_size),
                                                       2)])
@@ -578,6 +581,9 @@ def parse_args() -> argparse.Namespace:
                         "256,845,2048) sent one at a time, the client's and the server's own "
                         "TTFT (and vLLM's queue / prefill time) per length; printed per system")
     p.add_argument("--sweep-trials", type=int, default=3, help="prompts per --ttft-sweep length")
+    p.add_argument("--sweep-idle-s", type=float, default=0.0,
+                   help="--ttft-sweep: leave the server idle this long before each prompt (the "
+                        "trace at 0.25/s leaves it idle ~3 s between requests)")
     p.add_argument("--out", type=Path, help="write all results as JSON here")
     p.add_argument("--json-summary", action="store_true",
                    help='print one last line {"ratios": {...}}: the first kvcake system / the '
