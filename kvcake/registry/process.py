@@ -16,9 +16,15 @@ from pathlib import Path
 
 from kvcake.registry.etcd import Etcd, EtcdUnavailable
 
+PORT_TRIES = 3
+
 
 class EtcdMissing(RuntimeError):
     """No `etcd` binary on PATH."""
+
+
+class _PortTaken(Exception):
+    """etcd could not bind a port picked for it: another process took it first."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,10 +51,23 @@ class EtcdProcess:
         return f"{self.host}:{self.client_port}"
 
     def start(self) -> EtcdProcess:
+        """Start etcd on two free ports. A port is picked free and bound by etcd a moment
+        later: if another process took it meanwhile, etcd exits and is started again on new
+        ports (up to `PORT_TRIES` times)."""
         path = shutil.which(self.binary)
         if path is None:
             raise EtcdMissing(f"no `{self.binary}` binary on PATH: install etcd "
                               "(Debian: apt-get install etcd-server)")
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                return self._start_once(path)
+            except _PortTaken:
+                if attempt == PORT_TRIES:
+                    raise RuntimeError(f"etcd did not start: its ports were taken by others "
+                                       f"{PORT_TRIES} times") from None
+        raise AssertionError("unreachable")
+
+    def _start_once(self, path: str) -> EtcdProcess:
         self._dir = tempfile.TemporaryDirectory(prefix="kvcake-etcd-")
         # Picked on this namespace's loopback: a fresh namespace (`prefix`) has them free too.
         self.client_port, self.peer_port = free_port(), free_port()
@@ -67,13 +86,17 @@ class EtcdProcess:
         while True:
             try:
                 probe.status()
-                return self
+                if self.process.poll() is None:  # ours answered, not whoever took the port
+                    return self
             except EtcdUnavailable:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    text = self.log_text()
-                    self.close()
-                    raise RuntimeError(f"etcd did not start on {self.endpoint}: {text[-2000:]}") from None
-                time.sleep(0.05)
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                text = self.log_text()
+                self.close()
+                if self.client_port == self.peer_port or "address already in use" in text:
+                    raise _PortTaken
+                raise RuntimeError(f"etcd did not start on {self.endpoint}: {text[-2000:]}")
+            time.sleep(0.05)
 
     def log_text(self) -> str:
         if self._dir is None:

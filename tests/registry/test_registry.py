@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 
@@ -16,9 +17,11 @@ from kvcake.registry import (
     MemberWatch,
     Registration,
     parse_endpoints,
+    process,
 )
 from kvcake.registry.election import leader
 from kvcake.registry.members import list_members
+from kvcake.registry.process import EtcdProcess, free_port
 from tests.net import refused_address
 
 WAIT_S = 10.0  # upper bound on waits for a background thread; events end them early
@@ -131,3 +134,20 @@ def test_election_one_leader_and_takeover(etcd: Etcd, cluster: str) -> None:
     second.resign()
     assert leader(etcd, key) is None
     first.resign()
+
+
+def test_etcd_is_started_again_when_a_port_picked_for_it_was_taken(
+        etcd_server: EtcdProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between picking a free port and etcd binding it, another process may take it: etcd
+    exits, and is started again on new ports (not answered for by whoever holds the port)."""
+    taken = socket.create_server(("127.0.0.1", 0))  # listening: someone else's server
+    picks = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(process, "free_port", lambda host="127.0.0.1": next(picks, None)
+                        or free_port(host))
+    try:
+        with EtcdProcess() as again:
+            assert again.client_port != taken.getsockname()[1]
+            Etcd(again.endpoint).put("/kvcake/x/restarted", b"1")
+            assert Etcd(again.endpoint).get("/kvcake/x/restarted") == b"1"
+    finally:
+        taken.close()
