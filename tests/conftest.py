@@ -69,7 +69,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     result = yield  # the module's fixtures are torn down in here when it was its last test
     module = item.module.__name__  # type: ignore[attr-defined]
-    if _GUARD and (nextitem is None or nextitem.module is not item.module):  # type: ignore[attr-defined]
+    last = nextitem is None or nextitem.module is not item.module  # type: ignore[attr-defined]
+    if _GUARD and last:
         extra = leaks.left_over(_MARK, _module_start[module], _session_owned, LEAK_WAIT_S)
         if extra:
             pytest.fail(f"{module} left running after its last test:\n  {extra.describe()}\n"

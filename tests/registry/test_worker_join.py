@@ -22,6 +22,10 @@ from tests.net import refused_address
 from tests.server.cluster.fakes import DECODE, PREFILL, FakeWorker, hello
 
 WAIT_S = 10.0
+# The fake workers' leases: they leave by revoking (at once), so a long TTL costs nothing, and
+# a keepalive late by the default 3 s on a loaded machine no longer ends a lease mid-test
+# (seen once: "lease ... lost: etcd says it expired", a member gone).
+TTL_S = 30
 
 
 def wait_until(condition: Callable[[], bool]) -> None:
@@ -50,8 +54,8 @@ def test_workers_join_leave_and_rejoin(etcd: Etcd, cluster: str,
     assert backend.max_model_len == 2048  # the model's own limit until a worker says its own
     watch = EtcdWorkers(backend, etcd, cluster, resync_s=1.0).start()
     fakes = [FakeWorker("p1", "prefill").start(), FakeWorker("d1", "decode").start()]
-    regs = [Registration(etcd, cluster, Member(f.hello.role, f.hello.worker_id, f.address))
-            .start() for f in fakes]
+    regs = [Registration(etcd, cluster, Member(f.hello.role, f.hello.worker_id, f.address),
+                         TTL_S).start() for f in fakes]
     restarted = None
     try:
         wait_until(lambda: sorted(backend.live_worker_ids()) == ["d1", "p1"])
@@ -66,7 +70,8 @@ def test_workers_join_leave_and_rejoin(etcd: Etcd, cluster: str,
         assert fakes[1].wait_disconnected()
 
         restarted = FakeWorker("d1", "decode").start()  # the same worker id, a new process
-        regs[1] = Registration(etcd, cluster, Member("decode", "d1", restarted.address)).start()
+        regs[1] = Registration(etcd, cluster, Member("decode", "d1", restarted.address),
+                               TTL_S).start()
         wait_until(lambda: sorted(backend.live_worker_ids()) == ["d1", "p1"])
         assert backend.conductor.decode_ids == ["d1"]
         assert watch.joined == {"p1": fakes[0].address, "d1": restarted.address}
@@ -84,13 +89,13 @@ def test_unreachable_or_foreign_workers_are_refused(etcd: Etcd, cluster: str,
     foreign = FakeWorker("p2", "prefill").start()
     foreign.hello = hello("p2", "prefill", namespace="kvcake/other/b16")
     watch = EtcdWorkers(backend, etcd, cluster, resync_s=1.0).start()
-    regs = [Registration(etcd, cluster, Member("prefill", "p1", good.address)).start()]
+    regs = [Registration(etcd, cluster, Member("prefill", "p1", good.address), TTL_S).start()]
     try:
         with refused_address() as dead:  # held to the end: no other server gets this port
             wait_until(lambda: backend.live_worker_ids() == ["p1"])
             regs.append(Registration(etcd, cluster,
-                                     Member("prefill", "p2", foreign.address)).start())
-            regs.append(Registration(etcd, cluster, Member("decode", "d9", dead)).start())
+                                     Member("prefill", "p2", foreign.address), TTL_S).start())
+            regs.append(Registration(etcd, cluster, Member("decode", "d9", dead), TTL_S).start())
             wait_until(lambda: len(watch.refused) == 2)
             assert "KV namespace" in watch.refused["p2"]
             assert "--advertise-host" in watch.refused["d9"] and dead in watch.refused["d9"]
