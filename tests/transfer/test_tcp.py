@@ -19,6 +19,7 @@ from kvcake.transfer import (
 )
 from kvcake.transfer.frame import Header, Op, Status
 from kvcake.transfer.tcp import TcpTransport, parse_address, recv_exactly
+from tests.net import refused_address
 
 
 def pattern(n: int, seed: int = 0) -> np.ndarray:
@@ -139,9 +140,10 @@ def test_remote_rejection_fails_the_request_without_retries(server: TransferEngi
 
 
 def test_unreachable_peer_fails_after_retries(client: TransferEngine) -> None:
-    ghost = SegmentDesc("x", 1, 4096, "127.0.0.1:20999", "elsewhere")
-    with pytest.raises(TransferError, match="after 4 attempts.*cannot connect"):
-        client.read(ghost, 0, bytearray(16), timeout_s=30)
+    with refused_address() as dead:  # a fixed port may be some other run's server
+        ghost = SegmentDesc("x", 1, 4096, dead, "elsewhere")
+        with pytest.raises(TransferError, match="after 4 attempts.*cannot connect"):
+            client.read(ghost, 0, bytearray(16), timeout_s=30)
 
 
 def test_each_rail_binds_its_own_local_address(server: TransferEngine) -> None:
