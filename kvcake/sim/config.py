@@ -66,8 +66,10 @@ class SimConfig:
     decode_check_keeps_node: the decode check after prefill (the baseline, or
         `decode_check_after_prefill`) asks only the decode instance chosen at arrival, where the
         KV was streamed during the prefill: the request decodes there if it fits (with
-        `decode_node_guard`: if that node can start it at once), else it is rejected. False: the
-        decode instance is chosen again among all when the prefill ends.
+        `decode_node_guard`: if that node can start it at once), else it is rejected; the
+        baseline pre-selects that node on the forecast at the request's predicted join time, as
+        admission "early" does (`DecodeChoice.forecasts_join`). False: the decode instance is
+        chosen again among all when the prefill ends.
     """
 
     num_prefill: int = 8
