@@ -19,7 +19,9 @@ admission test, but a request whose node cannot start it when its prefill ends g
 decode node with the most room if that one can (its KV streamed again), as the baseline's
 re-choice at prefill end does; the seed streams the KV to the pre-selected node and is silent on
 a node that is full at hand-off. With `--decode-check-keeps-node` the baseline's check asks only
-the decode node chosen at arrival (no re-choice at prefill end). The report also runs both arrival policies with the decode check kept after prefill as well
+the decode node chosen at arrival (no re-choice at prefill end), pre-selected on the forecast
+at the request's predicted join time as prediction does (read now, a burst herds onto one node;
+the report's top-node column measures it). The report also runs both arrival policies with the decode check kept after prefill as well
 (`CHECKED`: the form of this report before; the decode pool never overfills, so the lag of the
 arrival check cannot build up a swing). In every run each decode node reports the KV it holds
 to the Conductor (`decode_node_guard`); under the baseline and `CHECKED` the node also takes a
