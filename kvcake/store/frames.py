@@ -55,36 +55,41 @@ def _decode(body: bytes | bytearray | memoryview) -> object:
         raise InvalidRequest(f"frame: not valid msgpack ({exc})") from None
 
 
-def _whole_frame(chunk: bytes) -> memoryview | None:
-    """The body of `chunk` if it is exactly one frame (length prefix and body), else None."""
-    if len(chunk) < LENGTH_PREFIX.size:
-        return None
-    (length,) = LENGTH_PREFIX.unpack_from(chunk)
-    if len(chunk) != LENGTH_PREFIX.size + length:
-        return None
-    return memoryview(chunk)[LENGTH_PREFIX.size:]
-
-
 class FrameReader:
     """`read_frame` for one socket with fewer system calls: what one recv brings (usually a
-    whole small frame, length prefix included) is kept for the next frame. One reader per
-    socket, used by one thread at a time."""
+    whole small frame, length prefix included; for a request with a payload, the frame and the
+    payload's first bytes) is kept for the next frame or payload. One reader per socket, used by
+    one thread at a time.
+
+    The unread rest of the last recv is kept as a view of it (`_rest`, not copied): frames are
+    decoded from it and a payload is copied from it straight into its destination. Only a frame
+    split over several recvs is gathered in `_buf`."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._buf = bytearray()
+        self._rest = memoryview(b"")  # the unread end of the last recv's chunk
+        self._buf = bytearray()  # a frame that did not come whole in one chunk
 
     def read(self) -> object | None:
         """The decoded body of the next frame; None at the end of stream; InvalidRequest for
         an oversized or undecodable frame (the stream is then out of sync)."""
-        if not self._buf:  # the usual case: nothing left over from the last recv
+        if not self._rest:  # the usual case: nothing left over from the last recv
             chunk = self._sock.recv(1 << 16)
             if not chunk:
                 return None
-            whole = _whole_frame(chunk)
-            if whole is not None:  # decoded from the chunk itself: no copy into the buffer
-                return _decode(whole)
-            self._buf += chunk
+            self._rest = memoryview(chunk)
+        rest = self._rest
+        if len(rest) >= LENGTH_PREFIX.size:
+            (length,) = LENGTH_PREFIX.unpack_from(rest)
+            end = LENGTH_PREFIX.size + length
+            if len(rest) >= end and length <= MAX_FRAME_BYTES:  # whole: decoded in place
+                self._rest = rest[end:]
+                return _decode(rest[LENGTH_PREFIX.size:end])
+        self._buf += rest  # a frame split over recvs: gathered in the buffer
+        self._rest = memoryview(b"")
+        return self._read_gathered()
+
+    def _read_gathered(self) -> object | None:
         needed = LENGTH_PREFIX.size
         while True:
             if len(self._buf) >= LENGTH_PREFIX.size:
@@ -98,7 +103,8 @@ class FrameReader:
                 needed = LENGTH_PREFIX.size + length
                 if len(self._buf) >= needed:
                     body = bytes(self._buf[LENGTH_PREFIX.size:needed])
-                    del self._buf[:needed]
+                    self._rest = memoryview(bytes(self._buf[needed:]))
+                    self._buf.clear()
                     return _decode(body)
             chunk = self._sock.recv(max(1 << 16, needed - len(self._buf)))
             if not chunk:
@@ -106,14 +112,14 @@ class FrameReader:
             self._buf += chunk
 
     def read_exact_into(self, dest: memoryview) -> None:
-        """The next len(dest) bytes of the stream (after the frames read) into `dest`: what is
-        buffered first, then straight from the socket. OSError if the stream ends first."""
+        """The next len(dest) bytes of the stream (after the frames read) into `dest`: what the
+        last recv brought first, then straight from the socket. OSError if the stream ends
+        first."""
         dest = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
-        have = min(len(self._buf), len(dest))
+        have = min(len(self._rest), len(dest))
         if have:
-            with memoryview(self._buf) as buffered:  # no intermediate copy of the slice
-                dest[:have] = buffered[:have]
-            del self._buf[:have]
+            dest[:have] = self._rest[:have]
+            self._rest = self._rest[have:]
         got = have
         while got < len(dest):
             n = self._sock.recv_into(dest[got:])

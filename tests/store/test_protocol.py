@@ -180,3 +180,24 @@ def test_frame_reader_refuses_a_whole_frame_that_is_not_msgpack() -> None:
     reader = FrameReader(_ScriptedSocket([bad]))  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="not valid msgpack"):
         reader.read()
+
+
+def test_frame_reader_payload_straddling_recvs_then_frames_from_the_same_chunk() -> None:
+    # A put_inline's shape: frame | payload, the payload's start in the frame's recv chunk
+    # (kept as a view of it, copied once into its destination), its end in the next recv,
+    # which also brings two whole frames and half of a third.
+    head = encode({"id": 1, "op": "put_inline", "args": {"size_bytes": 10}})
+    after = encode({"id": 2, "ok": True, "result": None}) + encode({"id": 3, "ok": True,
+                                                                     "result": "y"})
+    last = encode({"id": 4, "ok": True, "result": "z" * 40})
+    reader = FrameReader(_ScriptedSocket([head + b"0123", b"456789" + after + last[:9],  # type: ignore[arg-type]
+                                          last[9:]]))
+    first = reader.read()
+    assert isinstance(first, dict) and first["id"] == 1
+    dest = bytearray(10)
+    reader.read_exact_into(memoryview(dest))
+    assert dest == b"0123456789"
+    got = [reader.read() for _ in range(3)]
+    assert [m["id"] for m in got if isinstance(m, dict)] == [2, 3, 4]
+    assert isinstance(got[2], dict) and got[2]["result"] == "z" * 40
+    assert reader.read() is None
