@@ -111,13 +111,15 @@ class FailoverConnection:
         after a SIGKILL etcd still names the dead leader, whose socket may accept and then reset."""
         with self._lock:
             conn = self._conn or self._connect()
-        deadline = time.monotonic() + self._failover_wait_s
-        retries = 0
+        deadline: float | None = None  # failover_wait_s from the first loss, not from the call:
+        retries = 0                    # an attempt may block for its RPC timeout before failing
         while True:
             try:
                 return attempt(conn)
             except MasterUnavailable as exc:
-                if time.monotonic() >= deadline:
+                if deadline is None:
+                    deadline = time.monotonic() + self._failover_wait_s
+                elif time.monotonic() >= deadline:
                     raise
                 log.warning("store master %s lost (%s): finding the new leader", conn.address, exc)
                 if retries:

@@ -54,6 +54,8 @@ def test_a_master_lost_twice_is_retried_on_a_fresh_connection_each_time(
 
 
 def test_no_retry_past_the_failover_wait(fake_etcd: list[_Conn]) -> None:
+    """The wait runs from the first loss: with 0 s, one fresh connection is tried, then the
+    loss is raised."""
     conn = leader.FailoverConnection("etcd://127.0.0.1:2379/c", failover_wait_s=0.0)
 
     def attempt(c: Any) -> str:
@@ -61,4 +63,24 @@ def test_no_retry_past_the_failover_wait(fake_etcd: list[_Conn]) -> None:
 
     with pytest.raises(MasterUnavailable, match="gone"):
         conn._retry(attempt)
-    assert len(fake_etcd) == 1
+    assert len(fake_etcd) == 2
+
+
+def test_an_attempt_slower_than_the_wait_is_still_retried(
+        fake_etcd: list[_Conn], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attempt that blocks for its RPC timeout (30 s) before the loss shows does not use up
+    a 20 s failover wait: the new leader is still tried."""
+    now = [1000.0]
+    monkeypatch.setattr(leader.time, "monotonic", lambda: now[0])
+    conn = leader.FailoverConnection("etcd://127.0.0.1:2379/c", failover_wait_s=20.0)
+    calls: list[int] = []
+
+    def attempt(c: Any) -> str:
+        calls.append(fake_etcd.index(c))
+        if len(calls) == 1:
+            now[0] += 30.0  # the dead leader's socket held the call for the RPC timeout
+            raise MasterUnavailable("timed out")
+        return f"answered on connection {fake_etcd.index(c)}"
+
+    assert conn._retry(attempt) == "answered on connection 1"
+    assert calls == [0, 1]
