@@ -71,22 +71,25 @@ def pool_demand(trace: Trace, cost: CostModel, kv_capacity_tokens: int, block_si
 
 
 def prefill_admitted(trace: Trace, cost: CostModel, kv_capacity_tokens: int, block_size: int,
-                     num_prefill: int, speed: float, efficiency: float = 1.0) -> set[int]:
+                     prefill_nodes: float, speed: float) -> set[int]:
     """The requests (positions in the trace) a saturated prefill pool admits, in the fluid
     limit of its TTFT check: a full queue sheds the dearest prompts first (a prompt is admitted
     only if the queue plus its own prefill fits the SLO), so the cheapest are kept until their
-    prefill fills `efficiency` x the pool's node-seconds over the arrival span replayed at
-    `speed` (below 1 where the pool does more work per request than `pool_demand`'s price, whose
-    cache holds every earlier block); all of them if the pool does not bind. What the decode
+    prefill fills `prefill_nodes` node-seconds per second over the arrival span replayed at
+    `speed`; all of them if the pool does not bind. `prefill_nodes` is the pool's node count
+    times its efficiency: the share of node time that goes to admitted prompts at their price
+    (below 1 where the pool does more work per request than `pool_demand`'s price, whose cache
+    holds every earlier block; e.g. 8 x 0.704). What the decode
     pool is offered under the baseline is priced on these (`pool_demand(..., only=...)`)."""
     if not speed > 0:
         raise ValueError(f"speed must be > 0, got {speed!r}")
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    if not prefill_nodes > 0:
+        raise ValueError(f"prefill_nodes (node count x efficiency) must be > 0, "
+                         f"got {prefill_nodes!r}")
     costs = request_demand(trace, cost, kv_capacity_tokens, block_size)
     requests = trace.requests
     span_s = (requests[-1].arrival_s - requests[0].arrival_s) / speed if len(requests) > 1 else 0.0
-    budget = efficiency * num_prefill * span_s
+    budget = prefill_nodes * span_s
     kept: set[int] = set()
     spent = 0.0
     for i in sorted(range(len(costs)), key=lambda i: (costs[i][0], i)):

@@ -34,7 +34,11 @@ def register(subparsers: Any) -> None:
     store = subparsers.add_parser("store", help="run a Mooncake Store master or node")
     sub = store.add_subparsers(dest="store_command", metavar="ROLE")
     sub.required = True
+    _master_parser(sub)
+    _node_parser(sub)
 
+
+def _master_parser(sub: Any) -> None:
     master = sub.add_parser("master", help="the master (metadata; hosts a store node "
                             "unless --no-node)")
     master.add_argument("--host", default="127.0.0.1", help="address the RPC port binds")
@@ -74,6 +78,8 @@ def register(subparsers: Any) -> None:
     _secret_flags(master)
     master.set_defaults(func=run_master)
 
+
+def _node_parser(sub: Any) -> None:
     node = sub.add_parser("node", help="a node contributing DRAM (and disk) to the pool")
     node.add_argument("--master", default=None, help="HOST:PORT of the master (or "
                       "etcd://HOST:PORT[/CLUSTER]; see --etcd)")

@@ -176,16 +176,16 @@ def test_prefill_admitted_sheds_the_dearest_prompts_first_and_prices_the_rest() 
     # One node for 10 s at half its time: room for the two cheap prompts, not the dear one.
     efficiency = (c[1] + c[2] + c[0] / 2) / 10
     assert c[1] + c[2] < efficiency * 10 < sum(c)
-    kept = prefill_admitted(trace, COST, capacity, 512, 1, 1.0, efficiency)
+    kept = prefill_admitted(trace, COST, capacity, 512, 1 * efficiency, 1.0)
     assert kept == {1, 2}
     # Replayed twice as fast the same budget is half: only the cheapest fits.
-    assert prefill_admitted(trace, COST, capacity, 512, 1, 2.0, efficiency) == {1}
+    assert prefill_admitted(trace, COST, capacity, 512, 1 * efficiency, 2.0) == {1}
     assert prefill_admitted(trace, COST, capacity, 512, 8, 1.0) == {0, 1, 2}  # not binding
     demand = pool_demand(trace, COST, capacity, 512, only=kept)
     assert demand.prefill_s == pytest.approx((c[1] + c[2]) / 2)
     assert demand.arrival_rate == pytest.approx(0.2 * 2 / 3)  # 2 of the 3 arrivals over 10 s
-    with pytest.raises(ValueError, match="efficiency"):
-        prefill_admitted(trace, COST, capacity, 512, 1, 1.0, 1.5)
+    with pytest.raises(ValueError, match="prefill_nodes"):
+        prefill_admitted(trace, COST, capacity, 512, 0.0, 1.0)
 
 
 def test_herding_is_the_top_decode_node_share_of_each_window_of_arrivals() -> None:
