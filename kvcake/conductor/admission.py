@@ -2,7 +2,8 @@
 before any of its work is done, with a Retry-After estimate.
 
 `Admission.NONE`: everything is placed. `SLO`: the predicted TTFT and the chosen decode
-instance's TBT with the request added now. `EARLY`: the same, with the decode batch forecast at
+instance's TBT with the request added to its outstanding load now (its batch and the requests
+dispatched to it still in prefill). `EARLY`: the same, with the decode batch forecast at
 the moment the request joins it (after its predicted TTFT). `DECODE_AFTER_PREFILL`: the TTFT at
 arrival, the decode side only once the prefill is done (`Conductor.admit_decode`), which SLO and
 EARLY also do with `decode_check_after_prefill`.

@@ -33,7 +33,9 @@ class Admission(StrEnum):
 
     NONE: never. SLO: at arrival, predicted TTFT > ttft_slo_s, or the decode instance's TBT *now*
     (with this request added) > tbt_slo_s: the paper's "early rejection" (arXiv version, section
-    7), which looks at the decode load of the moment. EARLY (also spelled "prediction"): as SLO,
+    7), which looks at the decode load of the moment: each instance's outstanding load, its
+    batch now plus the requests dispatched to it and not joined yet (in prefill, their KV
+    promised), which it also chooses the instance by (`DecodeChoice.outstanding_at`). EARLY (also spelled "prediction"): as SLO,
     but the decode load is predicted for the moment this request's prefill would finish
     (requests predicted to have finished decoding by then are left out, requests placed earlier
     that will have joined by then are counted; under a uniform decode time t_d each joined

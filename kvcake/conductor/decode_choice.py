@@ -34,6 +34,7 @@ class DecodeChoice:
         admission = config.admission
         self._forecasts_join = admission is Admission.EARLY or (
             admission is Admission.DECODE_AFTER_PREFILL and config.decode_check_keeps_node)
+        self._counts_outstanding = admission is Admission.SLO
 
     def forget(self, instance_id: str) -> None:
         self._last_estimates.pop(instance_id, None)
@@ -42,7 +43,8 @@ class DecodeChoice:
                  ttft_s: float) -> tuple[DecodeEstimate, ...]:
         """Every candidate decode instance (colocated: the prefill instance itself) with `req`
         added, at the moment it joins (after its predicted TTFT: Admission.EARLY, and the
-        baseline's pre-selection when it keeps its node, `forecasts_join`) or now."""
+        baseline's pre-selection when it keeps its node, `forecasts_join`), its outstanding load
+        now (Admission.SLO, `outstanding_at`) or its load now."""
         forecast = self._forecasts_join
         at_s = now_s + ttft_s if forecast else now_s
         context = req.prompt_len + req.max_output_len // 2
@@ -61,6 +63,8 @@ class DecodeChoice:
         forecasts: Iterable[tuple[int, int]]
         if not now and self.config.uniform_decode_s is not None:
             forecasts = (load.batch_window(now_s, at_s) for load in loads.values())
+        elif self._counts_outstanding:
+            forecasts = map(self.outstanding_at, loads.values(), repeat(now_s))
         else:
             forecasts = map(self.load_at(now), loads.values(), repeat(at_s))
         for instance_id, (batch, tokens) in zip(loads, forecasts, strict=True):
@@ -74,6 +78,19 @@ class DecodeChoice:
                 last_estimates[instance_id] = estimate
             estimates.append(estimate)
         return tuple(estimates)
+
+    def outstanding_at(self, load: DecodeLoad, now_s: float) -> tuple[int, int]:
+        """(batch size, context tokens) an instance has outstanding at `now_s`: its load of the
+        moment (`load_at(True)`) plus every request dispatched to it and not joined yet
+        (`DecodeLoad.expected_after`: in prefill, or waiting for its memory). What early
+        rejection (Admission.SLO) reads at arrival, for the check and the choice: the load of
+        the moment alone leaves out what was placed a prefill ago, so every arrival of a
+        prefill-queue time would go to the same least-loaded instance (herding) and be let in
+        on room already promised; a least-outstanding balancer, and a decode node that reserves
+        a request's KV when it is dispatched (the live `ReserveKv`), count it."""
+        batch, tokens = self.load_at(True)(load, now_s)
+        later, later_tokens = load.expected_after(now_s)
+        return batch + later, tokens + later_tokens
 
     @property
     def forecasts_join(self) -> bool:

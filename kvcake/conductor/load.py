@@ -248,6 +248,17 @@ class DecodeLoad:
         joined, joined_ctx = pending.until(now_s) if pending._times else (0, 0)
         return len(self._active._times) + joined, self._active.context_sum + joined_ctx
 
+    def expected_after(self, now_s: float) -> tuple[int, int]:
+        """(count, context tokens) of the requests placed here that are not predicted to have
+        joined by `now_s`: dispatched to this instance and still in prefill (or waiting for
+        memory at it), whose KV it will have to hold. `batch_now` / `batch_at(now_s)` plus this
+        is the instance's outstanding load (what a least-outstanding balancer counts)."""
+        pending = self._pending
+        if not pending._times:
+            return 0, 0
+        joined, joined_ctx = pending.until(now_s)
+        return len(pending._times) - joined, pending.context_sum - joined_ctx
+
     def batch_window(self, now_s: float, at_s: float) -> tuple[int, int]:
         """(batch size, context tokens) at `at_s` >= `now_s` under the uniform decode time t_d
         of `join(..., decode_s=t_d)`, as the paper's system-level forecast has it: the requests

@@ -6,6 +6,8 @@ The same cluster (8 prefill + 8 decode nodes, global_cache) and load, three admi
                            done, so a request rejected there has spent its prefill (the baseline)
     early                  (admission "slo") TTFT and the decode instance's TBT *now*, at
                            arrival: the paper's early rejection, on the decode load of the moment
+                           (each node's batch plus the requests dispatched to it and still in
+                           prefill: its outstanding load, which it also picks the node by)
     prediction             (admission "early") TTFT and the TBT forecast for the moment the
                            prefill would end, at arrival: prediction-based early rejection
 
@@ -36,7 +38,10 @@ the baseline's run, which runs first (neither the baseline nor early rejection r
 look at the decode load of the moment).
 
 Why the paper's loads swing (its section 7.3), and what the report measures: a check on the
-decode load *now* lags the decode load it causes by the prefill's queue and compute time. While
+decode load *now* lags the decode load it causes by the prefill's queue and compute time (the
+form before 2026-12-02 read only the batch and what was due to have joined; early rejection now
+counts what is dispatched to a node, so it lags the *releases* instead: room that frees while a
+request is in prefill is not counted for it). While
 decode is full, early rejection turns arrivals away, the prefill pool runs dry, and by the time
 those requests would have reached decode it has drained and idles; then the Conductor admits a
 burst that fills the prefill queues (up to the TTFT SLO) and reaches decode a queue-time later,

@@ -490,18 +490,44 @@ def test_admit_decode_is_a_no_op_under_arrival_admission() -> None:
     assert ConductorConfig(admission="prediction").admission is Admission.EARLY  # type: ignore[arg-type]
 
 
+def test_early_rejection_counts_what_is_dispatched_to_a_node_and_not_joined_yet() -> None:
+    # Early rejection ("slo") reads each decode node's outstanding load at arrival: its batch of
+    # the moment plus the requests placed there that are still in prefill. Read without them
+    # (before this test), every arrival of a prefill time went to the node that was least
+    # loaded *now*, and each was let in on the same room: the herding of the overload report.
+    c = make(admission="slo", num_prefill=1, num_decode=2, uniform_decode_s=100.0)
+    c.decode_load("d0").expect("x", 0.0, 100, 10)
+    c.on_decode_joined("d0", "x", 0.0)
+    chosen = []
+    for i, rid in enumerate(("a", "b", "c")):  # each a prefill of 0.2 s: none joins by 0.02
+        d = placed(c.schedule(request(rid, first_key=100 * (i + 1)), 0.01 * i))
+        chosen.append((d.decode_id, [e.batch_size for e in d.decode_candidates]))
+    assert chosen == [("d1", [2, 1]), ("d0", [2, 2]), ("d1", [3, 2])]
+    # One decode node, room for one request at the TBT SLO: b arrives while a is in prefill
+    # (its join is predicted at 0.2) and is turned away at arrival, its prefill never spent.
+    c = make(admission="slo", num_decode=1, tbt_slo_s=0.0115)
+    placed(c.schedule(request("a", output_len=1000), 0.0))
+    b = c.schedule(request("b", first_key=100, output_len=1000), 0.1)
+    assert isinstance(b, Rejection) and b.reason is RejectReason.TBT_SLO
+    assert b.predicted_tbt_s == pytest.approx(0.012)
+    assert [e.batch_size for e in b.decode_candidates] == [2]
+    # Once a is reported finished, its room is free again.
+    assert isinstance(c.admit_decode("a", 0.2), type(None))
+    c.on_decode_joined("d0", "a", 0.2)
+    c.on_decode_finished("d0", "a", 0.3)
+    placed(c.schedule(request("b", first_key=100, output_len=1000), 0.3))
+
+
 def test_early_rejection_with_the_decode_check_after_prefill_rejects_the_wave_it_let_in() -> None:
-    # Early rejection ("slo") looks at the decode batch *now*: b arrives at 0.1 while a is still
-    # in prefill (until 0.2), sees an empty decode and is let in; when b's prefill ends, a
-    # decodes on the only instance and b would make the step 0.012 s > 0.0115: rejected there,
-    # its prefill spent.
+    # Early rejection ("slo") lets b in at 0.1 on an empty decode node. A request it did not
+    # place there (x, moved from elsewhere) joins before b's prefill ends: b would make the
+    # step 0.012 s > 0.0115, so the check after prefill rejects it there, its prefill spent.
     for check, expected in ((True, Rejection), (False, type(None))):
         c = make(admission="slo", num_decode=1, tbt_slo_s=0.0115,
                  decode_check_after_prefill=check)
-        placed(c.schedule(request("a", output_len=1000), 0.0))
         placed(c.schedule(request("b", first_key=100, output_len=1000), 0.1))
-        assert isinstance(c.admit_decode("a", 0.2), DecodeEstimate if check else type(None))
-        c.on_decode_joined("d0", "a", 0.2)
+        c.decode_load("d0").expect("x", 0.2, 100, 1000)
+        c.on_decode_joined("d0", "x", 0.2)
         late = c.admit_decode("b", 0.4)
         assert isinstance(late, expected)
         if check:

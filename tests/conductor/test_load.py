@@ -50,6 +50,22 @@ def test_decode_forecast_drops_finished_and_adds_joined() -> None:
     assert d.batch_at(100.0) == (0, 0) and "a" not in d and d.num_booked == 0
 
 
+def test_expected_after_counts_what_is_dispatched_and_not_due_yet() -> None:
+    d = DecodeLoad()
+    assert d.expected_after(0.0) == (0, 0)
+    d.expect("a", join_s=1.0, context_tokens=100, output_len=10)
+    d.expect("b", join_s=5.0, context_tokens=200, output_len=10)
+    d.expect("c", join_s=5.0, context_tokens=40, output_len=10)
+    assert d.expected_after(0.0) == (3, 340)
+    assert d.expected_after(1.0) == (2, 240)  # a is due (batch_now counts it), b and c not
+    assert d.batch_now(1.0) == (1, 100)
+    assert d.expected_after(5.0) == (0, 0)
+    d.join("a", now_s=2.0, step_time_s=lambda batch, context: 0.5)
+    assert d.expected_after(2.0) == (2, 240)  # joined: the batch's now, not expected
+    d.remove("b")
+    assert d.expected_after(2.0) == (1, 40)
+
+
 def test_decode_forecast_under_t_d_counts_each_request_for_its_window() -> None:
     # Uniform t_d = 2 s: a joins at 0 (window to 2), b at 3 (to 5); c is due to join at 4.
     d = DecodeLoad()
