@@ -13,7 +13,9 @@ half of it. Measured, nothing fitted to a compared metric:
 - per kind and class: steps, wall / CPU, wall summed over the price summed (the factor the live
   step takes over the simulator's sum of parts);
 - the mixed steps' least-squares split `wall = a * decode part + b * chunk part + c` (is the
-  live mixed step the sum of its parts?);
+  live mixed step the sum of its parts?), evidence only (`measure` prices a mixed step's chunk
+  by its own factor, `chunk_mixed`: a mixed step is cheaper than a decode-only step plus a
+  chunk-only step, whose chunk factor carries a forward's fixed cost);
 - `step_overhead_s`: from one step's end (its tokens sent) to the same worker's next start,
   back-to-back steps, mean.
 """
@@ -220,11 +222,14 @@ def compare_steps(saved: dict[str, Any], trace: Any, config: Any, cost: Any,
 def measure(saved: dict[str, Any], decode_fit: Any, prefill_fit: Any) -> dict[str, Any]:
     """The live profile's `colocated` terms (kvcake/sim/colocated_cost.py) of a saved colocated
     step trace, and the steps' dispersion around them. Per class (the other worker stepping
-    through under / over half of the step): `decode*` = the decode-only steps' wall summed over
-    their decode price summed; `chunk*` = the chunk-carrying steps' (mixed and chunk only) wall
-    less that decode factor times their decode price, over their chunk price; a class without
-    steps takes the other's factor. `step_jitter_quantiles`: each step's wall over its priced
-    model, 1st..99th percentile (`host_terms.jittered_tbts`)."""
+    through under / over half of the step), each kind of step on its own:
+    - `decode*` = the decode-only steps' wall summed over their decode price summed;
+    - `chunk_mixed*` = the mixed steps' (decode rows and a chunk in one forward) wall less that
+      decode factor times their decode price, over their chunk price;
+    - `chunk*` = the chunk-only steps' wall over their chunk price.
+    A class without such steps takes the other class's factor (a chunk kind without steps in
+    either class: the other chunk kind's). `step_jitter_quantiles`: each step's wall over its
+    priced model, 1st..99th percentile (`host_terms.jittered_tbts`)."""
     steps = priced([s for s in saved["steps"] if s["t0"] >= 0], decode_fit, prefill_fit)
     factors: dict[str, float | None] = {}
     for cls, test in (("", lambda x: x < OTHER_BUSY), ("_other_busy", lambda x: x >= OTHER_BUSY)):
@@ -232,19 +237,27 @@ def measure(saved: dict[str, Any], decode_fit: Any, prefill_fit: Any) -> dict[st
         dec = [s for s in group if s["kind"] == "decode"]
         d_price = sum(s["decode_s"] for s in dec)
         factors["decode" + cls] = sum(s["wall"] for s in dec) / d_price if d_price else None
-        chunked = [s for s in group if s["kind"] != "decode"]
-        c_price = sum(s["chunk_s"] for s in chunked)
         f = factors["decode" + cls] or 1.0
-        factors["chunk" + cls] = ((sum(s["wall"] for s in chunked)
-                                   - f * sum(s["decode_s"] for s in chunked)) / c_price
-                                  if c_price else None)
-    for a, b in (("decode", "decode_other_busy"), ("chunk", "chunk_other_busy")):
-        factors[a] = factors[a] or factors[b] or 1.0
+        for name, kind in (("chunk_mixed", "mixed"), ("chunk", "chunk")):
+            of_kind = [s for s in group if s["kind"] == kind]
+            c_price = sum(s["chunk_s"] for s in of_kind)
+            factors[name + cls] = ((sum(s["wall"] for s in of_kind)
+                                    - f * sum(s["decode_s"] for s in of_kind)) / c_price
+                                   if c_price else None)
+    for a, b in (("decode", "decode_other_busy"), ("chunk", "chunk_other_busy"),
+                 ("chunk_mixed", "chunk_mixed_other_busy")):
+        factors[a] = factors[a] or factors[b]
         factors[b] = factors[b] or factors[a]
+    for a, b in (("chunk", "chunk_mixed"), ("chunk_mixed", "chunk")):
+        for cls in ("", "_other_busy"):
+            factors[a + cls] = factors[a + cls] or factors[b + cls] or 1.0
+    factors["decode"] = factors["decode"] or 1.0
+    factors["decode_other_busy"] = factors["decode_other_busy"] or 1.0
     spread = []
     for s in steps:
         cls = "_other_busy" if s["other_busy"] >= OTHER_BUSY else ""
-        model = factors["decode" + cls] * s["decode_s"] + factors["chunk" + cls] * s["chunk_s"]
+        chunk = ("chunk_mixed" if s["kind"] == "mixed" else "chunk") + cls
+        model = factors["decode" + cls] * s["decode_s"] + factors[chunk] * s["chunk_s"]
         if model > 0:
             spread.append(s["wall"] / model)
     oh = overhead_s(steps)

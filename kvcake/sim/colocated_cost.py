@@ -4,15 +4,25 @@ Two colocated workers on one host run mixed steps (their decode rows and a prefi
 forward) and contend for its cores. Measured from a live step trace of both workers
 (`benchmarks/colocated_terms.py`, on the isolated 1-thread fits):
 
-    "colocated": {"decode": 1.06, "decode_other_busy": 1.24,   # decode part of a step
-                  "chunk": 1.15, "chunk_other_busy": 1.40,     # a chunk's share of its prefill
-                  "step_overhead_s": 0.0005}                   # per step, outside the engine
+    "colocated": {"decode": 1.13, "decode_other_busy": 1.33,   # a decode-only step
+                  "chunk": 1.33, "chunk_other_busy": 1.52,     # a chunk-only step's chunk
+                  "chunk_mixed": 1.01,                         # a chunk beside decode rows
+                  "chunk_mixed_other_busy": 1.21,
+                  "step_overhead_s": 0.0006}                   # per step, outside the engine
 
 A colocated step is priced as the simulator's sum of parts (kvcake/sim/decode.py): the decode
 step of its rows times `decode` plus each chunk's share by tokens of its prompt's prefill fit
-times `chunk`, plus `step_overhead_s`; the `*_other_busy` factors while another worker of the
-host steps (the instance's runs follow the others', kvcake/sim/host.py). The factors replace the
-live profile's `contention` for colocated runs (those are the disaggregated workers').
+times a chunk factor, plus `step_overhead_s`; the `*_other_busy` factors while another worker
+of the host steps (the instance's runs follow the others', kvcake/sim/host.py). The chunk factor
+is `chunk_mixed` in a mixed step (the forward carries decode rows: `forward_tokens` above the
+chunk's tokens) and `chunk` in a chunk-only step. The two differ because a forward's fixed cost
+(weights read, per-layer work) is in the decode fit, which a mixed step pays once through its
+decode part: a chunk-only step pays it through its chunk factor, a mixed step does not pay it
+twice (the quiet 0.394 req/s colocated trace of 2026-12-02: a mixed step's wall is 1.05 / 1.25x
+its isolated parts' sum, other worker idle / stepping, against 1.13 / 1.33x of its decode part
+and 1.33 / 1.52x of a chunk-only step's chunk). Without `chunk_mixed*` (older profiles) a mixed
+step's chunk takes `chunk`. The factors replace the live profile's `contention` for colocated
+runs (those are the disaggregated workers').
 
 Pure: no torch, no clock.
 """
@@ -27,6 +37,7 @@ from typing import Any
 from kvcake.sim.decode import StepCosts
 
 _FACTORS = ("decode", "decode_other_busy", "chunk", "chunk_other_busy")
+_MIXED = ("chunk_mixed", "chunk_mixed_other_busy")
 
 
 @dataclass(frozen=True)
@@ -36,9 +47,17 @@ class ColocatedTerms:
     chunk: float = 1.0
     chunk_other_busy: float = 1.0
     step_overhead_s: float = 0.0
+    # a chunk's factor in a mixed step (None, both: `chunk` / `chunk_other_busy`)
+    chunk_mixed: float | None = None
+    chunk_mixed_other_busy: float | None = None
 
     def __post_init__(self) -> None:
-        for name in _FACTORS:
+        given = [getattr(self, name) for name in _MIXED if getattr(self, name) is not None]
+        if len(given) == 1:
+            raise ValueError("live.colocated: give both chunk_mixed and chunk_mixed_other_busy "
+                             "(a chunk's factor in a mixed step, other worker idle / stepping) "
+                             "or neither")
+        for name in _FACTORS + (_MIXED if given else ()):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ValueError(f"live.colocated.{name} must be a positive finite factor "
@@ -50,11 +69,18 @@ class ColocatedTerms:
 
     @classmethod
     def from_dict(cls, data: Any) -> ColocatedTerms:
-        if not isinstance(data, dict) or set(data) - {*_FACTORS, "step_overhead_s"}:
+        if not isinstance(data, dict) or set(data) - {*_FACTORS, *_MIXED, "step_overhead_s"}:
             raise ValueError("live.colocated: expected {\"decode\", \"decode_other_busy\", "
-                             "\"chunk\", \"chunk_other_busy\": factors, \"step_overhead_s\": "
+                             "\"chunk\", \"chunk_other_busy\", \"chunk_mixed\", "
+                             "\"chunk_mixed_other_busy\": factors, \"step_overhead_s\": "
                              f"seconds}} (all optional), got {data!r}")
-        return cls(**{k: float(v) for k, v in data.items()})
+        try:
+            return cls(**{k: float(v) for k, v in data.items()})
+        except (TypeError, ValueError) as err:
+            if "live.colocated" in str(err):
+                raise
+            raise ValueError(f"live.colocated: every value must be a number, got {data!r}") \
+                from err
 
     def step_costs(self, cost: Any) -> StepCosts:
         """A colocated instance's step costs on `cost` (a `LiveCost`: its isolated fits)."""
@@ -67,14 +93,20 @@ class ColocatedTerms:
                 return cost.decode.decode_step_time_s(batch, context) * factor + overhead
             return step_s
 
-        def chunk(factor: float) -> Callable[[int, int, int, int], float]:
-            def chunk_s(input_len: int, prefix_len: int, num_tokens: int, _: int) -> float:
+        def chunk(alone: float, mixed: float | None) -> Callable[[int, int, int, int], float]:
+            beside_rows = alone if mixed is None else mixed
+
+            def chunk_s(input_len: int, prefix_len: int, num_tokens: int,
+                        forward_tokens: int) -> float:
                 new = input_len - prefix_len
                 if new <= 0 or num_tokens <= 0:
                     return 0.0
+                factor = beside_rows if forward_tokens > num_tokens else alone
                 return max(0.0, cost.prefill.predict(input_len, prefix_len)) * factor \
                     * num_tokens / new
             return chunk_s
 
-        return StepCosts(decode(self.decode), cost.prefill_time_s, chunk(self.chunk), overhead,
-                         decode(self.decode_other_busy), chunk(self.chunk_other_busy))
+        return StepCosts(decode(self.decode), cost.prefill_time_s,
+                         chunk(self.chunk, self.chunk_mixed), overhead,
+                         decode(self.decode_other_busy),
+                         chunk(self.chunk_other_busy, self.chunk_mixed_other_busy))
