@@ -73,6 +73,7 @@ from kvcake.sim.overload_report import (
     rejection_lines,
     saved_per_turned_away,
     setting_lines,
+    window_lines,
 )
 from kvcake.sim.overload_runs import (
     CHECKED,
@@ -122,6 +123,7 @@ def overload(ctx: Context) -> list[str]:
     lines += setting_lines(base, mean_out, t_d, demand)
     lines += rejection_lines(results, len(requests))
     lines += mechanism_lines(results, t_d, window)
+    lines += window_lines(results, window)
     plot_loads(ctx, loads)
     return lines
 

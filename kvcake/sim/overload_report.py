@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvcake.sim.overload_runs import CHECKED, HERD_WINDOW_S, POLICIES, ROOM_BELOW_KV
+from kvcake.sim.overload_runs import CHECKED, HERD_WINDOW_S, NUM_WINDOWS, POLICIES, ROOM_BELOW_KV
 from kvcake.sim.plots import plot_lines
 from kvcake.sim.pool_loads import BUCKET_S, PoolDemand, PoolLoads
 
@@ -150,6 +150,27 @@ def mechanism_lines(results: dict[str, dict[str, Any]], t_d: float, window: floa
         f"in each {HERD_WINDOW_S:g} s window of arrivals, the placements pre-selected to the "
         "decode node that got the most, over the window's placements (1 / decode nodes when "
         "they spread evenly; near 1 when a burst herds onto one node).", ""]
+
+
+def window_lines(results: dict[str, dict[str, Any]], window: float) -> list[str]:
+    """Where each run's rejections come from: per arrival window, those at arrival for the
+    TTFT, at arrival for the decode load, after the prefill, and the decode pool's KV in use."""
+    names = list(results)
+    lines = [
+        f"Where the rejections come from, by arrival window ({NUM_WINDOWS} of "
+        f"{window / NUM_WINDOWS:.0f} s): rejected at arrival for the TTFT / at arrival for the "
+        "decode load / after prefill, and (in brackets) the decode pool's mean KV in use in the "
+        "window:", "",
+        "| arrival window (s) | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names)]
+    for w in range(NUM_WINDOWS):
+        lo, hi = w * window / NUM_WINDOWS, (w + 1) * window / NUM_WINDOWS
+        cells = []
+        for name in names:
+            t, d, a = results[name]["rejected_by_window"][w]
+            cells.append(f"{t:,} / {d:,} / {a:,} ({results[name]['decode_kv_by_window'][w]:.2f})")
+        lines.append(f"| {lo:.0f}-{hi:.0f} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _opt(value: float | None, spec: str) -> str:

@@ -103,6 +103,26 @@ def herding(states: list[RequestState], window_s: float = HERD_WINDOW_S
     return sum(shares) / len(shares), max(shares)
 
 
+NUM_WINDOWS = 6  # equal arrival windows of `rejections_by_window`
+REASONS = ("ttft_slo", "tbt_slo", "tbt_slo_after_prefill")  # TTFT / decode at arrival / after
+
+
+def rejections_by_window(states: list[RequestState], window_s: float,
+                         num_windows: int = NUM_WINDOWS) -> list[tuple[int, ...]]:
+    """Per arrival window (`window_s` / `num_windows` seconds each from 0; later arrivals count
+    in the last): the requests rejected for each of `REASONS`, in that order: where in time a
+    policy's rejections come from, and whether at arrival or after the prefill."""
+    if window_s <= 0 or num_windows < 1:
+        raise ValueError(f"window_s must be > 0 and num_windows >= 1, got {window_s}, "
+                         f"{num_windows}")
+    counts = [[0] * len(REASONS) for _ in range(num_windows)]
+    for s in states:
+        if s.rejected in REASONS:
+            w = min(num_windows - 1, max(0, int(s.arrival.arrival_s / window_s * num_windows)))
+            counts[w][REASONS.index(s.rejected)] += 1
+    return [tuple(c) for c in counts]
+
+
 def served_prefill_s(states: list[RequestState]) -> float | None:
     """Mean prefill seconds of the requests served (late ones too): how dear the served mix is."""
     served = [s.prefill_s for s in states if s.finish_s is not None and s.rejected is None]
@@ -142,7 +162,12 @@ def policy_result(res: SimResult, pl: PoolLoads, window: float) -> dict[str, Any
             "moved_at_handoff": sum(1 for st in res.states if st.kv_epoch > 0),
             "prefill_s_per_served": served_prefill_s(res.states),
             "turned_away_with_room": turned_away_with_room(res.states, pl),
-            "herding": herding(res.states), "corr": corr, "decode_kv_cv": kv_cv,
+            "herding": herding(res.states),
+            "rejected_by_window": rejections_by_window(res.states, window),
+            "decode_kv_by_window": [window_mean(pl.times, pl.decode_kv, w * window / NUM_WINDOWS,
+                                                (w + 1) * window / NUM_WINDOWS)
+                                    for w in range(NUM_WINDOWS)],
+            "corr": corr, "decode_kv_cv": kv_cv,
             "prefill_queue_cv": queue_cv, "lag_s": mean_lag_s(res.states),
             "prefill_busy": window_mean(pl.times, pl.prefill_busy, *steady),
             "prefill_queue": window_mean(pl.times, pl.prefill_queue, *steady),

@@ -208,3 +208,20 @@ def test_herding_is_the_top_decode_node_share_of_each_window_of_arrivals() -> No
     assert herding(states[4:5]) is None
     with pytest.raises(ValueError, match="window_s"):
         herding(states, window_s=0.0)
+
+
+def test_rejections_by_window_split_by_arrival_time_and_reason() -> None:
+    from kvcake.sim.overload_runs import rejections_by_window
+    from kvcake.sim.records import RequestState
+    from kvcake.sim.run import arrivals_of
+
+    # Arrivals at 0, 1, 2, 3, 4 and 5 s over a 4 s window in two windows of 2 s (5 s: the last).
+    trace = Trace(tuple(TraceRequest(i, 1000.0 * i, 1024, 10, (i,)) for i in range(6)), "six")
+    states = [RequestState(i, f"r{i}", a) for i, a in enumerate(arrivals_of(trace))]
+    for i, reason in enumerate(("ttft_slo", None, "tbt_slo", "tbt_slo_after_prefill",
+                                "tbt_slo", "tbt_slo")):
+        states[i].rejected = reason
+    assert rejections_by_window(states, 4.0, 2) == [(1, 0, 0), (0, 3, 1)]
+    assert rejections_by_window(states, 12.0, 1) == [(1, 3, 1)]
+    with pytest.raises(ValueError, match="window_s"):
+        rejections_by_window(states, 0.0)
