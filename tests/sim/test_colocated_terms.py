@@ -1,7 +1,9 @@
 """The colocated workers' step terms: the live profile's `colocated` section
 (kvcake/sim/colocated_cost.py), a colocated instance's runs following the other worker
-(kvcake/sim/decode.py, host.py), and the terms measured from a tiny two-worker step trace
-(benchmarks/colocated_terms.py), with exact expectations."""
+(kvcake/sim/decode.py, host.py), a mixed step's chunk priced by its own factor
+(`chunk_mixed*`), and the terms measured from tiny two-worker step traces
+(benchmarks/colocated_terms.py: decode-only, mixed and chunk-only steps apart), with exact
+expectations."""
 
 from __future__ import annotations
 
@@ -153,3 +155,86 @@ def test_the_colocated_cluster_prices_its_steps_by_the_colocated_terms() -> None
     state = simulate(config, trace, cost).states[0]
     assert state.first_token_s == pytest.approx(0.002 + 0.066 + 0.002 + 0.062, rel=1e-6)
     assert state.finish_s == pytest.approx(0.132 + 2 * 0.0185, rel=1e-6)
+
+
+MIXED_TERMS = {**TERMS, "chunk_mixed": 1.25, "chunk_mixed_other_busy": 1.5}
+
+
+def test_a_chunk_beside_decode_rows_takes_the_mixed_factor() -> None:
+    cost = live_cost_from_dict(with_terms(MIXED_TERMS))
+    assert cost.colocated is not None
+    costs = cost.colocated.step_costs(cost)
+    assert costs.chunk_s is not None and costs.chunk_busy_s is not None
+    # a 20-token chunk of a 512-token prompt: 20 ms on the fit; beside 2 decode rows (a
+    # 22-token forward) x1.25 idle, x1.5 busy; alone (a 20-token forward) x2 / x4 as before
+    assert costs.chunk_s(512, 0, 20, 22) == pytest.approx(0.025, rel=1e-3)
+    assert costs.chunk_busy_s(512, 0, 20, 22) == pytest.approx(0.030, rel=1e-3)
+    assert costs.chunk_s(512, 0, 20, 20) == pytest.approx(0.040, rel=1e-3)
+    assert costs.chunk_busy_s(512, 0, 20, 20) == pytest.approx(0.080, rel=1e-3)
+
+
+@pytest.mark.parametrize(("bad", "error"), [
+    ({"chunk_mixed": 1.2}, "give both chunk_mixed and chunk_mixed_other_busy"),
+    ({"chunk_mixed_other_busy": 1.2}, "give both chunk_mixed and chunk_mixed_other_busy"),
+    ({"chunk_mixed": 0.0, "chunk_mixed_other_busy": 1.2}, "live.colocated.chunk_mixed must be"),
+    ({"chunk_mixed": 1.0, "chunk_mixed_other_busy": float("nan")},
+     "live.colocated.chunk_mixed_other_busy must be"),
+    ({"chunk_mixed": "fast", "chunk_mixed_other_busy": 1.0}, "every value must be a number"),
+])
+def test_bad_mixed_terms_are_refused_by_name(bad: Any, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        live_cost_from_dict(with_terms({**TERMS, **bad}))
+
+
+@pytest.mark.parametrize(("terms", "mixed_s"), [
+    (MIXED_TERMS, 0.0185 + 1.25 * 0.128),  # decode 1.5 x 11 + 2 ms, the chunk x1.25
+    (TERMS, 0.0185 + 2.0 * 0.128),  # no mixed factor: the chunk-only factor, as before
+])
+def test_an_instance_prices_its_mixed_step_with_the_mixed_factor(terms: Any,
+                                                                 mixed_s: float) -> None:
+    cost = live_cost_from_dict(with_terms(terms))
+    assert cost.colocated is not None
+    inst = DecodeInstance(0, cost.colocated.step_costs(cost), 10_000, 32, colocated=True,
+                          chunk_budget_tokens=129)
+    inst.add(0.0, Seq(0, 100, 5, 105))  # one decode row (fit 11 ms at batch 1)
+    cut = inst.add_prefill(0.0, Seq(1, 128, 3, 131))  # the run is cut after its first step
+    assert cut is not None and cut.time_s == pytest.approx(0.0185)
+    _, _, mixed = inst.on_step_done(cut.time_s, cut.token)
+    # one mixed step: the row and the whole 128-token prompt (fit 128 ms), budget 129
+    assert mixed is not None and mixed.time_s == pytest.approx(0.0185 + mixed_s, rel=1e-3)
+    got, _, _ = inst.on_step_done(mixed.time_s, mixed.token)
+    assert [s.req for s in got] == [1]
+
+
+def saved_three_kinds() -> dict[str, Any]:
+    """`saved()` and worker b's chunk-only steps, 2.0-2.86 s: a 20-token chunk of another
+    400-token prompt (fit 20 ms), 40 ms wall, with worker a's decode steps of 15 ms beside them
+    (2.0-2.87 s: each step of either worker over half beside the other's; busy class: chunk-only
+    2.0, against 1.85 for the chunk of b's mixed steps)."""
+    data = saved()
+    steps = data["steps"]
+    for worker, wall, chunk, end in (("a", 0.015, False, 2.87), ("b", 0.040, True, 2.9)):
+        t = 2.0
+        while t + wall <= end:
+            steps.append({"worker": worker, "t0": t, "t1": t + wall, "t2": t + wall, "cpu": wall,
+                          "rows": [] if chunk else [["d", 100]],
+                          "chunks": [["q", 0, 20, 400]] if chunk else []})
+            t += wall + 0.001
+    return data
+
+
+def test_mixed_and_chunk_only_steps_are_measured_apart() -> None:
+    got = colocated_terms.measure(saved_three_kinds(), DECODE, PREFILL)
+    terms = got["colocated"]
+    assert terms["decode"] == pytest.approx(1.2, rel=1e-3)
+    assert terms["decode_other_busy"] == pytest.approx(1.5, rel=1e-3)
+    # mixed: (52 - 1.5 x 10) / 20 ms; chunk only: 40 / 20 ms; no idle chunk step: the busy ones
+    assert terms["chunk_mixed_other_busy"] == pytest.approx(1.85, rel=1e-3)
+    assert terms["chunk_other_busy"] == pytest.approx(2.0, rel=1e-3)
+    assert terms["chunk_mixed"] == terms["chunk_mixed_other_busy"]
+    assert terms["chunk"] == terms["chunk_other_busy"]
+    # every step on its kind's model (the last, partly overlapped steps of each worker too)
+    assert got["step_jitter_quantiles"][0] == pytest.approx(1.0, rel=1e-3)
+    assert got["step_jitter_quantiles"][-1] == pytest.approx(1.0, rel=1e-3)
+    cost = live_cost_from_dict(with_terms(terms))
+    assert cost.colocated is not None and cost.colocated.chunk_mixed == terms["chunk_mixed"]
