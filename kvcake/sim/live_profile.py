@@ -44,7 +44,8 @@ from the step trace (the gap from one step's end to the next one's start, back-t
 added to every decode step.
 
 `colocated`: the colocated workers' step terms (`ColocatedTerms`, kvcake/sim/colocated_cost.py:
-decode and chunk factors with the host's other worker idle / stepping, a per-step overhead),
+decode factors and chunk factors, a chunk-only step's and a mixed step's, with the host's other
+worker idle / stepping, a per-step overhead),
 used for colocated runs instead of `contention` and `decode_step_overhead_s`.
 
 Pure: no torch, no clock; `load_live_profile` reads one file.
