@@ -14,6 +14,7 @@ a version from before `--no-node` existed starts its master without a node by de
 it `--old-cli`).
 
     .venv/bin/python benchmarks/store_put_cpu.py [--n 2000] [--size 65536] [--rounds 3] [--hosted]
+                                                 [--no-forward]
 
 Ports used: --port and --port+1. Linux only (/proc).
 """
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=23600)
     parser.add_argument("--hosted", action="store_true",
                         help="the default deployment: `kvcake store master` hosting its node")
+    parser.add_argument("--no-forward", action="store_true",
+                        help="the client does not forward its puts through the node "
+                        "(ClientConfig.forward_puts=False: bytes to the node, then the commit "
+                        "to the master, two round trips; the store before forwarding)")
     parser.add_argument("--old-cli", action="store_true",
                         help="the kvcake measured predates --no-node (its master hosts no node "
                         "unless --with-node)")
@@ -110,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.n < 1 or args.size < 0 or args.rounds < 1:
         parser.error("--n and --rounds must be >= 1, --size >= 0")
     print(f"kvcake from {Path(kvcake.__file__).parent.parent}; {args.size} bytes x {args.n} "
-          f"puts; us per put", flush=True)
+          f"puts; {'hosted' if args.hosted else '--no-node'}"
+          f"{', not forwarded' if args.no_forward else ''}; us per put", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvcake-put-cpu-") as logs:
         procs = start(args.port, Path(logs), args.hosted, args.old_cli)
         try:
             config = TransferConfig(serve=False, use_shared_memory=False, num_rails=4)
-            with StoreClient(f"127.0.0.1:{args.port}", transfer_config=config) as client:
+            options = {"forward_puts": False} if args.no_forward else {}
+            with StoreClient(f"127.0.0.1:{args.port}", transfer_config=config,
+                             **options) as client:
                 value = bytes([7]) * args.size
                 put_round(client, procs, value, args.n, "warm")
                 for r in range(args.rounds):

@@ -26,6 +26,7 @@ from kvcake.clock import Clock
 from kvcake.store.config import ClientConfig, override
 from kvcake.store.direct import DirectPath
 from kvcake.store.errors import InvalidRequest, ObjectNotFound, StoreError, TransferFailed
+from kvcake.store.forward import ForwardLinks
 from kvcake.store.master_api import Master, unwrap
 from kvcake.store.reader import ObjectReader
 from kvcake.store.remote import RemoteMaster
@@ -38,6 +39,7 @@ from kvcake.transfer import (
     TransferError,
     TransferRequest,
     TransportWrapper,
+    local_host_id,
 )
 
 if TYPE_CHECKING:
@@ -91,12 +93,25 @@ class StoreClient:
         self._embedded: EmbeddedStore | None = None
         self._start_lock = threading.Lock()
         direct = self._direct is not None
+        self._forward = self._forward_links(config) if direct and wrap_transport is None \
+            else None
         self._reader = ObjectReader(master, self._transfer,
                                     self._engine_transfer if direct else None,
                                     cache_entries=config.location_cache)
         self._writer = ObjectWriter(master, self._transfer,
                                     WriterOptions(direct=direct, async_seal=config.async_seal),
-                                    clock=clock, on_written=self._reader.remember)
+                                    clock=clock, on_written=self._reader.remember,
+                                    forward=self._forward)
+
+    def _forward_links(self, config: ClientConfig) -> ForwardLinks | None:
+        """Connections for forwarded puts (forward.py), if this client forwards: only with its
+        own direct path and no transport wrapper (a forwarded put's bytes travel on a control
+        connection, which no wrapper sees)."""
+        if not config.forward_puts:
+            return None
+        transfer = self._transfer_config
+        return ForwardLinks(transfer.secret, transfer.io_timeout_s,
+                            local_host_id() if transfer.use_shared_memory else None)
 
     @classmethod
     def embedded(cls, config: EmbeddedConfig | int, **kwargs: Any) -> StoreClient:
@@ -133,6 +148,8 @@ class StoreClient:
 
     def close(self) -> None:
         self._writer.close()  # releases its reserved slots (before the master connection goes)
+        if self._forward is not None:
+            self._forward.close()
         if self._direct is not None:
             self._direct.close()
         if self._own_engine and self._engine is not None and self._started:

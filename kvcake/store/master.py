@@ -181,9 +181,7 @@ class MasterService:
                                                   local_node, now_s) if count > 0 else []
                 except NoSpace:
                     reserved = []
-                slots = [{"slot": slot_id, "ttl_s": self.config.put_timeout_s,
-                          "replicas": [self._desc(r) for r in meta.replicas]}
-                         for slot_id, meta in reserved]
+                slots = [self._slot_desc(slot_id, meta) for slot_id, meta in reserved]
             self._run_actions()
             return {"results": results, "slots": slots}
 
@@ -330,6 +328,17 @@ class MasterService:
     def _describe(self, meta: ObjectMeta) -> dict[str, Any]:
         return {"size_bytes": meta.size_bytes, "checksum": meta.checksum,
                 "replicas": [self._desc(r) for r in meta.dram()]}
+
+    def _slot_desc(self, slot_id: int, meta: ObjectMeta) -> dict[str, Any]:
+        """A reserved slot as its writer sees it; "forward": the address of the forward port
+        (forward.py) of the node holding it, when it is the slot's only replica and has one."""
+        desc = {"slot": slot_id, "ttl_s": self.config.put_timeout_s,
+                "replicas": [self._desc(r) for r in meta.replicas]}
+        if len(meta.replicas) == 1:
+            forward = self.index.nodes[meta.replicas[0].node_id].endpoint.get("forward")
+            if isinstance(forward, str):
+                desc["forward"] = forward
+        return desc
 
     def _desc(self, replica: Replica) -> dict[str, Any]:
         handle = self._handles.get(replica.node_id)

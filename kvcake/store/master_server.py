@@ -18,7 +18,8 @@ from kvcake.store.rpc_server import RpcServer
 
 log = logging.getLogger(__name__)
 
-_NODE_OPS = frozenset({"demote", "promote", "drop_disk", "revoke", "hold", "forget"})
+_NODE_OPS = frozenset({"demote", "promote", "drop_disk", "revoke", "hold", "forget",
+                       "put_forward"})
 _UNGATED_OPS = frozenset({"heartbeat", "unregister_node"})  # served while a leader rebuilds
 
 

@@ -22,6 +22,7 @@ from kvcake.auth import ClusterSecret
 from kvcake.store.config import NodeConfig, override
 from kvcake.store.disk import DiskTier
 from kvcake.store.errors import InvalidRequest, StoreError
+from kvcake.store.forward import ForwardServer
 from kvcake.store.layout import HEADER_BYTES, CorruptObject, pack_header, verify
 from kvcake.store.layout import revoke as revoke_header
 from kvcake.store.master import MasterService
@@ -65,6 +66,7 @@ class StoreNode:
         self._segment_name = f"store-{self.node_id}"
         self._disk = DiskTier(config.disk_dir) if config.disk_dir and config.disk_bytes else None
         self._control: RpcServer | None = None
+        self._forward: ForwardServer | None = None  # forward.py: slot puts committed from here
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         # key -> [key, offset, alloc_bytes, version, size_bytes, checksum]: the committed objects
@@ -93,10 +95,14 @@ class StoreNode:
                      self.config.dram_bytes, time.monotonic() - started_s, how)
         if self._disk is not None:
             self._disk.open()
-        endpoint = {"segment": desc.to_dict()}
+        endpoint: dict[str, Any] = {"segment": desc.to_dict()}
         if isinstance(self._master_arg, str):
             self._control = RpcServer(self._handle_control, self._host, 0,
                                       secret=self._secret).start()
+            if not self._master_arg.startswith("etcd://"):  # (clients use no slots there)
+                self._forward = ForwardServer(self._view, self._master_arg, host=self._host,
+                                              secret=self._secret).start()
+                endpoint["forward"] = self._advertised(self._forward.address)
             remote = self._master = RemoteMaster(self._master_arg, secret=self._secret)
             remote.register_node(self.node_id, self.config.dram_bytes,
                                        self.config.disk_bytes, endpoint,
@@ -127,6 +133,8 @@ class StoreNode:
         self._master = None
         if self._control is not None:
             self._control.close()
+        if self._forward is not None:
+            self._forward.close()
         try:
             self.engine.unregister_segment(self._segment_name)
         except KeyError:
@@ -231,9 +239,13 @@ class StoreNode:
 
     def _control_address(self) -> str:
         assert self._control is not None
+        return self._advertised(self._control.address)
+
+    def _advertised(self, address: str) -> str:
+        """`address` (one of this node's ports) as peers dial it."""
         if self._advertise_host is None:
-            return self._control.address
-        return f"{self._advertise_host}:{self._control.address.rpartition(':')[2]}"
+            return address
+        return f"{self._advertise_host}:{address.rpartition(':')[2]}"
 
     def _beat(self, endpoint: dict[str, Any]) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):

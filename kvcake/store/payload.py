@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # Ops whose frame is followed by raw payload bytes, and the argument that says how many: the
 # server hands the handler a `Payload` to read them straight into their destination (no msgpack
 # copy), and reads what the handler left so the stream stays in step.
-PAYLOAD_OPS = {"put_inline": "size_bytes"}
+PAYLOAD_OPS = {"put_inline": "size_bytes", "put_forward": "size_bytes"}
 MAX_PAYLOAD_BYTES = 64 << 20
 
 

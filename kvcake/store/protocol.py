@@ -53,6 +53,11 @@ SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
     # `size_bytes` raw bytes follow the frame (PAYLOAD_OPS)
     "put_inline": {"key": (_STR, True), "size_bytes": (_INT, True), "checksum": (_INT, True),
                    "num_replicas": (_INT, False), "local_node": (_STR, False)},
+    # client -> a node's forward port (forward.py): bytes into a slot, verified, then the node
+    # commits the slot at the master; `size_bytes` raw bytes follow the frame (PAYLOAD_OPS)
+    "put_forward": {"key": (_STR, True), "slot": (_INT, True), "offset": (_INT, True),
+                    "version": (_INT, True), "size_bytes": (_INT, True),
+                    "checksum": (_INT, True), "reserve": (_LIST, False)},
     "release_slots": {"slots": (_LIST, True)},
     "touch": {"keys": (_LIST, True)},
     "get": {"key": (_STR, True)},

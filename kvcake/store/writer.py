@@ -15,6 +15,9 @@ master reserved beforehand (index.py), held here per object size. By default the
 header + payload into the slot (the node checks the bytes' digest before it answers), then one
 master request names the key, commits it with its checksum (acknowledged before `put` returns)
 and reserves the next slot of that size: two round trips instead of three, nothing weakened.
+When the slot's node has a forward port (a separate node, over TCP: forward.py), it is one round
+trip: the bytes go to that node with the commit, the node checks them, writes the header and
+sends the commit to the master itself, and its reply carries the master's acknowledgement.
 
 `async_seal=True` (opt-in) takes the master off the critical path: the request that names the
 slot with the key and checksum (PENDING, not readable) and reserves the next slot is sent first,
@@ -50,6 +53,7 @@ from kvcake.store.errors import (
     StoreError,
     TransferFailed,
 )
+from kvcake.store.forward import ForwardLinks
 from kvcake.store.layout import HEADER_BYTES, pack_header, payload_checksum
 from kvcake.store.master_api import Master, unwrap
 from kvcake.store.reader import Transfer
@@ -111,8 +115,12 @@ class ObjectWriter:
 
     def __init__(self, master: Master, transfer: Transfer,
                  options: WriterOptions | None = None, *, clock: Clock | None = None,
-                 on_written: OnWritten | None = None) -> None:
+                 on_written: OnWritten | None = None,
+                 forward: ForwardLinks | None = None) -> None:
+        """`forward`: connections to nodes' forward ports, for acknowledged slot puts whose
+        slot names one (forward.py); None: never forwarded."""
         options = options or WriterOptions()
+        self._forward = forward
         self.master = master
         self._transfer = transfer
         self._direct = options.direct
@@ -148,6 +156,10 @@ class ObjectWriter:
         else:
             checksum = payload_checksum(view)
         put = SlotPut(key, view, checksum, slot, num_replicas, local_node)
+        if not self._async_seal:
+            address = self._forward.route(slot) if self._forward is not None else None
+            if address is not None:
+                return self._put_forwarded(put, address)
         requests, digests = self._object_requests(view, checksum, slot["replicas"])
         if not self._async_seal:
             return self._put_acknowledged(put, requests, digests)
@@ -202,6 +214,24 @@ class ObjectWriter:
             self._release([put.slot["slot"]])
             raise TransferFailed(f"put of {put.key!r} failed: {exc}") from exc
         result = self.master.put_slots([put.commit], put.reserve)
+        refused = self._refused(result, put)
+        if refused is not None:
+            return refused
+        if self._on_written is not None:
+            self._on_written(put.key, len(put.view), put.checksum, put.slot["replicas"])
+        return True
+
+    def _put_forwarded(self, put: SlotPut, address: str) -> bool:
+        """The slot's node stores and checks the bytes, then commits them (and reserves the
+        next slot) at the master: one round trip (forward.py). On any error the slot is
+        released (a no-op if the master had committed it)."""
+        assert self._forward is not None
+        try:
+            result = self._forward.put(address, put.slot, put.key, put.view, put.checksum,
+                                       put.reserve)
+        except StoreError:
+            self._release([put.slot["slot"]])
+            raise
         refused = self._refused(result, put)
         if refused is not None:
             return refused
