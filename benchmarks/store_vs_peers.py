@@ -8,8 +8,11 @@ The same layout for every system: one storage process, one client process that p
             segment, checks their xxh3-64, commits; acknowledged).
             "ours-tcp-no-node": `kvcake store master --no-node` (metadata only, as
             mooncake_master) + `kvcake store node --dram 2GiB` (the storage process), default
-            client over TCP: a small put writes into a reserved slot on the node, then commits
-            at the master (two round trips). The same two processes serve three more rows: over
+            client over TCP: a small put is one request to the node (store/forward.py: the
+            node writes it into a reserved slot, checks its xxh3-64, then commits it at the
+            master and relays the acknowledgement); "ours-tcp-no-node-2rt" is the same put as
+            before forwarding (`forward_puts=False`: bytes to the node, then the commit to the
+            master, two round trips). The same two processes serve three more rows: over
             the node's shared-memory segment ("ours-shm", same host, no TCP at all), over TCP
             with `StoreClient(async_seal=True)` ("ours-tcp-seal": a small put returns once its
             one-way seal is sent, not acknowledged; writer.py) and over TCP with the client's
@@ -116,8 +119,10 @@ class Ours:
     node_flags: tuple[str, ...] = ()  # flags for every node we start (--no-prefault)
 
     def __init__(self, name: str, port: int, shm: bool, async_seal: bool = False,
-                 location_cache: int | None = None, hosted: bool = False) -> None:
+                 location_cache: int | None = None, hosted: bool = False,
+                 forward_puts: bool = True) -> None:
         self.name, self.port, self.shm, self.async_seal = name, port, shm, async_seal
+        self.forward_puts = forward_puts
         self.hosted = hosted
         self.location_cache = location_cache
         self.procs: list[subprocess.Popen[Any]] = []
@@ -156,7 +161,8 @@ class Ours:
             _wait_registered(address)  # after the segment server's start (and its prefault)
         self.address = address
         config = TransferConfig(serve=False, use_shared_memory=self.shm, num_rails=4)
-        options: dict[str, Any] = {"async_seal": self.async_seal}
+        options: dict[str, Any] = {"async_seal": self.async_seal,
+                                   "forward_puts": self.forward_puts}
         if self.location_cache is not None:  # None: the client's default
             options["location_cache"] = self.location_cache
         self.client = StoreClient(address, transfer_config=config, **options)
@@ -421,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer-port", type=int, default=21800)
     parser.add_argument("--skip", default="",
                         help="comma list of: redis, mooncake, transfer, seal, nocache, "
-                        "no-node (the no-node deployment's rows: ours-tcp-no-node, ours-shm, "
-                        "seal, nocache)")
+                        "unforwarded, no-node (the no-node deployment's rows: "
+                        "ours-tcp-no-node, ours-shm, seal, nocache, unforwarded)")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--no-prefault", action="store_true",
                         help="our nodes do not make their segments resident at start "
@@ -437,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ours_shm = Ours("ours-shm", no_node, shm=True)
     ours_seal = Ours("ours-tcp-seal", no_node, shm=False, async_seal=True)
     ours_nocache = Ours("ours-tcp-nocache", no_node, shm=False, location_cache=0)
+    # the no-node put as before forwarding (store/forward.py): bytes to the node, then the
+    # commit to the master
+    ours_unforwarded = Ours("ours-tcp-no-node-2rt", no_node, shm=False, forward_puts=False)
     systems: list[Any] = []
     started: list[Any] = []
     # The servers' logs (and Mooncake's worker script): removed after a clean run, kept (and
@@ -453,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             ours_shm.start(logs, shared=ours_no_node)
             started.append(ours_shm)
             systems += [ours_no_node, ours_shm]
-            for row, name in ((ours_seal, "seal"), (ours_nocache, "nocache")):
+            for row, name in ((ours_seal, "seal"), (ours_nocache, "nocache"),
+                              (ours_unforwarded, "unforwarded")):
                 if name not in skip:
                     row.start(logs, shared=ours_no_node)
                     started.append(row)
