@@ -12,12 +12,18 @@ import httpx
 import pytest
 
 from kvcake.cli import main
+from kvcake.engine import cpu_ops
 
 
 @pytest.mark.parametrize("mode", ["single", "disaggregated", "colocated"])
 def test_serve_subprocess_answers_and_stops(mode: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """`kvcake serve` as the README runs it, in each mode: answers, then stops on SIGTERM."""
-    env = dict(os.environ, KVCAKE_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "kvcake-cache"))
+    # A cache of its own (profiles, tuned linear tables), but the CPU ops the suite already
+    # built (`make setup` builds them): a fresh build took 80-145 s of a loaded core, most of
+    # the start-up deadline below, and failed this test when a compile took longer.
+    cpu_ops.load()  # built here, if not yet, before the deadline starts
+    env = dict(os.environ, KVCAKE_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "kvcake-cache"),
+               KVCAKE_EXT_DIR=str(cpu_ops.ext_dir()))
     proc = subprocess.Popen([sys.executable, "-m", "kvcake", "serve", "--port", "0",
                              "--mode", mode, "--kv-cache-bytes", "16MiB"],
                             stderr=subprocess.PIPE, text=True, env=env)
