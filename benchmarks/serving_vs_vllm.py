@@ -130,14 +130,20 @@ def prepare_model(src: Path, dst: Path, seed: int) -> ModelConfig:
     return config
 
 
+# --kvcake-bind -> the `kvcake serve --mode single` flags it passes
+BIND_FLAGS: dict[str, list[str]] = {
+    "default": [], "all": ["--bind-threads", "--bind-engine-thread"],
+    "workers": ["--bind-threads", "--no-bind-engine-thread"], "off": ["--no-bind-threads"]}
+BIND_CHOICES = tuple(BIND_FLAGS)
+
+
 def kvcake_command(system: System, args: argparse.Namespace, port: int,
                    run_dir: Path) -> list[str]:
     base = [sys.executable, "-m", "kvcake", "serve", "--host", "127.0.0.1"]
     if system.kind == "kvcake-single":
         return base + ["--mode", "single", "--model", str(args.model_dir), "--port", str(port),
                        "--dtype", system.dtype, "--num-threads", str(args.kvcake_threads),
-                       "--max-model-len", str(args.max_model_len)] + \
-            (["--bind-threads"] if args.kvcake_bind_threads else [])
+                       "--max-model-len", str(args.max_model_len)] + BIND_FLAGS[args.kvcake_bind]
     # --num-threads is not forwarded to launched workers, so the cluster comes from a TOML file
     toml = run_dir / "disagg.toml"
     toml.write_text(
@@ -541,9 +547,13 @@ def parse_args() -> argparse.Namespace:
                    help="torch threads of --mode single (default: as many as vLLM's worker gets "
                         "with bind 0-1; 1 is faster when the cores are busy with other work); "
                         "the disaggregated workers use 1 each")
-    p.add_argument("--kvcake-bind-threads", action="store_true",
-                   help="kvcake-single: serve with --bind-threads (its torch threads one per "
-                        "CPU, as vLLM's launcher binds its worker's)")
+    p.add_argument("--kvcake-bind", choices=BIND_CHOICES, default="default",
+                   help="kvcake-single's thread binding: default (no flag: `kvcake serve`'s "
+                        "own default), all (--bind-threads --bind-engine-thread), workers "
+                        "(--bind-threads --no-bind-engine-thread: torch's worker threads "
+                        "only), off (--no-bind-threads)")
+    p.add_argument("--kvcake-bind-threads", action="store_const", const="all", dest="kvcake_bind",
+                   help="the same as --kvcake-bind all")
     p.add_argument("--vllm-dtype", default="float32",
                    help="fp32: 3-4x faster prefill than bf16 on a CPU without AVX512-BF16/AMX "
                         "(docs/benchmarks.md); the peer launcher's own default is bfloat16")
@@ -642,7 +652,8 @@ def main() -> int:
     medians = {label: median_result(rs, MEDIAN_PATHS) for label, rs in per_system.items()}
     print(f"{started}; load average before {load_before[0]:.2f} {load_before[1]:.2f} "
           f"{load_before[2]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f} "
-          f"{load_after[2]:.2f}; kvcake single {args.kvcake_threads} torch thread(s), vLLM "
+          f"{load_after[2]:.2f}; kvcake single {args.kvcake_threads} torch thread(s) (bind "
+          f"{args.kvcake_bind}), vLLM "
           f"OpenMP bind {args.vllm_bind}; {args.repeats} repeat(s), alternating order")
     if planned is not None:
         num_out = sum(p.max_tokens for p in planned)

@@ -107,6 +107,7 @@ def local_config(args: argparse.Namespace) -> LocalBackendConfig:
                               retry_after_s=serve.retry_after_s,
                               num_threads=worker.num_threads,
                               bind_threads=serve.bind_threads,
+                              bind_engine_thread=serve.bind_engine_thread,
                               served_model_names=serve.served_model_name or ())
 
 

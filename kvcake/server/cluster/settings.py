@@ -156,8 +156,14 @@ class ServeSettings(_Settings):
         None, "answer 429 while this many requests wait for their first token (default: no "
         "limit)")
     bind_threads: bool = setting(
-        False, "bind the engine's torch threads one per CPU of this process (as vLLM's CPU "
-        "launcher binds its worker's); off: the kernel places them", modes=("single",))
+        True, "bind the engine's torch worker threads one per CPU of this process (as vLLM's "
+        "CPU launcher binds its worker's OpenMP threads): a prefill after an idle spell keeps "
+        "its threads on separate cores; --no-bind-threads: the kernel places them",
+        modes=("single",))
+    bind_engine_thread: bool = setting(
+        True, "with --bind-threads: the engine thread (torch's thread 0) is bound too; "
+        "--no-bind-engine-thread: only torch's worker threads are, the engine thread floats "
+        "with the HTTP threads", modes=("single",))
     retry_after_s: float = setting(1.0, "Retry-After of a 429 (the Conductor's floor of its "
                                    "estimate)")
     log_level: str = setting("info", "debug | info | warning | error")

@@ -61,6 +61,7 @@ class LocalBackendConfig:
     retry_after_s: float = 1.0
     num_threads: int | None = None  # torch intra-op threads of the engine; None: torch's default
     bind_threads: bool = False  # those threads one per CPU of the process (`thread_cpus`)
+    bind_engine_thread: bool = True  # with bind_threads: thread 0 (the engine thread) too
     served_model_names: tuple[str, ...] = ()  # (): the model's own name
 
     def __post_init__(self) -> None:
@@ -83,16 +84,22 @@ def thread_cpus(num_threads: int, allowed: set[int]) -> list[int] | None:
     return cpus[:num_threads] if len(cpus) >= num_threads else None
 
 
-def bind_engine_threads(num_threads: int) -> list[int]:
+def bind_engine_threads(num_threads: int, engine_thread: bool = True) -> list[int]:
     """On the engine thread: bind its intra-op pool one thread per CPU (`thread_cpus`); the CPUs
-    bound, [] when not possible (too few CPUs, no kvcake CPU ops), with the reason logged."""
-    cpus = thread_cpus(num_threads, os.sched_getaffinity(0))
+    bound per pool thread, [] when not possible (too few CPUs, no kvcake CPU ops), with the
+    reason logged. `engine_thread=False`: the calling thread (the pool's thread 0) gets its
+    whole affinity back, only the worker threads stay bound (its entry is then -1)."""
+    allowed = os.sched_getaffinity(0)
+    cpus = thread_cpus(num_threads, allowed)
     if cpus is None or not cpu_ops.load():
         why = "fewer CPUs than threads" if cpus is None else cpu_ops.load_error()
         print(f"kvcake: --bind-threads: threads left unbound ({why})", file=sys.stderr)
         return []
     bound = cpu_ops.bind_threads(cpus)
-    print(f"kvcake: engine threads bound to CPUs {bound}", file=sys.stderr)
+    if not engine_thread:
+        os.sched_setaffinity(0, allowed)  # pid 0: this thread only
+        bound = [-1, *bound[1:]]
+    print(f"kvcake: engine threads bound to CPUs {bound} (-1: floating)", file=sys.stderr)
     return bound
 
 
@@ -228,7 +235,8 @@ class LocalBackend:
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)  # set here: OpenMP is per thread
         if self.config.bind_threads:
-            self.bound_cpus = bind_engine_threads(torch.get_num_threads())
+            self.bound_cpus = bind_engine_threads(torch.get_num_threads(),
+                                                  self.config.bind_engine_thread)
         live: dict[str, _Add] = {}
         while True:
             for command in self._drain(block=not self.engine.has_unfinished()):

@@ -63,7 +63,8 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "config": (str(EXAMPLE), None),
     "max_waiting_requests": ("7", 7),
     "retry_after_s": ("2.5", 2.5),
-    "bind_threads": (True, True),
+    "bind_threads": (False, False),  # on by default: --no-bind-threads
+    "bind_engine_thread": (False, False),
     "log_level": ("debug", "debug"),
     "api_key": ("sk-walk", "sk-walk"),
     "max_request_bytes": ("1MiB", 2**20),
@@ -160,6 +161,7 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
                  "max_waiting_requests": local.max_waiting_requests,
                  "retry_after_s": local.retry_after_s, "num_threads": local.num_threads,
                  "bind_threads": local.bind_threads,
+                 "bind_engine_thread": local.bind_engine_thread,
                  "host": settings_from_args(args)[0].host,
                  "port": settings_from_args(args)[0].port}[name]]
     cluster = config_from_args(args)

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from kvcake.engine import cpu_ops
-from kvcake.server.frontend.local_backend import LocalBackendConfig, thread_cpus
+from kvcake.server.frontend.local_backend import (
+    LocalBackendConfig,
+    bind_engine_threads,
+    thread_cpus,
+)
 
 
 def test_thread_cpus_takes_the_lowest_allowed_cpus_one_per_thread() -> None:
@@ -62,3 +66,46 @@ def test_bind_threads_needs_one_cpu_per_thread() -> None:
         pytest.skip(f"kvcake CPU ops not built: {cpu_ops.load_error()}")
     with pytest.raises(RuntimeError, match="one CPU per intra-op thread"):
         cpu_ops.bind_threads([0] * (torch.get_num_threads() + 1))
+
+
+def test_serve_binds_the_engine_threads_by_default() -> None:
+    """`kvcake serve --mode single` binds (every torch thread of the engine, the engine thread
+    included) unless told not to."""
+    from kvcake.cli import build_parser
+    from kvcake.server.cli.serve import local_config
+
+    def config(*flags: str) -> LocalBackendConfig:
+        return local_config(build_parser("serve").parse_args(
+            ["serve", "--mode", "single", *flags]))
+
+    default = config()
+    assert (default.bind_threads, default.bind_engine_thread) == (True, True)
+    assert config("--no-bind-threads").bind_threads is False
+    workers_only = config("--no-bind-engine-thread")
+    assert (workers_only.bind_threads, workers_only.bind_engine_thread) == (True, False)
+
+
+def test_workers_only_binding_leaves_the_engine_thread_floating() -> None:
+    if not cpu_ops.load():
+        pytest.skip(f"kvcake CPU ops not built: {cpu_ops.load_error()}")
+    seen: dict[str, object] = {}
+
+    def run() -> None:  # a thread of its own: its pool (and its affinity) end with it
+        n = torch.get_num_threads()
+        allowed = os.sched_getaffinity(0)
+        if n < 2 or thread_cpus(n, allowed) is None:
+            seen["skip"] = f"{n} torch threads, {len(allowed)} CPUs: no worker thread to bind"
+            return
+        seen["cpus"] = thread_cpus(n, allowed)
+        seen["bound"] = bind_engine_threads(n, engine_thread=False)
+        seen["own"], seen["allowed"] = os.sched_getaffinity(0), allowed
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "skip" in seen:
+        pytest.skip(str(seen["skip"]))
+    cpus = seen["cpus"]
+    assert isinstance(cpus, list)
+    assert seen["bound"] == [-1, *cpus[1:]]  # thread 0 floating, the workers on their CPUs
+    assert seen["own"] == seen["allowed"]
