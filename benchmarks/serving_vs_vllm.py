@@ -61,7 +61,7 @@ from typing import Any
 import httpx
 
 from kvcake.bench.hoststate import busy_share, cpu_times, settle, steal_share
-from kvcake.bench.proctree import Teardown, wait_gone
+from kvcake.bench.proctree import Teardown, session_pids, wait_gone
 from kvcake.bench.prompts import PromptBuilder
 from kvcake.bench.repeats import alternating_orders, median_result, position_effect, ratios, spread
 from kvcake.bench.replay import PlannedRequest, ReplayConfig, plan, replay
@@ -318,14 +318,36 @@ def histogram_sums(url: str) -> dict[str, float]:
     return sums
 
 
+def session_run_ns(sid: int | None) -> int | None:
+    """CPU time (ns) every thread of the server's session has run so far, from each thread's
+    /proc/PID/task/TID/schedstat (ns, unlike stat's 10 ms ticks); None without a session."""
+    if sid is None:
+        return None
+    total = 0
+    for pid in session_pids(sid):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # exited while we looked
+    return total
+
+
 def ttft_sweep(url: str, model: str, args: argparse.Namespace,
-               vocab_size: int) -> dict[str, Any]:
+               vocab_size: int, sid: int | None = None) -> dict[str, Any]:
     """Diagnostic (`--ttft-sweep`): fresh random prompts of each length sent one at a time to the
     idle server (cold: no prefix to reuse), 2 tokens out. Per length the medians of the client's
     TTFT, the server's own TTFT (arrival to first token) and, where the server exports them, its
     queue and prefill time; the client minus the server TTFT is the HTTP and framing outside.
     `--sweep-idle-s`: the server left idle that long before each prompt, as between the trace's
-    requests (threads asleep, caches cold)."""
+    requests (threads asleep, caches cold). With the server's session id: the CPU time all its
+    processes' threads ran during the request (`server_cpu_ms`) and that over the server's TTFT
+    (`server_cores`: about 2 when both compute threads ran side by side, about 1 when they
+    shared one core)."""
     rng = random.Random(args.seed + 7)
     out: dict[str, Any] = {}
     for length in args.ttft_sweep:
@@ -333,15 +355,23 @@ def ttft_sweep(url: str, model: str, args: argparse.Namespace,
         for _ in range(args.sweep_trials):
             time.sleep(args.sweep_idle_s)  # as in the trace: the server idle before a request
             before = histogram_sums(url)
+            cpu_before = session_run_ns(sid)
             [r], _ = send(url, model, [PlannedRequest(0.0, random_prompt(rng, length, vocab_size),
                                                       2)])
+            cpu_after = session_run_ns(sid)
             after = histogram_sums(url)
             assert r.ttft_s is not None
             row = {"client_ttft_ms": 1000 * r.ttft_s}
             row.update({f"server_{k.removesuffix('_seconds')}_ms": 1000 * (after[k] - before[k])
                         for k in after if k in before})
+            if cpu_before is not None and cpu_after is not None:
+                row["server_cpu_ms"] = (cpu_after - cpu_before) / 1e6
+                server_ttft = row.get("server_time_to_first_token_ms")
+                if server_ttft:  # the request's CPU includes its second token and the HTTP side
+                    row["server_cores"] = row["server_cpu_ms"] / server_ttft
             rows.append(row)
-        out[str(length)] = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
+        out[str(length)] = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]
+                            if all(k in r for r in rows)}
     return out
 
 
@@ -398,7 +428,7 @@ def measure(system: System, args: argparse.Namespace, port: int, run_dir: Path, 
         shown = {k: v for k, v in result["probe"].items() if k != "trials"}
         print(f"[{name}] probe: {json.dumps(shown)}", file=sys.stderr, flush=True)
         if args.ttft_sweep:
-            result["ttft_sweep"] = ttft_sweep(server.url, model, args, vocab_size)
+            result["ttft_sweep"] = ttft_sweep(server.url, model, args, vocab_size, server.sid)
             print(f"[{name}] ttft sweep: {json.dumps(result['ttft_sweep'])}", file=sys.stderr,
                   flush=True)
         if planned is not None:
@@ -481,10 +511,11 @@ def print_sweep(runs: dict[str, list[dict[str, Any]]]) -> None:
     if not names:
         return
     print("| prompt len | system | " + " | ".join(("client TTFT", "server TTFT", "server queue",
-                                                   "server prefill")) + " (ms) |")
-    print("|---" * 6 + "|")
+                                                   "server prefill", "server CPU")) +
+          " (ms) | server cores |")
+    print("|---" * 8 + "|")
     keys = ("client_ttft_ms", "server_time_to_first_token_ms", "server_request_queue_time_ms",
-            "server_request_prefill_time_ms")
+            "server_request_prefill_time_ms", "server_cpu_ms", "server_cores")
     for length in runs[names[0]][0]["ttft_sweep"]:
         for n in names:
             cells = []

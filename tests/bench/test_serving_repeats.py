@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,3 +171,35 @@ def test_the_benchmark_tables_print_medians_runs_and_positions(
     assert f"| {k} | probe_ttft_cold | 380.0 | 420.0 | 1.11 |" in out
     assert f"| {v} | probe_ttft_cold | 380.0 | 400.0 | 1.05 |" in out
     assert f"| 2 | {v} > {k} |" in out
+
+
+def _load_bench(monkeypatch: pytest.MonkeyPatch) -> object:
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_vs_vllm.py"
+    spec = importlib.util.spec_from_file_location("serving_vs_vllm", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "serving_vs_vllm", bench)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_kvcake_bind_choices_pass_the_serve_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kvcake-bind default passes nothing (serve's own default); the others name it; the old
+    --kvcake-bind-threads is `all`."""
+    import argparse
+    bench: Any = _load_bench(monkeypatch)
+    single = bench.System("kvcake-single", "float32")
+
+    def argv(bind: str) -> list[str]:
+        args = argparse.Namespace(model_dir=Path("m"), kvcake_threads=2, max_model_len=64,
+                                  kvcake_bind=bind)
+        return bench.kvcake_command(single, args, 1, Path("."))
+
+    assert not any("bind" in a for a in argv("default"))
+    assert argv("off")[-1:] == ["--no-bind-threads"]
+    assert argv("workers")[-2:] == ["--bind-threads", "--no-bind-engine-thread"]
+    assert argv("all")[-2:] == ["--bind-threads", "--bind-engine-thread"]
+    monkeypatch.setattr(sys, "argv", ["serving_vs_vllm.py", "--kvcake-bind-threads"])
+    assert bench.parse_args().kvcake_bind == "all"
+    assert bench.session_run_ns(None) is None
