@@ -162,7 +162,7 @@ def main() -> int:
         threads = "; ".join(
             f"{name}: {d['exec_ms']:.0f} ms cpu{int(d['last_cpu'])} mig {d['migrations']:.0f} "
             f"vol {d['vol']:.0f} inv {d['invol']:.0f}"
-            for name, d in sorted(r["threads"].items()))  # type: ignore[union-attr]
+            for name, d in sorted(r["threads"].items()))  # type: ignore[union-attr,attr-defined]
         print(f"  trial {r['trial']}{' (warm-up)' if r['trial'] == 0 else ''}: "
               f"{r['wall_ms']:.1f} ms, minflt {r['minflt']}, user {r['user_ms']:.0f} "
               f"sys {r['sys_ms']:.0f} ms | {threads}")
