@@ -86,6 +86,9 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--bind-threads", action="store_true",
                    help="bind the engine's torch threads as `serve --bind-threads`")
+    p.add_argument("--float-engine-thread", action="store_true",
+                   help="with --bind-threads: bind only torch's worker threads "
+                        "(`serve --no-bind-engine-thread`)")
     p.add_argument("--idle-poll", action="store_true",
                    help="the engine thread polls its queue while idle (sched_yield, as vLLM's "
                         "worker polls its message queue) instead of blocking on it")
@@ -119,7 +122,7 @@ def main() -> int:
         names[threading.get_native_id()] = "engine"
         if args.bind_threads:
             from kvcake.server.frontend.local_backend import bind_engine_threads
-            bind_engine_threads(args.num_threads)
+            bind_engine_threads(args.num_threads, engine_thread=not args.float_engine_thread)
         while (trial := next_job()) is not None:
             length = args.prompt_len - trial * args.vary_len
             prompt = [rng.randrange(4, vocab) for _ in range(length)]
