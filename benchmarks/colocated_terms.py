@@ -17,7 +17,19 @@ half of it. Measured, nothing fitted to a compared metric:
   by its own factor, `chunk_mixed`: a mixed step is cheaper than a decode-only step plus a
   chunk-only step, whose chunk factor carries a forward's fixed cost);
 - `step_overhead_s`: from one step's end (its tokens sent) to the same worker's next start,
-  back-to-back steps, mean.
+  back-to-back steps, mean;
+- with `by_rows` (`sim_vs_live.py --colocated-by-rows`), the decode and mixed-chunk factors
+  again per decode-row bucket (1, 2, 3, 4+ rows), each class apart (`row_factors`): the
+  profile's `colocated.by_rows` table.
+
+Minimum steps per bucket: `MIN_BUCKET_STEPS` = 100; a bucket with fewer keeps the pooled factor
+(`null` in the table). Why 100: on the quiet 0.394 req/s colocated trace (2026-12-02) one step's
+wall over its price spreads with a coefficient of variation of 0.12-0.22 for decode steps and
+0.36-0.51 for a mixed step's chunk residual (per bucket), so a bucket factor from 100 steps has a
+standard error of about 1-2% (decode) and 4-5% (mixed chunk), under the 5-11% by which the
+decode buckets differ; the buckets below 100 there have 0-14 steps (errors of 5-15% and more).
+The evidence lists each bucket's steps, factor and standard error (delta method, steps taken as
+independent: consecutive steps are correlated, so it is a lower bound).
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ import numpy as np
 
 GAP_S = 0.05  # a worker's steps further apart than this were not back to back
 OTHER_BUSY = 0.5  # share of a step the other worker stepped through: "other busy"
+ROW_BUCKETS = 4  # the by-rows table's buckets: 1, 2, 3 and 4+ decode rows
+MIN_BUCKET_STEPS = 100  # fewer steps in a bucket: the pooled factor (module docstring: why)
 
 
 def _overlap(intervals: np.ndarray, t0: float, t1: float) -> float:
@@ -195,7 +209,7 @@ def compare_steps(saved: dict[str, Any], trace: Any, config: Any, cost: Any,
             "sim_wall_ms": round(1000 * sum(r["t1"] - r["t0"] for r in rs) / n_sim, 2) if n_sim
             else None}
     workers = sorted({s["worker"] for s in live})
-    first = {}
+    first: dict[str, Any] = {}
     for s in sorted(live, key=lambda s: s["t0"]):
         for c in s.get("chunks", []):
             first.setdefault(c[0], s["worker"])
@@ -219,7 +233,57 @@ def compare_steps(saved: dict[str, Any], trace: Any, config: Any, cost: Any,
     return out
 
 
-def measure(saved: dict[str, Any], decode_fit: Any, prefill_fit: Any) -> dict[str, Any]:
+def row_bucket(rows: int) -> int:
+    """The by-rows table's index of a step with `rows` decode rows (>= 1): 0 .. ROW_BUCKETS-1."""
+    if rows < 1:
+        raise ValueError(f"a row bucket needs >= 1 decode rows, got {rows}")
+    return min(rows, ROW_BUCKETS) - 1
+
+
+def row_factors(steps: list[dict[str, Any]], pooled: dict[str, float],
+                min_steps: int = MIN_BUCKET_STEPS) -> tuple[dict[str, list[float | None]],
+                                                            dict[str, list[dict[str, Any]]]]:
+    """The `by_rows` table of priced steps (`priced`) and its evidence. Per class and bucket:
+    `decode*` = the decode-only steps' wall over their decode price; `chunk_mixed*` = the mixed
+    steps' wall less the bucket's decode factor (the table's, else the pooled one) times their
+    decode price, over their chunk price. A bucket of fewer than `min_steps` steps: None (the
+    pooled factor). Evidence per bucket: steps, factor, its standard error, whether it fell back."""
+    if min_steps < 1:
+        raise ValueError(f"min_steps must be >= 1, got {min_steps}")
+    table: dict[str, list[float | None]] = {}
+    evidence: dict[str, list[dict[str, Any]]] = {}
+    for cls, busy in (("", False), ("_other_busy", True)):
+        of_cls = [s for s in steps if (s["other_busy"] >= OTHER_BUSY) == busy and s["rows"]]
+        for name in ("decode", "chunk_mixed"):
+            kind = "decode" if name == "decode" else "mixed"
+            table[name + cls], evidence[name + cls] = [], []
+            for b in range(ROW_BUCKETS):
+                group = [s for s in of_cls if s["kind"] == kind
+                         and row_bucket(len(s["rows"])) == b]
+                f_dec = 0.0 if name == "decode" else (table["decode" + cls][b]
+                                                      or pooled["decode" + cls])
+                part = "decode_s" if name == "decode" else "chunk_s"
+                price = sum(s[part] for s in group)
+                factor = ((sum(s["wall"] for s in group) - f_dec * sum(s["decode_s"]
+                                                                     for s in group)) / price
+                          if price > 0 else None)
+                se = None
+                if factor is not None:
+                    resid = [s["wall"] - f_dec * s["decode_s"] - factor * s[part] for s in group]
+                    se = float(np.sqrt(np.sum(np.square(resid)))) / price
+                kept = factor is not None and len(group) >= min_steps and factor > 0
+                table[name + cls].append(round(float(factor), 4)
+                                         if kept and factor is not None else None)
+                evidence[name + cls].append({
+                    "rows": f"{b + 1}+" if b == ROW_BUCKETS - 1 else str(b + 1),
+                    "steps": len(group),
+                    "factor": None if factor is None else round(float(factor), 4),
+                    "std_err": None if se is None else round(se, 4), "fallback": not kept})
+    return table, evidence
+
+
+def measure(saved: dict[str, Any], decode_fit: Any, prefill_fit: Any,
+            by_rows: bool = False, min_steps: int = MIN_BUCKET_STEPS) -> dict[str, Any]:
     """The live profile's `colocated` terms (kvcake/sim/colocated_cost.py) of a saved colocated
     step trace, and the steps' dispersion around them. Per class (the other worker stepping
     through under / over half of the step), each kind of step on its own:
@@ -228,8 +292,9 @@ def measure(saved: dict[str, Any], decode_fit: Any, prefill_fit: Any) -> dict[st
       decode factor times their decode price, over their chunk price;
     - `chunk*` = the chunk-only steps' wall over their chunk price.
     A class without such steps takes the other class's factor (a chunk kind without steps in
-    either class: the other chunk kind's). `step_jitter_quantiles`: each step's wall over its
-    priced model, 1st..99th percentile (`host_terms.jittered_tbts`)."""
+    either class: the other chunk kind's). With `by_rows`, also the `by_rows` table
+    (`row_factors`). `step_jitter_quantiles`: each step's wall over its priced model (with the
+    table when measured), 1st..99th percentile (`host_terms.jittered_tbts`)."""
     steps = priced([s for s in saved["steps"] if s["t0"] >= 0], decode_fit, prefill_fit)
     factors: dict[str, float | None] = {}
     for cls, test in (("", lambda x: x < OTHER_BUSY), ("_other_busy", lambda x: x >= OTHER_BUSY)):
@@ -253,16 +318,24 @@ def measure(saved: dict[str, Any], decode_fit: Any, prefill_fit: Any) -> dict[st
             factors[a + cls] = factors[a + cls] or factors[b + cls] or 1.0
     factors["decode"] = factors["decode"] or 1.0
     factors["decode_other_busy"] = factors["decode_other_busy"] or 1.0
+    pooled = {k: round(float(v), 4) for k, v in factors.items() if v}
+    table, table_evidence = row_factors(steps, pooled, min_steps) if by_rows else ({}, {})
     spread = []
     for s in steps:
         cls = "_other_busy" if s["other_busy"] >= OTHER_BUSY else ""
         chunk = ("chunk_mixed" if s["kind"] == "mixed" else "chunk") + cls
-        model = factors["decode" + cls] * s["decode_s"] + factors[chunk] * s["chunk_s"]
+        f_dec, f_chunk = factors["decode" + cls], factors[chunk]
+        if table and s["rows"]:
+            bucket = row_bucket(len(s["rows"]))
+            f_dec = table["decode" + cls][bucket] or f_dec
+            if s["kind"] == "mixed":
+                f_chunk = table[chunk][bucket] or f_chunk
+        model = f_dec * s["decode_s"] + f_chunk * s["chunk_s"]
         if model > 0:
             spread.append(s["wall"] / model)
     oh = overhead_s(steps)
-    return {"colocated": {**{k: round(float(v), 4) for k, v in factors.items() if v},
-                          "step_overhead_s": round(oh or 0.0, 6)},
+    rows_part: dict[str, Any] = {"by_rows": table} if table else {}
+    return {"colocated": {**pooled, "step_overhead_s": round(oh or 0.0, 6), **rows_part},
             "step_jitter_quantiles": (np.percentile(spread, np.arange(1, 100)).round(4).tolist()
                                       if spread else None),
             "evidence": {"steps": len(steps),
@@ -271,6 +344,8 @@ def measure(saved: dict[str, Any], decode_fit: Any, prefill_fit: Any) -> dict[st
                              and (s["other_busy"] >= OTHER_BUSY) == (c == "other_busy"))
                              for k in ("decode", "mixed", "chunk")
                              for c in ("other_idle", "other_busy")},
+                         **({"by_rows": {"min_steps": min_steps, **table_evidence}}
+                            if table else {}),
                          **measure_priced(steps)}}
 
 

@@ -28,7 +28,9 @@ prefill busy share over time next to the simulated ones, and the metrics of that
 (`decode_gaps.py --systems colocated --save`; benchmarks/colocated_terms.py: decode and chunk
 factors over the isolated fits with the other colocated worker idle / stepping, the per-step
 overhead, the steps' dispersion), the live profile's `colocated` section
-(kvcake/sim/colocated_cost.py); `--colocated-series SAVED` (with `--sim-only`) prints the saved
+(kvcake/sim/colocated_cost.py); with `--colocated-by-rows` also the decode and mixed-chunk
+factors per decode-row bucket (1, 2, 3, 4+ rows; fewer than 100 steps in a bucket: the pooled
+factor), the section's `by_rows` table; `--colocated-series SAVED` (with `--sim-only`) prints the saved
 colocated run's steps by kind, requests per worker and batch over time next to the simulated
 ones, and that run's metrics.
 `--fit-rate R` also replays at rate R (`live_fit.json`) and fits the per-host contention factors
@@ -497,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
                         "--systems colocated --save file (benchmarks/colocated_terms.py: decode "
                         "and chunk factors with the other worker idle / stepping, per-step "
                         "overhead, step dispersion); nothing fitted")
+    p.add_argument("--colocated-by-rows", action="store_true",
+                   help="with --colocated-terms: also measure the decode and mixed-chunk factors "
+                        "per decode-row bucket (1, 2, 3, 4+; a bucket under "
+                        f"{colocated_terms.MIN_BUCKET_STEPS} steps keeps the pooled factor) and "
+                        "price steps with them")
     p.add_argument("--colocated-series", type=Path, default=None, metavar="SAVED",
                    help="the saved colocated run's steps by kind (decode / mixed / chunk), "
                         "requests per worker and batch over time next to the simulated ones, "
@@ -506,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="disagg,colocated",
                    help="live systems to replay (the others' live results are reused)")
     args = p.parse_args(argv)
+    if args.colocated_by_rows and args.colocated_terms is None:
+        p.error("--colocated-by-rows needs --colocated-terms SAVED (the step trace it measures)")
     cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
     regime = cap.load_regime(cap_args)
     budget_path = args.out_dir / "colocated-budget.json"
@@ -570,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.colocated_terms is not None:
         base = live_cost_from_dict(profile)
         coloc = colocated_terms.measure(host_terms.load_saved(args.colocated_terms),
-                                        base.decode, base.prefill)
+                                        base.decode, base.prefill, by_rows=args.colocated_by_rows)
         profile = {**profile, "live": {**profile["live"], "colocated": coloc["colocated"]}}
         print(f"colocated terms measured from {args.colocated_terms}: "
               f"{json.dumps(coloc['colocated'])}")

@@ -8,7 +8,9 @@ forward) and contend for its cores. Measured from a live step trace of both work
                   "chunk": 1.33, "chunk_other_busy": 1.52,     # a chunk-only step's chunk
                   "chunk_mixed": 1.01,                         # a chunk beside decode rows
                   "chunk_mixed_other_busy": 1.21,
-                  "step_overhead_s": 0.0006}                   # per step, outside the engine
+                  "step_overhead_s": 0.0006,                   # per step, outside the engine
+                  "by_rows": {"decode_other_busy": [1.29, 1.40, 1.33, 1.26],   # optional
+                              "chunk_mixed_other_busy": [1.22, 1.20, null, null]}}
 
 A colocated step is priced as the simulator's sum of parts (kvcake/sim/decode.py): the decode
 step of its rows times `decode` plus each chunk's share by tokens of its prompt's prefill fit
@@ -24,6 +26,15 @@ and 1.33 / 1.52x of a chunk-only step's chunk). Without `chunk_mixed*` (older pr
 step's chunk takes `chunk`. The factors replace the live profile's `contention` for colocated
 runs (those are the disaggregated workers').
 
+`by_rows` (optional): the decode and mixed-chunk factors per decode-row bucket of the step
+(entry i: i + 1 rows, the last entry: that many rows or more; `benchmarks/colocated_terms.py
+--by-rows` measures 1, 2, 3, 4+). The other worker's effect depends on the batch (the quiet 0.394
+req/s trace: a decode step with the other worker stepping is 1.29x its price at one row, 1.40x
+at two, 1.33x at three, 1.26x at four or more), and one pooled factor per class misprices the
+batches a run at another rate has. A `null` entry (a bucket the trace had too few steps of), a
+missing key or a row count outside the table takes the pooled factor above; a profile without
+`by_rows` prices exactly as before. A chunk-only step has no rows and keeps `chunk*`.
+
 Pure: no torch, no clock.
 """
 
@@ -38,6 +49,52 @@ from kvcake.sim.decode import StepCosts
 
 _FACTORS = ("decode", "decode_other_busy", "chunk", "chunk_other_busy")
 _MIXED = ("chunk_mixed", "chunk_mixed_other_busy")
+_BY_ROWS = ("decode", "decode_other_busy", "chunk_mixed", "chunk_mixed_other_busy")
+MAX_ROW_BUCKETS = 64
+
+
+@dataclass(frozen=True)
+class RowFactors:
+    """`live.colocated.by_rows`: factors per decode-row bucket (index i: i + 1 rows, the last:
+    that many or more); None entries and empty tables mean the pooled factor."""
+
+    decode: tuple[float | None, ...] = ()
+    decode_other_busy: tuple[float | None, ...] = ()
+    chunk_mixed: tuple[float | None, ...] = ()
+    chunk_mixed_other_busy: tuple[float | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in _BY_ROWS:
+            table = getattr(self, name)
+            if not isinstance(table, tuple) or len(table) > MAX_ROW_BUCKETS:
+                raise ValueError(f"live.colocated.by_rows.{name} must be a list of at most "
+                                 f"{MAX_ROW_BUCKETS} factors (entry i: i + 1 decode rows, the "
+                                 f"last: that many or more), got {table!r}")
+            for i, value in enumerate(table):
+                if value is not None and not (isinstance(value, (int, float))
+                                              and not isinstance(value, bool)
+                                              and 0 < value < math.inf):
+                    raise ValueError(f"live.colocated.by_rows.{name}[{i}] must be a positive "
+                                     f"finite factor or null (the pooled factor), got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RowFactors:
+        if not isinstance(data, dict) or set(data) - set(_BY_ROWS) or not all(
+                isinstance(v, list) for v in data.values()):
+            raise ValueError("live.colocated.by_rows: expected {\"decode\", "
+                             "\"decode_other_busy\", \"chunk_mixed\", "
+                             "\"chunk_mixed_other_busy\": [factor or null per decode-row "
+                             f"bucket]}} (all optional), got {data!r}")
+        return cls(**{k: tuple(v) for k, v in data.items()})
+
+    def factor(self, name: str, rows: int, pooled: float) -> float:
+        """The factor `name` of a step with `rows` decode rows (`pooled` where the table has
+        none)."""
+        table: tuple[float | None, ...] = getattr(self, name)
+        if not table or rows < 1:
+            return pooled
+        value = table[min(rows, len(table)) - 1]
+        return pooled if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -50,6 +107,7 @@ class ColocatedTerms:
     # a chunk's factor in a mixed step (None, both: `chunk` / `chunk_other_busy`)
     chunk_mixed: float | None = None
     chunk_mixed_other_busy: float | None = None
+    by_rows: RowFactors | None = None  # per decode-row bucket (None: the pooled factors)
 
     def __post_init__(self) -> None:
         given = [getattr(self, name) for name in _MIXED if getattr(self, name) is not None]
@@ -69,13 +127,17 @@ class ColocatedTerms:
 
     @classmethod
     def from_dict(cls, data: Any) -> ColocatedTerms:
-        if not isinstance(data, dict) or set(data) - {*_FACTORS, *_MIXED, "step_overhead_s"}:
+        if not isinstance(data, dict) or set(data) - {*_FACTORS, *_MIXED, "step_overhead_s",
+                                                      "by_rows"}:
             raise ValueError("live.colocated: expected {\"decode\", \"decode_other_busy\", "
                              "\"chunk\", \"chunk_other_busy\", \"chunk_mixed\", "
                              "\"chunk_mixed_other_busy\": factors, \"step_overhead_s\": "
-                             f"seconds}} (all optional), got {data!r}")
+                             "seconds, \"by_rows\": {name: [factor per decode-row bucket]}} "
+                             f"(all optional), got {data!r}")
+        by_rows = None if data.get("by_rows") is None else RowFactors.from_dict(data["by_rows"])
         try:
-            return cls(**{k: float(v) for k, v in data.items()})
+            return cls(**{k: float(v) for k, v in data.items() if k != "by_rows"},
+                       by_rows=by_rows)
         except (TypeError, ValueError) as err:
             if "live.colocated" in str(err):
                 raise
@@ -85,15 +147,18 @@ class ColocatedTerms:
     def step_costs(self, cost: Any) -> StepCosts:
         """A colocated instance's step costs on `cost` (a `LiveCost`: its isolated fits)."""
         overhead = self.step_overhead_s
+        rows_table = self.by_rows or RowFactors()
 
-        def decode(factor: float) -> Callable[[int, int], float]:
+        def decode(name: str, pooled: float) -> Callable[[int, int], float]:
             def step_s(batch: int, context: int) -> float:
                 if batch == 0:
                     return 0.0
-                return cost.decode.decode_step_time_s(batch, context) * factor + overhead
+                return (cost.decode.decode_step_time_s(batch, context)
+                        * rows_table.factor(name, batch, pooled) + overhead)
             return step_s
 
-        def chunk(alone: float, mixed: float | None) -> Callable[[int, int, int, int], float]:
+        def chunk(alone: float, name: str, mixed: float | None
+                  ) -> Callable[[int, int, int, int], float]:
             beside_rows = alone if mixed is None else mixed
 
             def chunk_s(input_len: int, prefix_len: int, num_tokens: int,
@@ -101,12 +166,14 @@ class ColocatedTerms:
                 new = input_len - prefix_len
                 if new <= 0 or num_tokens <= 0:
                     return 0.0
-                factor = beside_rows if forward_tokens > num_tokens else alone
+                rows = forward_tokens - num_tokens  # the decode rows in the same forward
+                factor = rows_table.factor(name, rows, beside_rows) if rows > 0 else alone
                 return max(0.0, cost.prefill.predict(input_len, prefix_len)) * factor \
                     * num_tokens / new
             return chunk_s
 
-        return StepCosts(decode(self.decode), cost.prefill_time_s,
-                         chunk(self.chunk, self.chunk_mixed), overhead,
-                         decode(self.decode_other_busy),
-                         chunk(self.chunk_other_busy, self.chunk_mixed_other_busy))
+        return StepCosts(decode("decode", self.decode), cost.prefill_time_s,
+                         chunk(self.chunk, "chunk_mixed", self.chunk_mixed), overhead,
+                         decode("decode_other_busy", self.decode_other_busy),
+                         chunk(self.chunk_other_busy, "chunk_mixed_other_busy",
+                               self.chunk_mixed_other_busy))

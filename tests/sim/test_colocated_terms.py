@@ -238,3 +238,142 @@ def test_mixed_and_chunk_only_steps_are_measured_apart() -> None:
     assert got["step_jitter_quantiles"][-1] == pytest.approx(1.0, rel=1e-3)
     cost = live_cost_from_dict(with_terms(terms))
     assert cost.colocated is not None and cost.colocated.chunk_mixed == terms["chunk_mixed"]
+
+
+# -- factors per decode-row bucket (live.colocated.by_rows) ------------------------------------
+
+ROWS_TERMS = {**MIXED_TERMS, "by_rows": {"decode": [1.0, None, 2.0],
+                                         "decode_other_busy": [4.0],
+                                         "chunk_mixed_other_busy": [None, 3.0]}}
+
+
+@pytest.mark.parametrize(("rows", "bucket"), [(1, 0), (2, 1), (3, 2), (4, 3), (9, 3)])
+def test_a_step_s_decode_rows_pick_its_bucket(rows: int, bucket: int) -> None:
+    assert colocated_terms.ROW_BUCKETS == 4
+    assert colocated_terms.row_bucket(rows) == bucket
+
+
+def test_a_step_without_decode_rows_has_no_bucket() -> None:
+    with pytest.raises(ValueError, match="a row bucket needs >= 1 decode rows, got 0"):
+        colocated_terms.row_bucket(0)
+
+
+def test_steps_are_priced_by_their_row_bucket_and_null_takes_the_pooled_factor() -> None:
+    cost = live_cost_from_dict(with_terms(ROWS_TERMS))
+    assert cost.colocated is not None
+    costs = cost.colocated.step_costs(cost)
+    assert costs.decode_step_busy_s is not None and costs.chunk_busy_s is not None
+    assert costs.chunk_s is not None
+    # decode fit 11 ms at batch 1, 12 ms at 2 (+1 ms a row); 2 ms overhead a step
+    assert costs.decode_step_s(1, 1000) == pytest.approx(1.0 * 0.011 + 0.002)
+    assert costs.decode_step_s(2, 1000) == pytest.approx(1.5 * 0.012 + 0.002)  # null: pooled
+    assert costs.decode_step_s(3, 1000) == pytest.approx(2.0 * 0.013 + 0.002)
+    assert costs.decode_step_s(7, 1000) == pytest.approx(2.0 * 0.017 + 0.002)  # the last: 3+
+    assert costs.decode_step_busy_s(5, 1000) == pytest.approx(4.0 * 0.015 + 0.002)  # 1+
+    # a 20-token chunk of a 512-token prompt: 20 ms on the fit; the decode rows beside it are
+    # the forward's tokens less the chunk's
+    assert costs.chunk_busy_s(512, 0, 20, 21) == pytest.approx(0.030, rel=1e-3)  # 1 row: pooled
+    assert costs.chunk_busy_s(512, 0, 20, 22) == pytest.approx(0.060, rel=1e-3)  # 2 rows: 3.0
+    assert costs.chunk_busy_s(512, 0, 20, 26) == pytest.approx(0.060, rel=1e-3)  # 6 rows: 2+
+    assert costs.chunk_s(512, 0, 20, 22) == pytest.approx(0.025, rel=1e-3)  # no idle table
+    # a chunk-only step has no rows: the chunk-only factor
+    assert costs.chunk_busy_s(512, 0, 20, 20) == pytest.approx(0.080, rel=1e-3)
+
+
+@pytest.mark.parametrize("terms", [TERMS, MIXED_TERMS])
+def test_a_profile_without_the_table_prices_as_before(terms: dict[str, Any]) -> None:
+    nulls = {**terms, "by_rows": {k: [None] * 4 for k in
+                                  ("decode", "decode_other_busy", "chunk_mixed",
+                                   "chunk_mixed_other_busy")}}
+    priced = []
+    for data in (terms, nulls, {**terms, "by_rows": {}}):
+        cost = live_cost_from_dict(with_terms(data))
+        assert cost.colocated is not None
+        c = cost.colocated.step_costs(cost)
+        assert c.chunk_s is not None and c.chunk_busy_s is not None
+        assert c.decode_step_busy_s is not None
+        priced.append([c.decode_step_s(b, 900) for b in range(6)]
+                      + [c.decode_step_busy_s(b, 900) for b in range(6)]
+                      + [f(512, 64, 20, 20 + b) for f in (c.chunk_s, c.chunk_busy_s)
+                         for b in range(6)])
+    assert live_cost_from_dict(with_terms(terms)).colocated.by_rows is None  # type: ignore[union-attr]
+    assert priced[0] == priced[1] == priced[2]
+
+
+@pytest.mark.parametrize(("bad", "error"), [
+    ([1.0], r"live.colocated.by_rows: expected"),
+    ({"chunk": [1.0]}, r"live.colocated.by_rows: expected"),
+    ({"decode": 1.2}, r"live.colocated.by_rows: expected"),
+    ({"decode": [1.2, 0.0]}, r"live.colocated.by_rows.decode\[1\] must be a positive finite"),
+    ({"chunk_mixed": [float("inf")]}, r"live.colocated.by_rows.chunk_mixed\[0\] must be"),
+    ({"decode_other_busy": ["fast"]}, r"live.colocated.by_rows.decode_other_busy\[0\] must be"),
+    ({"decode": [True]}, r"live.colocated.by_rows.decode\[0\] must be"),
+    ({"decode": [1.0] * 65}, r"live.colocated.by_rows.decode must be a list of at most 64"),
+])
+def test_a_bad_row_table_is_refused_by_name(bad: Any, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        live_cost_from_dict(with_terms({**TERMS, "by_rows": bad}))
+
+
+def step(kind: str, rows: int, wall: float, decode_s: float, chunk_s: float = 0.0,
+         busy: bool = True) -> dict[str, Any]:
+    """One priced step as `colocated_terms.priced` returns it."""
+    return {"kind": kind, "rows": [["r", 10]] * rows, "wall": wall, "decode_s": decode_s,
+            "chunk_s": chunk_s, "other_busy": 1.0 if busy else 0.0}
+
+
+POOLED = {"decode": 1.1, "decode_other_busy": 1.3, "chunk_mixed": 1.0,
+          "chunk_mixed_other_busy": 1.2}
+
+
+def test_row_factors_per_bucket_with_the_bucket_s_decode_factor_in_mixed_steps() -> None:
+    steps = ([step("decode", 1, 0.012, 0.010)] * 3          # busy, 1 row: 1.2
+             + [step("decode", 2, 0.028, 0.020)] * 3        # busy, 2 rows: 1.4
+             + [step("decode", 5, 0.025, 0.020)] * 2        # busy, 4+ (5 and 6 rows): 1.25
+             + [step("decode", 6, 0.025, 0.020)]
+             + [step("mixed", 2, 0.068, 0.020, 0.030)] * 3  # busy, 2 rows: (68 - 1.4 x 20) / 30
+             + [step("mixed", 4, 0.046, 0.020, 0.020)] * 2  # busy, 4+ rows: too few
+             + [step("decode", 3, 0.033, 0.030, busy=False)] * 3  # idle, 3 rows: 1.1
+             + [step("chunk", 0, 0.050, 0.0, 0.030)] * 5)   # no rows: not in the table
+    table, evidence = colocated_terms.row_factors(steps, POOLED, min_steps=3)
+    assert table["decode_other_busy"] == [1.2, 1.4, None, pytest.approx(1.25)]
+    assert table["chunk_mixed_other_busy"] == [None, pytest.approx(4 / 3, abs=1e-4), None,
+                                                None]
+    assert table["decode"] == [None, None, 1.1, None]
+    assert table["chunk_mixed"] == [None] * 4
+    four = evidence["decode_other_busy"][3]
+    assert (four["rows"], four["steps"], four["fallback"]) == ("4+", 3, False)
+    short = evidence["chunk_mixed_other_busy"][3]
+    # less the 4+ bucket's decode factor (1.25, not the pooled 1.3): (46 - 1.25 x 20) / 20;
+    # 2 steps: the pooled factor
+    assert (short["steps"], short["factor"], short["fallback"]) == (2, 1.05, True)
+    assert evidence["decode_other_busy"][0]["std_err"] == 0.0  # every step on its factor
+    # a bucket of min_steps - 1 steps falls back; of min_steps it does not
+    table, _ = colocated_terms.row_factors(steps, POOLED, min_steps=4)
+    assert table["decode_other_busy"] == [None] * 4
+
+
+def test_the_minimum_bucket_is_100_steps() -> None:
+    assert colocated_terms.MIN_BUCKET_STEPS == 100
+    steps = [step("decode", 1, 0.012, 0.010)] * 100 + [step("decode", 2, 0.028, 0.020)] * 99
+    table, _ = colocated_terms.row_factors(steps, POOLED)
+    assert table["decode_other_busy"] == [1.2, None, None, None]
+    with pytest.raises(ValueError, match="min_steps must be >= 1"):
+        colocated_terms.row_factors(steps, POOLED, min_steps=0)
+
+
+def test_the_table_measured_from_a_two_worker_trace_prices_its_one_row_steps() -> None:
+    got = colocated_terms.measure(saved(), DECODE, PREFILL, by_rows=True, min_steps=10)
+    terms = got["colocated"]
+    # every step has one decode row: bucket 1 holds the pooled factors, the rest are null
+    assert terms["by_rows"]["decode"] == [pytest.approx(1.2, rel=1e-3), None, None, None]
+    assert terms["by_rows"]["decode_other_busy"] == [pytest.approx(1.5, rel=1e-3), None, None,
+                                                     None]
+    assert terms["by_rows"]["chunk_mixed_other_busy"] == [pytest.approx(1.85, rel=1e-3), None,
+                                                          None, None]
+    assert terms["by_rows"]["chunk_mixed"] == [None] * 4  # no idle mixed step
+    assert got["evidence"]["by_rows"]["min_steps"] == 10
+    assert got["step_jitter_quantiles"][-1] == pytest.approx(1.0, rel=1e-3)
+    assert "by_rows" not in colocated_terms.measure(saved(), DECODE, PREFILL)["colocated"]
+    cost = live_cost_from_dict(with_terms(terms))
+    assert cost.colocated is not None and cost.colocated.by_rows is not None
