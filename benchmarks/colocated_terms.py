@@ -25,11 +25,12 @@ half of it. Measured, nothing fitted to a compared metric:
 Minimum steps per bucket: `MIN_BUCKET_STEPS` = 100; a bucket with fewer keeps the pooled factor
 (`null` in the table). Why 100: on the quiet 0.394 req/s colocated trace (2026-12-02) one step's
 wall over its price spreads with a coefficient of variation of 0.12-0.22 for decode steps and
-0.36-0.51 for a mixed step's chunk residual (per bucket), so a bucket factor from 100 steps has a
-standard error of about 1-2% (decode) and 4-5% (mixed chunk), under the 5-11% by which the
-decode buckets differ; the buckets below 100 there have 0-14 steps (errors of 5-15% and more).
-The evidence lists each bucket's steps, factor and standard error (delta method, steps taken as
-independent: consecutive steps are correlated, so it is a lower bound).
+0.36-0.51 for a mixed step's chunk residual (buckets of 100 steps or more), so a bucket factor
+from 100 steps has a standard error of about 2% (decode) and 4-5% (mixed chunk), under the 5-11%
+by which the decode buckets differ. The buckets under 100 there have 0-14 steps: a handful of
+step runs (consecutive steps share one batch and the other worker's activity), not independent
+samples. The evidence lists each bucket's steps, factor and standard error (delta method, steps
+taken as independent: a lower bound, and an understatement for the small buckets).
 """
 
 from __future__ import annotations

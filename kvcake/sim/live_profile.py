@@ -45,7 +45,8 @@ added to every decode step.
 
 `colocated`: the colocated workers' step terms (`ColocatedTerms`, kvcake/sim/colocated_cost.py:
 decode factors and chunk factors, a chunk-only step's and a mixed step's, with the host's other
-worker idle / stepping, a per-step overhead),
+worker idle / stepping, a per-step overhead; optionally `by_rows`, the decode and mixed-chunk
+factors per decode-row bucket),
 used for colocated runs instead of `contention` and `decode_step_overhead_s`.
 
 Pure: no torch, no clock; `load_live_profile` reads one file.
