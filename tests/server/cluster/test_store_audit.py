@@ -99,14 +99,26 @@ def test_monitor_config_names_the_bad_key() -> None:
 # -- on a live cluster ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def _cluster(factory: pytest.TempPathFactory) -> Cluster:
     # The monitor thread never audits by itself here: each test runs the rounds it checks.
     config = ClusterConfig.simple(
-        2, 1, engine=ENGINE, worker=dict(WORKER), profile_dir=profile_dir(tmp_path_factory),
+        2, 1, engine=ENGINE, worker=dict(WORKER), profile_dir=profile_dir(factory),
         conductor=ConductorConfig.from_dict({"admission": "none"}),
         monitor=MonitorConfig(store_audit_interval_s=3600.0, store_audit_max_keys=8))
-    with Cluster(config, in_process=True) as running:
+    return Cluster(config, in_process=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with _cluster(tmp_path_factory) as running:
+        yield running
+
+
+@pytest.fixture
+def own_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A cluster for one test that breaks it (its store nodes leave): the shared one stays
+    whole for the module's other tests, whatever order they run in."""
+    with _cluster(tmp_path_factory) as running:
         yield running
 
 
@@ -162,7 +174,9 @@ def test_removed_blocks_leave_the_index_and_no_fetch_is_planned(cluster: Cluster
     assert [tokens_a, tokens(events)] == offline(llm, [first, second], 6)
 
 
-def test_a_store_node_that_leaves_takes_its_blocks_out_of_the_index(cluster: Cluster) -> None:
+def test_a_store_node_that_leaves_takes_its_blocks_out_of_the_index(
+        own_cluster: Cluster) -> None:
+    cluster = own_cluster
     backend = cluster.backend
     assert backend is not None
     prompt = ids(510, 64)  # 4 blocks, written from prefill-0's node
