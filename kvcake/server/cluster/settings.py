@@ -156,9 +156,10 @@ class ServeSettings(_Settings):
         None, "answer 429 while this many requests wait for their first token (default: no "
         "limit)")
     bind_threads: bool = setting(
-        True, "bind the engine's torch worker threads one per CPU of this process (as vLLM's "
-        "CPU launcher binds its worker's OpenMP threads): a prefill after an idle spell keeps "
-        "its threads on separate cores; --no-bind-threads: the kernel places them",
+        True, "bind the engine's torch threads (2 or more) one per CPU, on the lowest CPUs of "
+        "this process's affinity (taskset chooses them), as vLLM's CPU launcher binds its "
+        "worker's OpenMP threads: a step's threads never share a core; --no-bind-threads: the "
+        "kernel places them",
         modes=("single",))
     bind_engine_thread: bool = setting(
         True, "with --bind-threads: the engine thread (torch's thread 0) is bound too; "

@@ -88,7 +88,11 @@ def bind_engine_threads(num_threads: int, engine_thread: bool = True) -> list[in
     """On the engine thread: bind its intra-op pool one thread per CPU (`thread_cpus`); the CPUs
     bound per pool thread, [] when not possible (too few CPUs, no kvcake CPU ops), with the
     reason logged. `engine_thread=False`: the calling thread (the pool's thread 0) gets its
-    whole affinity back, only the worker threads stay bound (its entry is then -1)."""
+    whole affinity back, only the worker threads stay bound (its entry is then -1). One thread
+    is left unbound: binding keeps a pool's threads off each other's CPU, and a lone engine
+    thread pinned to the lowest CPU would pile every single-threaded server of a host on it."""
+    if num_threads < 2:
+        return []
     allowed = os.sched_getaffinity(0)
     cpus = thread_cpus(num_threads, allowed)
     if cpus is None or not cpu_ops.load():

@@ -109,3 +109,17 @@ def test_workers_only_binding_leaves_the_engine_thread_floating() -> None:
     assert isinstance(cpus, list)
     assert seen["bound"] == [-1, *cpus[1:]]  # thread 0 floating, the workers on their CPUs
     assert seen["own"] == seen["allowed"]
+
+
+def test_a_single_thread_is_left_unbound() -> None:
+    seen: dict[str, object] = {}
+
+    def run() -> None:
+        before = os.sched_getaffinity(0)
+        seen["bound"] = bind_engine_threads(1)
+        seen["same"] = os.sched_getaffinity(0) == before
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == {"bound": [], "same": True}
