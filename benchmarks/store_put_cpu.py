@@ -14,7 +14,7 @@ a version from before `--no-node` existed starts its master without a node by de
 it `--old-cli`).
 
     .venv/bin/python benchmarks/store_put_cpu.py [--n 2000] [--size 65536] [--rounds 3] [--hosted]
-                                                 [--no-forward]
+                                                 [--forward]
 
 Ports used: --port and --port+1. Linux only (/proc).
 """
@@ -104,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=23600)
     parser.add_argument("--hosted", action="store_true",
                         help="the default deployment: `kvcake store master` hosting its node")
-    parser.add_argument("--no-forward", action="store_true",
-                        help="the client does not forward its puts through the node "
-                        "(ClientConfig.forward_puts=False: bytes to the node, then the commit "
-                        "to the master, two round trips; the store before forwarding)")
+    parser.add_argument("--forward", action="store_true",
+                        help="the client forwards its puts through the node (opt-in "
+                        "ClientConfig.forward_puts=True, store/forward.py: one request to the "
+                        "node, which commits at the master); without it: bytes to the node, "
+                        "then the commit to the master, two round trips")
     parser.add_argument("--old-cli", action="store_true",
                         help="the kvcake measured predates --no-node (its master hosts no node "
                         "unless --with-node)")
@@ -116,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--n and --rounds must be >= 1, --size >= 0")
     print(f"kvcake from {Path(kvcake.__file__).parent.parent}; {args.size} bytes x {args.n} "
           f"puts; {'hosted' if args.hosted else '--no-node'}"
-          f"{', not forwarded' if args.no_forward else ''}; us per put", flush=True)
+          f"{', forwarded' if args.forward else ''}; us per put", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvcake-put-cpu-") as logs:
         procs = start(args.port, Path(logs), args.hosted, args.old_cli)
         try:
             config = TransferConfig(serve=False, use_shared_memory=False, num_rails=4)
-            options = {"forward_puts": False} if args.no_forward else {}
+            options = {"forward_puts": True} if args.forward else {}
             with StoreClient(f"127.0.0.1:{args.port}", transfer_config=config,
                              **options) as client:
                 value = bytes([7]) * args.size

@@ -8,11 +8,11 @@ The same layout for every system: one storage process, one client process that p
             segment, checks their xxh3-64, commits; acknowledged).
             "ours-tcp-no-node": `kvcake store master --no-node` (metadata only, as
             mooncake_master) + `kvcake store node --dram 2GiB` (the storage process), default
-            client over TCP: a small put is one request to the node (store/forward.py: the
-            node writes it into a reserved slot, checks its xxh3-64, then commits it at the
-            master and relays the acknowledgement); "ours-tcp-no-node-2rt" is the same put as
-            before forwarding (`forward_puts=False`: bytes to the node, then the commit to the
-            master, two round trips). The same two processes serve three more rows: over
+            client over TCP: a small put writes into a reserved slot on the node, then commits
+            at the master (two round trips); "ours-tcp-no-node-fwd" with the opt-in
+            `forward_puts=True` (store/forward.py: one request to the node, which checks the
+            bytes' xxh3-64, commits at the master and relays the acknowledgement). The same
+            two processes serve three more rows: over
             the node's shared-memory segment ("ours-shm", same host, no TCP at all), over TCP
             with `StoreClient(async_seal=True)` ("ours-tcp-seal": a small put returns once its
             one-way seal is sent, not acknowledged; writer.py) and over TCP with the client's
@@ -120,7 +120,7 @@ class Ours:
 
     def __init__(self, name: str, port: int, shm: bool, async_seal: bool = False,
                  location_cache: int | None = None, hosted: bool = False,
-                 forward_puts: bool = True) -> None:
+                 forward_puts: bool = False) -> None:
         self.name, self.port, self.shm, self.async_seal = name, port, shm, async_seal
         self.forward_puts = forward_puts
         self.hosted = hosted
@@ -427,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer-port", type=int, default=21800)
     parser.add_argument("--skip", default="",
                         help="comma list of: redis, mooncake, transfer, seal, nocache, "
-                        "unforwarded, no-node (the no-node deployment's rows: "
-                        "ours-tcp-no-node, ours-shm, seal, nocache, unforwarded)")
+                        "forward, no-node (the no-node deployment's rows: "
+                        "ours-tcp-no-node, ours-shm, seal, nocache, forward)")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--no-prefault", action="store_true",
                         help="our nodes do not make their segments resident at start "
@@ -443,9 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     ours_shm = Ours("ours-shm", no_node, shm=True)
     ours_seal = Ours("ours-tcp-seal", no_node, shm=False, async_seal=True)
     ours_nocache = Ours("ours-tcp-nocache", no_node, shm=False, location_cache=0)
-    # the no-node put as before forwarding (store/forward.py): bytes to the node, then the
-    # commit to the master
-    ours_unforwarded = Ours("ours-tcp-no-node-2rt", no_node, shm=False, forward_puts=False)
+    # the opt-in forwarded put (store/forward.py): one request to the node, which commits
+    ours_forwarded = Ours("ours-tcp-no-node-fwd", no_node, shm=False, forward_puts=True)
     systems: list[Any] = []
     started: list[Any] = []
     # The servers' logs (and Mooncake's worker script): removed after a clean run, kept (and
@@ -463,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             started.append(ours_shm)
             systems += [ours_no_node, ours_shm]
             for row, name in ((ours_seal, "seal"), (ours_nocache, "nocache"),
-                              (ours_unforwarded, "unforwarded")):
+                              (ours_forwarded, "forward")):
                 if name not in skip:
                     row.start(logs, shared=ours_no_node)
                     started.append(row)

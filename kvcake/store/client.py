@@ -66,9 +66,9 @@ class StoreClient:
     revoked it: the master has a node revoke every replica it drops before it acknowledges the
     drop, so such reads stay linearizable with removes, evictions and overwrites by any client
     (master.py); `async_seal`: a small put returns once its one-way seal is sent, not
-    acknowledged (writer.py; off by default); `forward_puts`: a small put to a separate node
-    reached over TCP is one request to that node, which checks the bytes and commits them at
-    the master (forward.py; on by default, not with `wrap_transport`). `clock`: how old the
+    acknowledged (writer.py; off by default); `forward_puts` (opt-in): a small put to a separate
+    node reached over TCP is one request to that node, which checks the bytes and commits them
+    at the master (forward.py; never with `wrap_transport`). `clock`: how old the
     writer's reserved slots are.
     """
 

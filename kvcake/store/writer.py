@@ -15,8 +15,8 @@ master reserved beforehand (index.py), held here per object size. By default the
 header + payload into the slot (the node checks the bytes' digest before it answers), then one
 master request names the key, commits it with its checksum (acknowledged before `put` returns)
 and reserves the next slot of that size: two round trips instead of three, nothing weakened.
-When the slot's node has a forward port (a separate node, over TCP: forward.py), it is one round
-trip: the bytes go to that node with the commit, the node checks them, writes the header and
+With `forward_puts` (opt-in) and a slot whose node has a forward port (a separate node, over
+TCP: forward.py), it is one round trip: the bytes go to that node with the commit, the node checks them, writes the header and
 sends the commit to the master itself, and its reply carries the master's acknowledgement.
 
 `async_seal=True` (opt-in) takes the master off the critical path: the request that names the

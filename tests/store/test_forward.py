@@ -65,7 +65,7 @@ def test_a_put_to_a_separate_node_is_forwarded_and_committed_by_it(
         master: MasterServer, node: StoreNode, monkeypatch: pytest.MonkeyPatch) -> None:
     counting = CountingForwards(monkeypatch)
     data = os.urandom(70_000)
-    with StoreClient(master.address, transfer_config=TCP) as client:
+    with StoreClient(master.address, transfer_config=TCP, forward_puts=True) as client:
         assert client.put("k0", data) is True  # the first put of a size reserves its slot
         assert client.put("k1", data[::-1]) is True
         assert counting.forwarded == 2
@@ -80,10 +80,10 @@ def test_a_put_to_a_separate_node_is_forwarded_and_committed_by_it(
     assert _slot_count(master) == 0  # the clients released the slots they held
 
 
-def test_a_client_with_forwarding_off_writes_then_commits_itself(
+def test_a_default_client_writes_then_commits_itself(
         master: MasterServer, node: StoreNode, monkeypatch: pytest.MonkeyPatch) -> None:
     counting = CountingForwards(monkeypatch)
-    with StoreClient(master.address, transfer_config=TCP, forward_puts=False) as client:
+    with StoreClient(master.address, transfer_config=TCP) as client:  # forward_puts off
         assert client.put("a", b"x" * 5000) and client.put("b", b"y" * 5000)
         assert client.get("b") == b"y" * 5000
     assert counting.forwarded == 0
@@ -92,7 +92,7 @@ def test_a_client_with_forwarding_off_writes_then_commits_itself(
 def test_a_payload_that_does_not_match_its_checksum_is_refused_and_never_committed(
         master: MasterServer, node: StoreNode, monkeypatch: pytest.MonkeyPatch) -> None:
     data = os.urandom(9000)
-    with StoreClient(master.address, transfer_config=TCP) as client:
+    with StoreClient(master.address, transfer_config=TCP, forward_puts=True) as client:
         assert client.put("warm", data)  # a slot of this size is now held
         monkeypatch.setattr(writer_module, "payload_checksum", lambda view: 12345)
         with pytest.raises(TransferFailed, match="does not match"):
@@ -100,8 +100,9 @@ def test_a_payload_that_does_not_match_its_checksum_is_refused_and_never_committ
         assert not client.exists("bad")
         monkeypatch.undo()
         assert client.put("good", data) and client.get("good") == data  # connection in step
-    with pytest.raises(ObjectNotFound):
-        StoreClient(master.address, transfer_config=TCP).get("bad")
+    with StoreClient(master.address, transfer_config=TCP) as fresh, \
+            pytest.raises(ObjectNotFound):
+        fresh.get("bad")
 
 
 def test_the_wire_request_is_checked_at_the_node(master: MasterServer, node: StoreNode) -> None:
@@ -158,7 +159,7 @@ def test_a_node_that_fails_after_storing_before_the_ack_leaves_nothing_readable(
         master: MasterServer, node: StoreNode, monkeypatch: pytest.MonkeyPatch,
         after_commit: bool) -> None:
     data = os.urandom(20_000)
-    client = StoreClient(master.address, transfer_config=TCP)
+    client = StoreClient(master.address, transfer_config=TCP, forward_puts=True)
     try:
         assert client.put("before", data)
         _crash_on_commit(monkeypatch, node, after_commit=after_commit)
@@ -191,7 +192,7 @@ def test_a_commit_that_cannot_reach_the_master_fails_the_put_and_the_next_put_re
         return real(self, commits, reserve, seal_later)
 
     monkeypatch.setattr(forward_module.RemoteMaster, "put_slots", flaky)
-    with StoreClient(master.address, transfer_config=TCP) as client:
+    with StoreClient(master.address, transfer_config=TCP, forward_puts=True) as client:
         assert client.put("one", data)
         with pytest.raises(TransferFailed, match="did not reach the master"):
             client.put("two", data)
