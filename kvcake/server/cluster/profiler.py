@@ -23,6 +23,7 @@ from kvcake.conductor import (
     PrefillPoint,
     PrefillTimePredictor,
 )
+from kvcake.engine import cpu_ops
 from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine
 from kvcake.engine.sampling import SamplingParams
@@ -81,8 +82,9 @@ class Profile:
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("KVCAKE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "kvcake" / "profiles"
+    """`profiles/` under kvcake's per-machine cache (`$KVCAKE_CACHE_DIR`, as the CPU ops and the
+    GEMM tuning tables use it; default `~/.cache/kvcake`)."""
+    return cpu_ops.cache_dir() / "profiles"
 
 
 def cache_path(cache_dir: Path, model: str, dtype: str, num_threads: int) -> Path:
@@ -194,7 +196,7 @@ def load_or_profile(model: str, engine_config: EngineConfig, cache_dir: Path | N
             pass  # a stale or damaged cache is measured again
     profile = run_profile(model, engine_config, grid or ProfileGrid())
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two profilers at once: no clobbering
     tmp.write_text(profile.to_json())
     tmp.replace(path)
     return profile
