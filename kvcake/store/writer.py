@@ -214,12 +214,7 @@ class ObjectWriter:
             self._release([put.slot["slot"]])
             raise TransferFailed(f"put of {put.key!r} failed: {exc}") from exc
         result = self.master.put_slots([put.commit], put.reserve)
-        refused = self._refused(result, put)
-        if refused is not None:
-            return refused
-        if self._on_written is not None:
-            self._on_written(put.key, len(put.view), put.checksum, put.slot["replicas"])
-        return True
+        return self._settled(result, put)
 
     def _put_forwarded(self, put: SlotPut, address: str) -> bool:
         """The slot's node stores and checks the bytes, then commits them (and reserves the
@@ -232,6 +227,11 @@ class ObjectWriter:
         except StoreError:
             self._release([put.slot["slot"]])
             raise
+        return self._settled(result, put)
+
+    def _settled(self, result: dict[str, Any], put: SlotPut) -> bool:
+        """What a committed slot put returns, from the master's `put_slots` answer: the
+        refusal's answer (`_refused`), else True once the reader remembers where it lies."""
         refused = self._refused(result, put)
         if refused is not None:
             return refused
