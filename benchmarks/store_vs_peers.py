@@ -452,30 +452,32 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="store_vs_peers-"))
     clean = False
     try:
-        ours_tcp.start(logs)
+        # each system is listed before it starts: a start that fails half way (its server up,
+        # its client refused) is still stopped
         started.append(ours_tcp)
+        ours_tcp.start(logs)
         systems.append(ours_tcp)
         if "no-node" not in skip:
-            ours_no_node.start(logs)
             started.append(ours_no_node)
-            ours_shm.start(logs, shared=ours_no_node)
+            ours_no_node.start(logs)
             started.append(ours_shm)
+            ours_shm.start(logs, shared=ours_no_node)
             systems += [ours_no_node, ours_shm]
             for row, name in ((ours_seal, "seal"), (ours_nocache, "nocache"),
                               (ours_forwarded, "forward")):
                 if name not in skip:
-                    row.start(logs, shared=ours_no_node)
                     started.append(row)
+                    row.start(logs, shared=ours_no_node)
                     systems.append(row)
         if "redis" not in skip:
             redis = Redis(args.port + 5)
-            redis.start()
             started.append(redis)
+            redis.start()
             systems.append(redis)
         if "mooncake" not in skip:
             mooncake = Mooncake(args.port + 10)
-            mooncake.start(logs)
             started.append(mooncake)
+            mooncake.start(logs)
             systems.append(mooncake)
         print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} interleaved rounds, best "
               "of each", flush=True)
