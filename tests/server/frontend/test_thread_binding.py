@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,6 +15,16 @@ from kvcake.server.frontend.local_backend import (
     bind_engine_threads,
     thread_cpus,
 )
+
+
+def in_own_thread(run: Callable[[], None], seen: dict[str, object]) -> None:
+    """Run `run` on a thread of its own (its torch pool and its affinity end with it, so the
+    binding leaves this process's threads as they were); skip if it left `seen["skip"]`."""
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "skip" in seen:
+        pytest.skip(str(seen["skip"]))
 
 
 def test_thread_cpus_takes_the_lowest_allowed_cpus_one_per_thread() -> None:
@@ -50,11 +61,7 @@ def test_bind_threads_pins_the_calling_thread_to_the_first_cpu() -> None:
         seen["bound"] = cpu_ops.bind_threads(cpus)
         seen["own"] = os.sched_getaffinity(0)
 
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "skip" in seen:
-        pytest.skip(str(seen["skip"]))
+    in_own_thread(run, seen)
     cpus = seen["cpus"]
     assert isinstance(cpus, list)
     assert seen["bound"] == cpus
@@ -105,11 +112,7 @@ def test_workers_only_binding_leaves_the_engine_thread_floating() -> None:
         finally:
             torch.set_num_threads(before)
 
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "skip" in seen:
-        pytest.skip(str(seen["skip"]))
+    in_own_thread(run, seen)
     cpus = seen["cpus"]
     assert isinstance(cpus, list)
     assert seen["bound"] == [-1, *cpus[1:]]  # thread 0 floating, the workers on their CPUs
@@ -124,7 +127,5 @@ def test_a_single_thread_is_left_unbound() -> None:
         seen["bound"] = bind_engine_threads(1)
         seen["same"] = os.sched_getaffinity(0) == before
 
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
+    in_own_thread(run, seen)
     assert seen == {"bound": [], "same": True}
