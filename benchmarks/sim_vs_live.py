@@ -77,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import colocated_terms  # noqa: E402
 import host_terms  # noqa: E402
+import live_replays  # noqa: E402
 import serving_disagg_vs_colocated as cap  # noqa: E402
 
 from kvcake.bench.capacity import find_capacities  # noqa: E402
@@ -458,11 +459,20 @@ def print_capacity_check(check: dict[str, Any]) -> None:
             print(f"| {row['rate']:.3f} | " + " | ".join(cells) + " |")
 
 
-def print_table(title: str, metrics: dict[str, dict[str, float | None]]) -> None:
-    print(f"{title}\n| metric | live | sim | sim/live - 1 |\n|---|---|---|---|")
+def print_table(title: str, metrics: dict[str, dict[str, Any]]) -> None:
+    """live is the pooled value; with several replays also their range, relative spread (the
+    live noise floor) and whether the simulated value lies inside the range."""
+    print(f"{title}\n| metric | live (pooled) | sim | sim/live - 1 | live replays (min-max) "
+          "| replays' spread | sim in range |\n|---|---|---|---|---|---|---|")
     for name, m in metrics.items():
         err = "-" if m["rel_err"] is None else f"{m['rel_err']:+.1%}"
-        print(f"| {name} | {m['live']:.4g} | {m['sim']:.4g} | {err} |")
+        span = spread = inside = "-"
+        if "live_replays" in m:
+            span = f"{m['live_min']:.4g}-{m['live_max']:.4g} ({len(m['live_replays'])})"
+            spread = "-" if m["live_spread"] is None else f"{m['live_spread']:.1%}"
+            inside = "yes" if m["sim_in_live_range"] else "no"
+        print(f"| {name} | {m['live']:.4g} | {m['sim']:.4g} | {err} | {span} | {spread} "
+              f"| {inside} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -512,6 +522,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the simulated capacity search (sim_capacity.json)")
     p.add_argument("--systems", default="disagg,colocated",
                    help="live systems to replay (the others' live results are reused)")
+    p.add_argument("--live-repeats", type=live_replays.repeats_arg,
+                   default=live_replays.DEFAULT_REPEATS, metavar="N",
+                   help="replays of the same requests and arrivals per system and rate, each on a "
+                        "fresh server; the live metrics are over the pooled requests (default "
+                        f"{live_replays.DEFAULT_REPEATS}: benchmarks/live_replays.py says why)")
+    p.add_argument("--replay-rates", choices=("both", "rate", "fit-rate"), default="both",
+                   help="which rates' live files this run replays (the other's is reused): "
+                        "splits a check into lock holds of at most 15 minutes")
     args = p.parse_args(argv)
     if args.colocated_by_rows and args.colocated_terms is None:
         p.error("--colocated-by-rows needs --colocated-terms SAVED (the step trace it measures)")
@@ -536,32 +554,55 @@ def main(argv: list[str] | None = None) -> int:
     block_len = PromptBuilder(scale_tokens=regime.scale_tokens).block_len
     systems = [x for x in args.systems.split(",") if x]
 
-    def live_at(rate_: float, path: Path) -> dict[str, dict[str, float]]:
-        """The live metrics at rate_: replayed for --systems (unless --sim-only), the other
-        systems' from an earlier run's file."""
+    def live_at(rate_: float, path: Path, replay: bool) -> dict[str, Any]:
+        """The live metrics at rate_ ({"metrics": pooled, "replays": each replay's}, per
+        system): --live-repeats replays for --systems (unless --sim-only or not `replay`), the
+        other systems' from an earlier run's file at the same rate. The file is written after
+        each system, with every replay's per-request records (`requests`)."""
         old = json.loads(path.read_text()) if path.is_file() else {}
+        if old and not math.isclose(float(old.get("rate", rate_)), rate_, rel_tol=1e-9):
+            print(f"[live] {path} is of rate {old['rate']}, not {rate_:.6g}: not reused",
+                  file=sys.stderr)
+            old = {}
         got: dict[str, dict[str, float]] = dict(old.get("metrics", {}))
-        if args.sim_only:
-            return got
+        reps: dict[str, list[dict[str, float]]] = dict(old.get("replays", {}))
+        if args.sim_only or not replay:
+            return {"metrics": got, "replays": reps}
         runs = dict(old.get("runs", {}))
+        requests = dict(old.get("requests", {}))
         plan_ = cap.workload(records, regime, cap_args.vocab_size, rate_, args.seed)
         for system in systems:
-            started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-            load = os.getloadavg()
-            with cap.Served(system, cap_args, budget if system == "colocated" else None) as s:
-                results, _ = s.replay(plan_)
-            got[system] = live_metrics(results, regime)
-            runs[system] = {"started": started, "load_before": load,
-                            "load_after": os.getloadavg()}
-            print(f"[live {system} @ {rate_:.3g}/s] {json.dumps(got[system])}", file=sys.stderr,
-                  flush=True)
-        path.write_text(json.dumps({"rate": rate_, "runs": runs, "metrics": got}, indent=1)
-                        + "\n")
-        return got
+            results_, runs_ = [], []
+            for k in range(args.live_repeats):
+                started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+                load = os.getloadavg()
+                with cap.Served(system, cap_args,
+                                budget if system == "colocated" else None) as s:
+                    results, _ = s.replay(plan_)
+                results_.append(results)
+                runs_.append({"started": started, "load_before": load,
+                              "load_after": os.getloadavg()})
+                print(f"[live {system} @ {rate_:.3g}/s, replay {k + 1}/{args.live_repeats}] "
+                      f"{json.dumps(live_metrics(results, regime))}", file=sys.stderr,
+                      flush=True)
+            pooled = live_replays.pool(results_, lambda rs: live_metrics(rs, regime))
+            got[system], reps[system], runs[system] = pooled["metrics"], pooled["replays"], runs_
+            requests[system] = [[live_replays.to_json(r) for r in one] for one in results_]
+            print(f"[live {system} @ {rate_:.3g}/s, pooled over {args.live_repeats}] "
+                  f"{json.dumps(got[system])}", file=sys.stderr, flush=True)
+            path.write_text(json.dumps({"rate": rate_, "repeats": args.live_repeats,
+                                        "runs": runs, "metrics": got, "replays": reps,
+                                        "requests": requests}) + "\n")
+        return {"metrics": got, "replays": reps}
 
-    live = live_at(rate, args.out_dir / "live.json")
-    fit_live = (live_at(args.fit_rate, args.out_dir / "live_fit.json")
-                if args.fit_rate else None)
+    live_file = live_at(rate, args.out_dir / "live.json", args.replay_rates in ("both", "rate"))
+    live, live_reps = live_file["metrics"], live_file["replays"]
+    fit_live, fit_reps = None, {}
+    if args.fit_rate is not None:  # the same rate: the same replays, not replayed again
+        fit_file = (live_file if math.isclose(args.fit_rate, rate, rel_tol=1e-9) else
+                    live_at(args.fit_rate, args.out_dir / "live_fit.json",
+                            args.replay_rates in ("both", "fit-rate")))
+        fit_live, fit_reps = fit_file["metrics"], fit_file["replays"]
     config_json = json.loads((cap_args.model_dir / "config.json").read_text())
     bandwidth, source = transfer_bandwidth(args.out_dir)
     profile = live_profile(args.out_dir, config_json, bandwidth)
@@ -623,10 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     if (terms is not None or coloc is not None) and fit_live is not None:  # nothing fitted
         fit_plan = cap.workload(records, regime, cap_args.vocab_size, args.fit_rate, args.seed)
         fit_cost = live_cost_from_dict(profile).as_cost_model()
-        fit_metrics = compare(fit_live, {
+        fit_metrics = live_replays.annotate(compare(fit_live, {
             name: sim_metrics(sim_trace(records, fit_plan, block_len), regime, config, fit_cost,
                               jitters[name])
-            for name, config in configs.items() if name in fit_live})
+            for name, config in configs.items() if name in fit_live}), fit_reps)
         print_table(f"second check rate {args.fit_rate:.3g}/s", fit_metrics)
     elif fit_live is not None and "disagg" in fit_live:
         fit_plan = cap.workload(records, regime, cap_args.vocab_size, args.fit_rate, args.seed)
@@ -635,9 +676,10 @@ def main(argv: list[str] | None = None) -> int:
                                     configs["disagg"])
         profile = live_profile(args.out_dir, config_json, bandwidth, contention=contention)
         fit_cost = live_cost_from_dict(profile).as_cost_model()
-        fit_metrics = compare(fit_live, {name: sim_metrics(fit_trace, regime, config, fit_cost)
-                                         for name, config in configs.items()
-                                         if name in fit_live})
+        fit_metrics = live_replays.annotate(
+            compare(fit_live, {name: sim_metrics(fit_trace, regime, config, fit_cost)
+                               for name, config in configs.items() if name in fit_live}),
+            fit_reps)
         print(f"contention fitted at {args.fit_rate:.3g}/s (disagg TTFT/TBT p50): "
               f"{json.dumps(contention)}")
         print_table(f"fit rate {args.fit_rate:.3g}/s", fit_metrics)
@@ -646,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = sim_trace(records, planned, block_len)
     sim = {name: sim_metrics(trace, regime, config, cost, jitters[name])
            for name, config in configs.items() if name in live}
-    metrics = compare(live, sim)
+    metrics = live_replays.annotate(compare(live, sim), live_reps)
     print(f"rate {rate:.3g}/s, {len(planned)} requests, block {block_len} tokens, transfer "
           f"bandwidth {bandwidth / 1e9:.2f} GB/s ({source}), colocated budget {budget}")
     print_table(f"{'check ' if contention else ''}rate {rate:.3g}/s", metrics)
@@ -664,7 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simulated capacity (req/s) per TBT SLO "
               f"{[round(x, 1) for x in regime.tbt_slos_ms]}: {json.dumps(capacity)}")
     if args.json:
-        out: dict[str, Any] = {"metrics": metrics, "diagnostics": diag}
+        out: dict[str, Any] = {"metrics": metrics, "diagnostics": diag,
+                               "live_repeats": {s_: len(r) for s_, r in live_reps.items()},
+                               "live_noise_floor": live_replays.noise_floor(metrics)}
         if check is not None:
             out["capacity_check"] = check
         if contention is not None:
