@@ -1,0 +1,130 @@
+"""benchmarks/live_replays.py and sim_vs_live.py's --live-repeats: the live metrics over the
+pooled requests of N replays, each replay's value, the replays' range and spread, whether the
+simulated value lies in that range; bad --live-repeats refused by name. Made-up requests, no
+servers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import live_replays  # noqa: E402
+import sim_vs_live  # noqa: E402
+
+from kvcake.bench.stats import Outcome, RequestResult  # noqa: E402
+from tests.bench.test_capacity_bench_json import regime  # noqa: E402
+
+# regime(): TTFT SLO 5.376 s, TBT SLOs 18.94 / 37.88 / 56.82 ms
+
+
+def request(ttft_s: float, gap_s: float) -> RequestResult:
+    """Two output tokens, one gap: its TBT and its TPOT are both the gap."""
+    return RequestResult(Outcome.OK, 10, 2, ttft_s, (gap_s,), ttft_s + gap_s)
+
+
+# A: TBT 10 / 12 / 14 / 100 ms (the last misses every SLO): shares 3/4 at each SLO.
+REPLAY_A = [request(0.1, 0.010), request(0.2, 0.012), request(0.3, 0.014), request(0.4, 0.100)]
+# B: TBT 16 / 30 / 50 / 18 ms, the last TTFT 8 s (over the TTFT SLO): shares 1/4, 2/4, 3/4.
+REPLAY_B = [request(0.5, 0.016), request(0.6, 0.030), request(0.7, 0.050), request(8.0, 0.018)]
+
+
+def pooled() -> dict[str, Any]:
+    r = regime()
+    return live_replays.pool([REPLAY_A, REPLAY_B], lambda rs: sim_vs_live.live_metrics(rs, r))
+
+
+def test_metrics_are_over_the_pooled_requests() -> None:
+    got = pooled()
+    m = got["metrics"]
+    # TTFT ms, pooled sorted 100..700, 8000: p50 (400 + 500) / 2; p90 at 6.3: 700 + 0.3 x 7300
+    assert m["ttft_p50_ms"] == pytest.approx(450.0)
+    assert m["ttft_p90_ms"] == pytest.approx(2890.0)
+    # TBT ms, pooled sorted 10 12 14 16 18 30 50 100: p50 17; p90 at 6.3: 50 + 0.3 x 50
+    assert m["tbt_p50_ms"] == pytest.approx(17.0)
+    assert m["tbt_p90_ms"] == pytest.approx(65.0)
+    assert m["tpot_mean_ms"] == pytest.approx(250.0 / 8)
+    # shares over all 8 requests: (3 + 1) / 8, (3 + 2) / 8, (3 + 3) / 8
+    assert [m[f"effective_share_slo{k}"] for k in (1, 2, 3)] == pytest.approx([0.5, 0.625, 0.75])
+
+
+def test_each_replay_keeps_its_own_value() -> None:
+    a, b = pooled()["replays"]
+    assert (a["ttft_p50_ms"], b["ttft_p50_ms"]) == pytest.approx((250.0, 650.0))
+    assert (a["ttft_p90_ms"], b["ttft_p90_ms"]) == pytest.approx((370.0, 5810.0))
+    assert (a["tbt_p50_ms"], b["tbt_p50_ms"]) == pytest.approx((13.0, 24.0))
+    assert (a["tbt_p90_ms"], b["tbt_p90_ms"]) == pytest.approx((74.2, 44.0))
+    assert [a[f"effective_share_slo{k}"] for k in (1, 2, 3)] == pytest.approx([0.75] * 3)
+    assert [b[f"effective_share_slo{k}"] for k in (1, 2, 3)] == pytest.approx([0.25, 0.5, 0.75])
+    # pooling is not averaging the replays' percentiles: (74.2 + 44) / 2 = 59.1, pooled 65
+    assert pooled()["metrics"]["tbt_p90_ms"] != pytest.approx((74.2 + 44.0) / 2)
+
+
+def test_range_spread_and_whether_the_simulator_lies_in_it() -> None:
+    got = pooled()
+    live = {"disagg": got["metrics"]}
+    sim = {"disagg": {**got["metrics"], "ttft_p50_ms": 600.0, "ttft_p90_ms": 6000.0,
+                      "tbt_p50_ms": 18.0, "effective_share_slo1": 0.0}}
+    m = live_replays.annotate(sim_vs_live.compare(live, sim), {"disagg": got["replays"]})
+    ttft = m["disagg.ttft_p50_ms"]
+    assert ttft["live_replays"] == pytest.approx([250.0, 650.0])
+    assert (ttft["live_min"], ttft["live_max"]) == pytest.approx((250.0, 650.0))
+    assert ttft["live_spread"] == pytest.approx(400.0 / 450.0)
+    assert ttft["rel_err"] == pytest.approx(150.0 / 450.0)
+    assert ttft["sim_in_live_range"] is True and ttft["within_target"] is False
+    p90 = m["disagg.ttft_p90_ms"]
+    assert p90["sim_in_live_range"] is False  # 6,000 ms above both replays (370, 5,810)
+    assert p90["live_spread"] == pytest.approx((5810.0 - 370.0) / 2890.0)
+    tbt = m["disagg.tbt_p50_ms"]
+    assert tbt["rel_err"] == pytest.approx(1.0 / 17.0)
+    assert tbt["within_target"] is True and tbt["sim_in_live_range"] is True
+    share1, share2 = m["disagg.effective_share_slo1"], m["disagg.effective_share_slo2"]
+    assert share1["live_spread"] == pytest.approx(0.5 / 0.5)  # 0.25 .. 0.75, pooled 0.5
+    assert share1["sim_in_live_range"] is False and share1["within_target"] is False
+    assert share2["live_spread"] == pytest.approx(0.25 / 0.625)
+    share3 = m["disagg.effective_share_slo3"]  # both replays 0.75: a range of one point
+    assert share3["live_spread"] == 0.0 and share3["sim_in_live_range"] is True
+    floor = live_replays.noise_floor(m)
+    assert floor["disagg.tbt_p50_ms"] == pytest.approx(11.0 / 17.0)
+    assert set(floor) == set(m)
+
+
+def test_metrics_without_replays_keep_the_old_shape() -> None:
+    """A live file from before --live-repeats: no replays, no range keys (only within_target)."""
+    live = {"disagg": {"ttft_p50_ms": 100.0, "effective_share_slo1": 0.0}}
+    sim = {"disagg": {"ttft_p50_ms": 120.0, "effective_share_slo1": 0.5}}
+    m = live_replays.annotate(sim_vs_live.compare(live, sim), {})
+    assert m["disagg.ttft_p50_ms"] == {"live": 100.0, "sim": 120.0,
+                                       "rel_err": pytest.approx(0.2), "within_target": False}
+    assert m["disagg.effective_share_slo1"]["within_target"] is None  # live 0: no rel_err
+    assert live_replays.noise_floor(m) == {}
+
+
+def test_pool_needs_a_replay() -> None:
+    with pytest.raises(ValueError, match="at least one replay"):
+        live_replays.pool([], lambda rs: {})
+
+
+def test_request_records_round_trip() -> None:
+    failed = RequestResult(Outcome.ERROR, 7, 0, None, (), None, "HTTP 500")
+    for result in (*REPLAY_B, failed):
+        assert live_replays.from_json(live_replays.to_json(result)) == result
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two", "2.5", ""])
+def test_bad_live_repeats_is_refused_by_name(bad: str, capsys: pytest.CaptureFixture[str]
+                                             ) -> None:
+    with pytest.raises(SystemExit) as exc:
+        sim_vs_live.main(["--live-repeats", bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--live-repeats" in err and ">= 1" in err
+
+
+def test_live_repeats_accepts_a_count() -> None:
+    assert live_replays.repeats_arg("5") == 5
+    assert live_replays.DEFAULT_REPEATS == 3
