@@ -48,15 +48,36 @@ the measured transfer bandwidth (`transport.json`'s after-prefill shared-memory 
 is), the workers' KV pool (1 GiB) and the model's shape.
 
 Live: the regime's requests (first 40 conversation-trace records, scaled; seeded Poisson arrivals
-at --rate, default the capacity search's start rate 0.5 / mean prefill) replayed once against
-1P+1D (global_cache, store) and once against 2 colocated workers. Simulated: the same requests
+at --rate, default the capacity search's start rate 0.5 / mean prefill) replayed --live-repeats
+times (default 3, fixed before any pooled result: benchmarks/live_replays.py says why) against
+1P+1D (global_cache, store) and as many times against 2 colocated workers, a fresh server for
+each replay, the same requests and arrival times each time. Simulated: the same requests
 (scaled prompt and block lengths, the same hash ids, the same arrival times and output lengths) on
 `kvcake simulate`'s cluster of the same shape (1 prefill + 1 decode node with a store tier; 2
 colocated nodes with chunked prefill at the same budget and a prefix cache), admission off.
 Compared: TTFT p50/p90, TBT p50/p90 (the paper's TBT: mean of a request's slowest 10% of gaps;
 requests with at least one gap), the mean TPOT (when the live file has it: the mean decode step a
 request saw) and the effective share at each TBT SLO. `--json` prints
-{"metrics": {name: {"live": x, "sim": y, "rel_err": (y - x) / x}}}.
+{"metrics": {name: {"live": x, "sim": y, "rel_err": (y - x) / x, ...}}}, where "live" is the
+metric over the POOLED requests of the N replays (percentiles of N x 40 TTFTs and of N x 40
+requests' TBTs, shares over N x 40 requests), and, with per-replay results, "live_replays" (each
+replay's value), "live_min" / "live_max", "live_spread" ((max - min) / live) and
+"sim_in_live_range"; "within_target" is |rel_err| <= 0.15 for every metric. The object also
+has "live_repeats" (per system) and "live_noise_floor" (each metric's live_spread).
+
+What "within 15%" means: |sim / pooled live - 1| <= 0.15. One 40-request replay cannot pin a
+model to 15% (two quiet replays of the same run differed by 15-45% on a TTFT p90, a TBT p50 and
+the tightest share); the replays' own spread is the live noise floor: where a metric's
+live_spread is above 15%, a miss of the pooled value by less than the spread is not evidence
+against the model, and "sim_in_live_range" says whether the simulated value is as close as a
+further live replay would be. The simulated side is one deterministic run at the replays'
+arrivals (like with like: the live replays share those arrivals).
+
+`--replay-rates rate|fit-rate` replays only that rate's file (the other's is reused), and
+`--systems` only those systems, so N replays of 2 systems at 2 rates can be split into lock
+holds of at most 15 minutes; a --fit-rate equal to --rate uses the same replays (not replayed
+again). The live files (`live.json`, `live_fit.json`) keep each replay's per-request records
+(`requests`), so the pooling can be recomputed without replaying.
 """
 
 from __future__ import annotations
