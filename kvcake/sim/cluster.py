@@ -84,7 +84,8 @@ class Cluster:
         self.local_fetch_tokens = 0
         self.guard = DecodeNodeGuard(len(self.decodes), self.kv_capacity_tokens)
         self.handoff = DecodeHandoff(config, self.conductor, self.transfers, self.guard,
-                                     self.decode_ids, self.kv_per_token)
+                                     self.decode_ids, self.kv_per_token,
+                                     self.predicted_output_len)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -127,6 +128,7 @@ class Cluster:
             "num_events": self.num_events,
             # Rejected for TTFT although their prefill alone, uncached on one idle node, already
             # exceeds the TTFT SLO: rejected only because they are long (CPP's target).
+            "decode_preemptions": sum(d.preemptions for d in self.decodes),
             "ttft_rejected_long": sum(
                 1 for s in self.states if s.rejected == "ttft_slo"
                 and self.cost.prefill_time_s(s.arrival.input_len) > cfg.ttft_slo_s),
@@ -270,8 +272,11 @@ class Cluster:
             return []
         d = self._decode_index[state.decode_instance or ""]
         a = state.arrival
-        seq = Seq(state.index, a.input_len, a.output_len - 1, a.input_len + a.output_len,
-                  state.first_token_s or now_s, state.gaps)
+        # The node reserves what a live one knows: the prompt and the output length it was told
+        # (never the request's true length); a longer request grows past it (decode.py).
+        seq = Seq(state.index, a.input_len, a.output_len - 1,
+                  a.input_len + self.predicted_output_len, state.first_token_s or now_s,
+                  state.gaps)
         event = self.decodes[d].add(now_s, seq)
         self._report_joined(d, now_s)
         return [] if event is None else [event]
@@ -284,7 +289,7 @@ class Cluster:
             state.decode_join_s = now_s
             self.conductor.on_decode_joined(self.decode_ids[d], state.request_id, now_s)
         if self.config.decode_node_guard:
-            self.conductor.on_decode_kv(self.decode_ids[d], self.decodes[d].reserved_tokens)
+            self.conductor.on_decode_kv(self.decode_ids[d], self.decodes[d].kv_tokens)
 
     def _on_step_done(self, event: Event) -> list[Event]:
         d, now_s = event.target, event.time_s
@@ -304,7 +309,7 @@ class Cluster:
             state.finish_s = now_s
             self.conductor.on_decode_finished(name, state.request_id, now_s)
         if self.config.decode_node_guard and not self.config.colocated:
-            self.conductor.on_decode_kv(name, instance.reserved_tokens)
+            self.conductor.on_decode_kv(name, instance.kv_tokens)
         return [] if nxt is None else [nxt]
 
     # ---- network -----------------------------------------------------------------------------

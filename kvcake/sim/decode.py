@@ -5,6 +5,13 @@ Lifecycle of a sequence on a disaggregated decode instance:
     add(seq)  ->  waiting  --(next step boundary, KV capacity free)-->  running
               ->  one token per step  ->  finished (remaining == 0), its KV freed
 
+A sequence joins holding its reservation (`Seq.reserve_len`: on a disaggregated node the prompt
+plus the output length the node was told); past it, it grows one KV token per step while the
+node has free KV. When the growing sequences need more than is free, the newest sequence of the
+batch is preempted, as a live engine's batcher does: swapped out to the node's DRAM (its KV
+leaves the batch, `swapped_tokens` counts it), back at the head of the waiting queue, resuming
+when room frees; the stall shows in its next token gap. The swap's copy time is not priced.
+
 Runs of identical steps are planned in closed form (`steps.StepRun`): one DECODE_STEP_DONE
 event per run, not per token. A run ends when its first member finishes; a sequence that arrives
 meanwhile cuts the run at the next step boundary (continuous batching admits new sequences only
@@ -39,8 +46,12 @@ class Seq:
     """One request on a decode-capable instance.
 
     context_len: KV tokens it holds now. remaining: output tokens still to generate.
-    reserve_len: KV tokens reserved for its whole life (prompt + output), so it is never
-    preempted. prefill_done_len / prefix_len: colocated prefill progress (tokens).
+    reserve_len: KV tokens reserved when it joins: on a disaggregated decode node the prompt plus
+    the output length the node was told (what a live node knows, never the true length); a
+    colocated sequence reserves its whole life (prompt + output). A sequence that runs past its
+    reservation holds `held` = its context: it grows while the node has free KV, else the
+    newest sequence of the batch is preempted (`preemptions`). prefill_done_len / prefix_len:
+    colocated prefill progress (tokens).
     """
 
     req: int
@@ -51,6 +62,12 @@ class Seq:
     gaps: GapLog = field(default_factory=GapLog)
     prefill_done_len: int = 0
     prefix_len: int = 0  # colocated: prompt tokens reused from the prefix cache
+    preemptions: int = 0  # times it was preempted (swapped out) for want of KV
+
+    @property
+    def held(self) -> int:
+        """KV tokens it holds on its node: its reservation, or its context once past it."""
+        return max(self.reserve_len, self.context_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +114,8 @@ class DecodeInstance:
         self.waiting: deque[Seq] = deque()  # KV here (or prefilled), waiting to join
         self.prefills: deque[Seq] = deque()  # colocated: waiting to be prefilled
         self.reserved_tokens = 0
+        self.swapped_tokens = 0  # KV of preempted sequences waiting to come back
+        self.preemptions = 0
         self.run: StepRun | None = None
         self._run_prefill: Seq | None = None  # the prefill this run works on, if any
         self._run_chunk = 0  # prefill tokens per step of this run
@@ -152,8 +171,10 @@ class DecodeInstance:
         head = self._run_prefill
         whole_prefill = head is not None and self.chunk_budget_tokens is None
         if not whole_prefill:  # a whole-prompt prefill step gives the batch no token
+            held_before = sum(s.held for s in self.running)
             for seq in self.running:
                 _log_run(seq, run)
+            self.reserved_tokens += sum(s.held for s in self.running) - held_before
         first_tokens: list[Seq] = []
         if head is not None:
             self.prefill_compute_s += self._prefill_share_s(head.prefill_done_len, n)
@@ -172,7 +193,7 @@ class DecodeInstance:
             else:
                 finished.append(seq)
         for seq in finished:
-            self.reserved_tokens -= seq.reserve_len
+            self.reserved_tokens -= seq.held
         return first_tokens, finished, self._start(now_s)
 
     # -- planning -------------------------------------------------------------------------
@@ -184,6 +205,11 @@ class DecodeInstance:
     @property
     def batch_size(self) -> int:
         return len(self.running)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens the node owes: its batch's, plus its preempted sequences' to come back."""
+        return self.reserved_tokens + self.swapped_tokens
 
     @property
     def context_tokens(self) -> int:
@@ -207,16 +233,49 @@ class DecodeInstance:
         return Event(self.run.end_s, EventKind.DECODE_STEP_DONE, self.index, self.token)
 
     def _admit(self) -> None:
+        growing = sum(1 for s in self.running if s.context_len >= s.reserve_len)
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if self.reserved_tokens + seq.reserve_len > self.max_kv_tokens and self.running:
+            grows = seq.context_len >= seq.reserve_len
+            # room for its KV and for the next token of every sequence past its reservation
+            if self.reserved_tokens + seq.held + growing + grows > self.max_kv_tokens \
+                    and self.running:
                 break  # no room: it waits for a sequence to finish (an empty batch takes it)
             self.waiting.popleft()
-            self.reserved_tokens += seq.reserve_len
+            self.reserved_tokens += seq.held
             self.running.append(seq)
-            self.joined.append(seq)
+            growing += grows
+            if seq.preemptions:  # back from a preemption: it joined before
+                self.swapped_tokens -= seq.held
+            else:
+                self.joined.append(seq)
+
+    def _make_room(self) -> None:
+        """Preempt the newest sequences of the batch until the free KV holds one more token of
+        every sequence past its reservation (a batch of one always runs)."""
+        while len(self.running) > 1:
+            growing = sum(1 for s in self.running if s.context_len >= s.reserve_len)
+            if self.reserved_tokens + growing <= self.max_kv_tokens:
+                return
+            victim = self.running.pop()
+            self.reserved_tokens -= victim.held
+            self.swapped_tokens += victim.held
+            victim.preemptions += 1
+            self.preemptions += 1
+            self.waiting.appendleft(victim)
+
+    def _growth_steps(self) -> int | None:
+        """Steps the batch can run before a sequence reaches its reservation or the growing
+        ones fill the free KV (None: no bound)."""
+        growing = [s for s in self.running if s.context_len >= s.reserve_len]
+        bounds = [s.reserve_len - s.context_len for s in self.running
+                  if s.context_len < s.reserve_len]
+        if growing and len(self.running) > 1:
+            bounds.append(max(1, (self.max_kv_tokens - self.reserved_tokens) // len(growing)))
+        return min(bounds) if bounds else None
 
     def _start(self, now_s: float) -> Event | None:
+        self._make_room()
         self._admit()
         self._run_prefill, self._run_chunk = None, 0
         if self.prefills and self._reserve_head():
@@ -243,6 +302,9 @@ class DecodeInstance:
     def _plan_decode(self, now_s: float) -> StepRun:
         batch, context = len(self.running), self.context_tokens
         max_steps = min(s.remaining for s in self.running)
+        growth = self._growth_steps()
+        if growth is not None:
+            max_steps = min(max_steps, growth)
         step = self.costs.decode_step_s
         self._run_busy = self.host_prefill_busy is not None and self.host_prefill_busy()
         if self._run_busy and self.costs.decode_step_busy_s is not None:

@@ -25,7 +25,7 @@ class DecodeNodeGuard:
         """The decode node that takes request `req` (`need` KV tokens): `chosen` if it has the
         room, else (unless `only_chosen`) the node with the most room if that is enough, else
         None. The request's KV is committed to the node returned until `release`."""
-        room = [self.kv_capacity_tokens - inst.reserved_tokens - self._committed[d]
+        room = [self.kv_capacity_tokens - inst.kv_tokens - self._committed[d]
                 for d, inst in enumerate(decodes)]
         d = (chosen if room[chosen] >= need or only_chosen
              else max(range(len(room)), key=room.__getitem__))
@@ -42,7 +42,7 @@ class DecodeNodeGuard:
         `chosen` (the request waits there for memory). Room counts the requests on their way to
         or waiting at a node; the request's KV is committed to the node returned until
         `release`."""
-        room = [self.kv_capacity_tokens - inst.reserved_tokens - self._committed[d]
+        room = [self.kv_capacity_tokens - inst.kv_tokens - self._committed[d]
                 for d, inst in enumerate(decodes)]
         d = chosen if room[chosen] >= need else max(range(len(room)), key=room.__getitem__)
         if room[d] < need:

@@ -12,7 +12,9 @@ the decode node's final choice when the prefill ends.
                     only the node chosen at arrival (no other is tried). A request whose node changes has its KV
                     streamed again under a new KV epoch (flows in flight finish, no longer count).
 
-The guard (guard.py) books each request's KV at its node until the request joins the batch there.
+The guard (guard.py) books each request's KV at its node until the request joins the batch there:
+the prompt plus the output length the node was told (`told_output_len`, the same the Conductor is
+told), never the request's true output length, which no live node knows at hand-off.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ class DecodeHandoff:
     """Which decode node takes each prefilled request, and the KV streams that go there."""
 
     def __init__(self, config: SimConfig, conductor: Conductor, transfers: Transfers,
-                 guard: DecodeNodeGuard, decode_ids: Sequence[str], kv_per_token: int) -> None:
+                 guard: DecodeNodeGuard, decode_ids: Sequence[str], kv_per_token: int,
+                 told_output_len: int) -> None:
         self.config, self.conductor, self.transfers = config, conductor, transfers
         self.guard = guard
         self.decode_ids = list(decode_ids)
         self._decode_index = {name: j for j, name in enumerate(decode_ids)}
         self.kv_per_token = kv_per_token
+        # what the decode node is told of each request's output (never its true length)
+        self.told_output_len = told_output_len
 
     def stream(self, state: RequestState, senders: tuple[int, ...], now_s: float) -> list[Event]:
         """Start the request's KV flows (an equal share from each prefill node in `senders`) to
@@ -79,7 +84,7 @@ class DecodeHandoff:
         guard's `hand_off`); a moved request's booking and KV stream follow it."""
         a = state.arrival
         chosen = self._decode_index[state.decode_instance or ""]
-        d = self.guard.hand_off(state.index, a.input_len + a.output_len, chosen, decodes)
+        d = self.guard.hand_off(state.index, a.input_len + self.told_output_len, chosen, decodes)
         if d == chosen:
             return []
         self.conductor.move_decode(state.request_id, self.decode_ids[d], now_s)
@@ -92,7 +97,7 @@ class DecodeHandoff:
         the request at once, else the one with the most room that can (the Conductor moves the
         booking), else None (rejected after prefill: the Conductor forgets it)."""
         chosen = self._decode_index[admitted.instance_id]
-        d = self.guard.place(state.index, state.arrival.input_len + state.arrival.output_len,
+        d = self.guard.place(state.index, state.arrival.input_len + self.told_output_len,
                              chosen, decodes, self.config.decode_check_keeps_node)
         if d is None:
             self.conductor.on_request_aborted(state.request_id)

@@ -130,4 +130,5 @@ def overload(ctx: Context) -> list[str]:
 
 def _counts(result: dict[str, Any]) -> dict[str, Any]:
     """What `--json` prints of one run."""
-    return {"rejected": result["rejected"], "wasted_prefill_s": result["wasted_prefill_s"]}
+    return {"rejected": result["rejected"], "wasted_prefill_s": result["wasted_prefill_s"],
+            "decode_preemptions": result["decode_preemptions"]}

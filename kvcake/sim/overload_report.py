@@ -49,7 +49,11 @@ def setting_lines(base: SimConfig, mean_out: int, t_d: float, demand: PoolDemand
         f"Conductor is told {mean_out} output tokens for every request (the trace's mean); "
         f"prediction-based rejection forecasts with a uniform t_d = {t_d:.1f} s (the baseline "
         f"run's mean decode time; the bound mean output x TBT SLO would be "
-        f"{mean_out * base.tbt_slo_ms / 1000:.1f} s). The baseline checks the decode side "
+        f"{mean_out * base.tbt_slo_ms / 1000:.1f} s). Every decode node checks and reserves "
+        f"each request's prompt plus the same told {mean_out} output tokens (never its true "
+        "length, which no live node knows at hand-off); a request that outgrows it grows its "
+        "KV while the node has room, else the newest of the batch is preempted (swapped out, "
+        "resumed when room frees: `decode preemptions`). The baseline checks the decode side "
         "(TBT SLO and KV memory) when the prefill ends, "
         + ("on the decode node chosen at arrival only (its KV streamed there; "
            "`--decode-check-keeps-node`), which takes the request if it can start it at once, "
@@ -82,8 +86,8 @@ def rejection_lines(results: dict[str, dict[str, Any]], num_requests: int) -> li
     lines = [
         "| policy | rejected | at arrival (TTFT) | at arrival (decode load) | after prefill "
         "| wasted prefill (s) | served within SLOs | served late (SLO missed) | mean TBT (ms) "
-        "| mean TTFT (s) | paper's rejected |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| mean TTFT (s) | decode preemptions | paper's rejected |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         by = r["rejected_by_reason"]
         paper = PAPER_REJECTED.get(name)
@@ -92,7 +96,7 @@ def rejection_lines(results: dict[str, dict[str, Any]], num_requests: int) -> li
             f"{by.get('tbt_slo', 0):,} | {by.get('tbt_slo_after_prefill', 0):,} | "
             f"{r['wasted_prefill_s']:,.0f} | {r['effective_share']:.3f} | "
             f"{r['served_late']:,} | {r['mean_tbt_ms']:.0f} | {r['mean_ttft_s']:.2f} | "
-            f"{'-' if paper is None else format(paper, ',')} |")
+            f"{r['decode_preemptions']:,} | {'-' if paper is None else format(paper, ',')} |")
     counts = [results[n]["rejected"] for n in POLICIES]
     order = "holds" if counts[0] > counts[1] > counts[2] else "does NOT hold"
     checked = [counts[0], *(results[n]["rejected"] for n in CHECKED)]

@@ -155,6 +155,9 @@ def policy_result(res: SimResult, pl: PoolLoads, window: float) -> dict[str, Any
             "rejected_by_reason": s["rejected_by_reason"],
             "effective_share": s["effective_request_capacity"],
             "served_late": s["completed"] - s["effective_requests"],
+            # decode nodes reserve prompt + told output: a longer request grows past it and,
+            # where the node is full, the newest of its batch is preempted (decode.py)
+            "decode_preemptions": s["decode_preemptions"],
             "mean_tbt_ms": 1000 * s["tbt_s"]["mean"],
             "mean_ttft_s": s["ttft_s"]["mean"],
             # Sent to another decode node at hand-off than the one chosen at arrival (the

@@ -70,18 +70,20 @@ def test_noisy_predictions_are_seeded_functions_within_the_stated_error() -> Non
 
 
 def test_the_decode_node_guard_rejects_rather_than_queue_for_memory() -> None:
-    # One decode node with room for 3 of these requests (2,048 + 2,000 tokens each); the
-    # Conductor is told a 20-token output, so its own book lets a fourth in. Without the guard the
-    # fourth waits at the node for memory; with it the node turns it away after its prefill.
+    # One decode node with room for 3 of these requests (2,048 + 2,000 tokens each), and the node
+    # is told their 2,000-token length (max_tokens). Without a check after prefill the fourth
+    # waits at the node for memory; with the check and the guard (both on the told lengths) the
+    # node turns it away after its prefill.
     trace = Trace(tuple(TraceRequest(i, i * 10.0, 2048, 2000, tuple(range(i * 10, i * 10 + 4)))
                         for i in range(4)), "four")
     # HBM for the weights plus 12,244 KV tokens (the profile's HBM reserve and KV bytes).
-    base = dict(num_prefill=2, num_decode=1, admission="decode_after_prefill",
-                predicted_output_len=20, tbt_slo_ms=1000.0,
+    base = dict(num_prefill=2, num_decode=1, predicted_output_len=2000, tbt_slo_ms=1000.0,
                 hardware_overrides=(("hbm_bytes", 161_243_918_792),))
     results = {}
     for guard in (False, True):
-        cluster = Cluster(SimConfig(decode_node_guard=guard, **base), arrivals_of(trace))
+        cluster = Cluster(SimConfig(decode_node_guard=guard,
+                                    admission="decode_after_prefill" if guard else "none", **base),
+                          arrivals_of(trace))
         assert 3 * 4048 <= cluster.kv_capacity_tokens < 4 * 4048
         summary = cluster.run()
         waits = [s.decode_join_s - s.first_token_s for s in cluster.states
@@ -92,9 +94,29 @@ def test_the_decode_node_guard_rejects_rather_than_queue_for_memory() -> None:
     assert guarded[0] == {"tbt_slo_after_prefill": 1} and guarded[1] < 1.0
 
 
+def test_the_decode_node_checks_and_reserves_the_told_length_never_the_true_one() -> None:
+    # The node of the test above, told a 20-token output for requests that generate 2,000 (as a
+    # live node knows only max_tokens or a prediction). On the told lengths all four fit
+    # (4 x 2,068 tokens), so the guard takes the fourth (a node that read the true lengths refused
+    # it); growing past their reservations the four outgrow the node's 12,244 tokens, and the
+    # newest are preempted, wait and resume: every request is served.
+    trace = Trace(tuple(TraceRequest(i, i * 10.0, 2048, 2000, tuple(range(i * 10, i * 10 + 4)))
+                        for i in range(4)), "four")
+    cluster = Cluster(SimConfig(num_prefill=2, num_decode=1, admission="decode_after_prefill",
+                                predicted_output_len=20, tbt_slo_ms=1000.0, decode_node_guard=True,
+                                hardware_overrides=(("hbm_bytes", 161_243_918_792),)),
+                      arrivals_of(trace))
+    summary = cluster.run()
+    assert summary["rejected"] == 0 and summary["decode_preemptions"] >= 1
+    assert all(s.finish_s is not None for s in cluster.states)
+    decode = cluster.decodes[0]
+    assert (decode.reserved_tokens, decode.swapped_tokens) == (0, 0)
+
+
 def test_reselection_at_hand_off_moves_a_request_off_a_full_preselected_node() -> None:
-    # Two decode nodes with room for one of these requests each (2,048 + 2,000 tokens); four
-    # arrive together and the Conductor, told 20 output tokens, pre-selects d0, d1, d0, d1.
+    # Two decode nodes with room for one of these requests each (2,048 + 2,000 tokens, the
+    # output told as max_tokens); four arrive together, no admission check (the arrival decision
+    # is final), pre-selected d0, d1, d0, d1.
     # Request 1 has a 2-token output: d1 is empty again when request 2's prefill ends.
     outs = (2000, 2, 2000, 2000)
     trace = Trace(tuple(TraceRequest(i, 0.0, 2048, outs[i], tuple(range(i * 10, i * 10 + 4)))
@@ -102,7 +124,7 @@ def test_reselection_at_hand_off_moves_a_request_off_a_full_preselected_node() -
     runs = {}
     for reselect in (False, True):
         cluster = Cluster(SimConfig(
-            num_prefill=1, num_decode=2, admission="slo", predicted_output_len=20,
+            num_prefill=1, num_decode=2, admission="none", predicted_output_len=2000,
             tbt_slo_ms=1000.0, decode_node_guard=True, decode_reselect_at_handoff=reselect,
             hardware_overrides=(("hbm_bytes", 161_243_918_792 - 6244 * 327_680),)),
             arrivals_of(trace))
@@ -126,13 +148,13 @@ def test_hand_off_counts_requests_on_their_way_and_waits_where_no_node_has_room(
 
     from kvcake.sim.guard import DecodeNodeGuard
 
-    nodes = [SimpleNamespace(reserved_tokens=900), SimpleNamespace(reserved_tokens=500)]
+    nodes = [SimpleNamespace(kv_tokens=900), SimpleNamespace(kv_tokens=500)]
     guard = DecodeNodeGuard(2, 1000)
     assert guard.hand_off(1, 100, 0, nodes) == 0  # room 100 on the chosen node: stays
     assert guard.hand_off(2, 300, 0, nodes) == 1  # d0 now has none; d1 has 500
     assert guard.hand_off(3, 300, 0, nodes) == 0  # d1 has 200 left: nowhere fits, waits at d0
     guard.release(2)  # request 2 joined d1's batch: its KV is the batch's now
-    nodes[1].reserved_tokens = 800
+    nodes[1].kv_tokens = 800
     assert guard.hand_off(4, 200, 0, nodes) == 1
 
 
@@ -141,7 +163,7 @@ def test_decode_check_keeps_node_refuses_where_only_another_node_has_room() -> N
 
     from kvcake.sim.guard import DecodeNodeGuard
 
-    nodes = [SimpleNamespace(reserved_tokens=900), SimpleNamespace(reserved_tokens=0)]
+    nodes = [SimpleNamespace(kv_tokens=900), SimpleNamespace(kv_tokens=0)]
     guard = DecodeNodeGuard(2, 1000)
     assert guard.place(1, 100, 0, nodes, only_chosen=True) == 0  # room 100 on the chosen node
     assert guard.place(2, 100, 0, nodes, only_chosen=True) is None  # none left there; d1 not asked
@@ -163,7 +185,7 @@ def test_the_baseline_keeping_its_arrival_node_rejects_where_another_node_had_ro
     for keeps in (False, True):
         cluster = Cluster(SimConfig(
             num_prefill=1, num_decode=2, admission="decode_after_prefill",
-            predicted_output_len=20, tbt_slo_ms=1000.0, decode_node_guard=True,
+            predicted_output_len=2000, tbt_slo_ms=1000.0, decode_node_guard=True,
             decode_check_keeps_node=keeps,
             hardware_overrides=(("hbm_bytes", 161_243_918_792 - 6244 * 327_680),)),
             arrivals_of(trace))

@@ -69,3 +69,54 @@ def test_bad_sizes_are_refused() -> None:
     inst = DecodeInstance(0, _costs(), 100, 8)
     with pytest.raises(ValueError, match="not colocated"):
         inst.add_prefill(0.0, _seq(0, 10, 1))
+
+
+def _drain(inst: DecodeInstance, event) -> list[tuple[float, int]]:  # type: ignore[no-untyped-def]
+    """Run the instance's events to the end; (time, req) of each finish."""
+    finished = []
+    while event is not None:
+        _, done, event = inst.on_step_done(event.time_s, event.token)
+        finished += [(event.time_s if event else 0.0, s.req) for s in done]
+    return finished
+
+
+def test_a_sequence_past_its_reservation_grows_then_the_newest_is_preempted() -> None:
+    # KV for 20 tokens. A and B each hold a 5-token prompt and reserve 7 (told 2 output tokens)
+    # but generate 10. B joins after A's first step. Steps: A 6/7, then both within their
+    # reservations (14 held), then growing one token each per step: 15 (A 8, B 7), then a run
+    # of 5 // 2 = 2 steps to 19 (A 10, B 9). The next step needs 2 more tokens, 1 is free: B, the
+    # newest, is preempted (swapped out, 9 tokens), and may not come back until there is room
+    # for its 9 tokens and both next tokens. A finishes alone (15 held), then B resumes.
+    inst = DecodeInstance(0, _costs(), max_kv_tokens=20, max_batch_size=4)
+    a, b = Seq(0, 5, 10, 7), Seq(1, 5, 10, 7)
+    inst.add(0.0, a)
+    event = inst.add(0.0, b)  # cuts A's first run after one step
+    assert event is not None
+    held = []
+    while event is not None and not inst.preemptions:
+        _, done, event = inst.on_step_done(event.time_s, event.token)
+        held.append((a.context_len, b.context_len, inst.reserved_tokens))
+    assert held == [(6, 5, 14), (7, 6, 14), (8, 7, 15), (10, 9, 10)]  # 19, then B out
+    assert inst.preemptions == 1 and b.preemptions == 1
+    assert [s.req for s in inst.running] == [0] and [s.req for s in inst.waiting] == [1]
+    assert (inst.reserved_tokens, inst.swapped_tokens, inst.kv_tokens) == (10, 9, 19)
+    assert inst.take_joined() == [a, b]  # joined once each: a comeback is not a new join
+    assert [req for _, req in _drain(inst, event)] == [0, 1]
+    assert inst.take_joined() == []
+    assert a.remaining == b.remaining == 0 and (a.context_len, b.context_len) == (15, 15)
+    assert (inst.reserved_tokens, inst.swapped_tokens) == (0, 0)
+    # B's stall while swapped out (A's last 5 steps) is in its gap after the comeback
+    assert max(b.gaps.gaps()) > 5 * 0.010
+
+
+def test_a_sequence_within_its_reservation_never_grows_nor_is_preempted() -> None:
+    # Reserving its whole life (prompt + output), as every colocated sequence does: the
+    # reservation stays put and nothing is preempted, however full the node.
+    inst = DecodeInstance(0, _costs(), max_kv_tokens=32, max_batch_size=4)
+    a, b = _seq(0, 5, 10), _seq(1, 5, 10)  # reserve 16: prompt, 10 more tokens and one spare
+    inst.add(0.0, a)
+    event = inst.add(0.0, b)
+    while event is not None:
+        assert inst.reserved_tokens in (16, 32)  # each holds its 16, never more
+        _, _, event = inst.on_step_done(event.time_s, event.token)
+    assert inst.preemptions == 0 and a.remaining == b.remaining == 0 and inst.reserved_tokens == 0

@@ -62,8 +62,9 @@ def test_overload_json_has_rejections_and_wasted_prefill_per_policy(
     assert isinstance(policies, dict)
     assert sorted(policies) == ["decode_after_prefill", "early", "prediction"]
     for numbers in policies.values():
-        assert set(numbers) == {"rejected", "wasted_prefill_s"}
+        assert set(numbers) == {"rejected", "wasted_prefill_s", "decode_preemptions"}
         assert isinstance(numbers["rejected"], int) and numbers["wasted_prefill_s"] >= 0.0
+        assert isinstance(numbers["decode_preemptions"], int)
     checked = data["with_check_after_prefill"]
     assert isinstance(checked, dict)
     assert sorted(checked) == ["early+check_after_prefill", "prediction+check_after_prefill"]

@@ -31,7 +31,7 @@ def test_transfers_report_what_landed_and_recognise_a_stale_event() -> None:
 
 
 def test_decode_node_guard_keeps_the_choice_moves_or_refuses() -> None:
-    decodes: list[Any] = [SimpleNamespace(reserved_tokens=60), SimpleNamespace(reserved_tokens=0)]
+    decodes: list[Any] = [SimpleNamespace(kv_tokens=60), SimpleNamespace(kv_tokens=0)]
     guard = DecodeNodeGuard(2, kv_capacity_tokens=100)
     assert guard.place(0, 40, 0, decodes) == 0  # 100 - 60 = 40 left on the chosen node
     assert guard.place(1, 30, 0, decodes) == 1  # node 0 is full with request 0 committed
