@@ -264,15 +264,22 @@ class DecodeInstance:
             self.preemptions += 1
             self.waiting.appendleft(victim)
 
-    def _growth_steps(self) -> int | None:
-        """Steps the batch can run before a sequence reaches its reservation or the growing
-        ones fill the free KV (None: no bound)."""
-        growing = [s for s in self.running if s.context_len >= s.reserve_len]
-        bounds = [s.reserve_len - s.context_len for s in self.running
-                  if s.context_len < s.reserve_len]
-        if growing and len(self.running) > 1:
-            bounds.append(max(1, (self.max_kv_tokens - self.reserved_tokens) // len(growing)))
-        return min(bounds) if bounds else None
+    def _growth_steps(self, max_steps: int) -> int:
+        """The most steps, up to `max_steps`, the batch can run before the KV its sequences grow
+        past their reservations fills the free KV (a batch of one always runs)."""
+        free = self.max_kv_tokens - self.reserved_tokens
+
+        def growth(n: int) -> int:
+            return sum(max(0, s.context_len + n - max(s.reserve_len, s.context_len))
+                       for s in self.running)
+
+        if len(self.running) < 2 or growth(max_steps) <= free:
+            return max_steps
+        lo, hi = 1, max_steps  # growth(1) <= free after _make_room; growth(hi) > free
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if growth(mid) <= free else (lo, mid)
+        return lo
 
     def _start(self, now_s: float) -> Event | None:
         self._make_room()
@@ -301,10 +308,7 @@ class DecodeInstance:
 
     def _plan_decode(self, now_s: float) -> StepRun:
         batch, context = len(self.running), self.context_tokens
-        max_steps = min(s.remaining for s in self.running)
-        growth = self._growth_steps()
-        if growth is not None:
-            max_steps = min(max_steps, growth)
+        max_steps = self._growth_steps(min(s.remaining for s in self.running))
         step = self.costs.decode_step_s
         self._run_busy = self.host_prefill_busy is not None and self.host_prefill_busy()
         if self._run_busy and self.costs.decode_step_busy_s is not None:

@@ -82,9 +82,9 @@ def _drain(inst: DecodeInstance, event) -> list[tuple[float, int]]:  # type: ign
 
 def test_a_sequence_past_its_reservation_grows_then_the_newest_is_preempted() -> None:
     # KV for 20 tokens. A and B each hold a 5-token prompt and reserve 7 (told 2 output tokens)
-    # but generate 10. B joins after A's first step. Steps: A 6/7, then both within their
-    # reservations (14 held), then growing one token each per step: 15 (A 8, B 7), then a run
-    # of 5 // 2 = 2 steps to 19 (A 10, B 9). The next step needs 2 more tokens, 1 is free: B, the
+    # but generate 10. B joins after A's first step (A 6, B 5: 14 held, 6 free). Then one run
+    # of the most steps whose growth fits the free 6: in 4 steps A grows 3 (to 10) and B 2 (to
+    # 9), 19 held; a 5th would need 7. The next step needs 2 more tokens, 1 is free: B, the
     # newest, is preempted (swapped out, 9 tokens), and may not come back until there is room
     # for its 9 tokens and both next tokens. A finishes alone (15 held), then B resumes.
     inst = DecodeInstance(0, _costs(), max_kv_tokens=20, max_batch_size=4)
@@ -96,7 +96,7 @@ def test_a_sequence_past_its_reservation_grows_then_the_newest_is_preempted() ->
     while event is not None and not inst.preemptions:
         _, done, event = inst.on_step_done(event.time_s, event.token)
         held.append((a.context_len, b.context_len, inst.reserved_tokens))
-    assert held == [(6, 5, 14), (7, 6, 14), (8, 7, 15), (10, 9, 10)]  # 19, then B out
+    assert held == [(6, 5, 14), (10, 9, 10)]  # 19 held, then B preempted
     assert inst.preemptions == 1 and b.preemptions == 1
     assert [s.req for s in inst.running] == [0] and [s.req for s in inst.waiting] == [1]
     assert (inst.reserved_tokens, inst.swapped_tokens, inst.kv_tokens) == (10, 9, 19)
