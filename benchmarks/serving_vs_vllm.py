@@ -48,6 +48,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -143,7 +144,8 @@ def kvcake_command(system: System, args: argparse.Namespace, port: int,
     if system.kind == "kvcake-single":
         return base + ["--mode", "single", "--model", str(args.model_dir), "--port", str(port),
                        "--dtype", system.dtype, "--num-threads", str(args.kvcake_threads),
-                       "--max-model-len", str(args.max_model_len)] + BIND_FLAGS[args.kvcake_bind]
+                       "--max-model-len", str(args.max_model_len)] + BIND_FLAGS[args.kvcake_bind] \
+            + shlex.split(args.kvcake_serve_args)
     # --num-threads is not forwarded to launched workers, so the cluster comes from a TOML file
     toml = run_dir / "disagg.toml"
     toml.write_text(
@@ -585,6 +587,10 @@ def parse_args() -> argparse.Namespace:
                         "only), off (--no-bind-threads)")
     p.add_argument("--kvcake-bind-threads", action="store_const", const="all", dest="kvcake_bind",
                    help="the same as --kvcake-bind all")
+    p.add_argument("--kvcake-serve-args", default="",
+                   help="more `kvcake serve --mode single` flags, one string (diagnostics, e.g. "
+                   "'--switch-interval-ms 0.5'); with $KVCAKE_STEP_TRACE=DIR the server writes "
+                   "its per-step trace there")
     p.add_argument("--vllm-dtype", default="float32",
                    help="fp32: 3-4x faster prefill than bf16 on a CPU without AVX512-BF16/AMX "
                         "(docs/benchmarks.md); the peer launcher's own default is bfloat16")

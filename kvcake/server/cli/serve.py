@@ -165,6 +165,14 @@ def http_limits(settings: ServeSettings) -> HttpLimits:
                       max_prompt_chars=settings.max_prompt_chars)
 
 
+def switch_interval_s(settings: ServeSettings) -> float:
+    """`--switch-interval-ms` in seconds, as `sys.setswitchinterval` takes it."""
+    if not settings.switch_interval_ms > 0:
+        raise ValueError(f"--switch-interval-ms must be > 0 (Python's default is 5), got "
+                         f"{settings.switch_interval_ms}")
+    return settings.switch_interval_ms / 1000.0
+
+
 def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)[0]
     configure_logging(settings.log_level)
@@ -186,6 +194,7 @@ def _serve_single(settings: ServeSettings, config: LocalBackendConfig,
     from kvcake.server.frontend.http_server import listen_socket
     from kvcake.server.frontend.local_backend import LocalBackend
 
+    sys.setswitchinterval(switch_interval_s(settings))
     backend = LocalBackend.from_config(config)
     # Bind first, so that --port 0 can report the port it got before serving.
     sock = listen_socket(settings.host, settings.port)

@@ -165,6 +165,10 @@ class ServeSettings(_Settings):
         True, "with --bind-threads: the engine thread (torch's thread 0) is bound too; "
         "--no-bind-engine-thread: only torch's worker threads are, the engine thread floats "
         "with the HTTP threads", modes=("single",))
+    switch_interval_ms: float = setting(
+        5.0, "the Python thread switch interval (sys.setswitchinterval) of the serving process, "
+        "in milliseconds: how long the engine thread may wait for the interpreter lock the HTTP "
+        "thread holds before a forced switch (Python's default: 5)", modes=("single",))
     retry_after_s: float = setting(1.0, "Retry-After of a 429 (the Conductor's floor of its "
                                    "estimate)")
     log_level: str = setting("info", "debug | info | warning | error")

@@ -48,6 +48,7 @@ from kvcake.server.frontend.backend import (
     prompt_logprobs_of,
 )
 from kvcake.server.frontend.protocol import render_chat_text
+from kvcake.server.worker.step_trace import StepTrace
 
 _FINISH = {EngineFinish.STOP: FinishReason.STOP, EngineFinish.LENGTH: FinishReason.LENGTH,
            EngineFinish.ABORT: FinishReason.ABORT}
@@ -241,6 +242,14 @@ class LocalBackend:
         if self.config.bind_threads:
             self.bound_cpus = bind_engine_threads(torch.get_num_threads(),
                                                   self.config.bind_engine_thread)
+        trace = StepTrace.from_env("single")  # diagnostics, off unless $KVCAKE_STEP_TRACE is set
+        try:
+            self._serve(trace)
+        finally:
+            if trace is not None:
+                trace.close()
+
+    def _serve(self, trace: StepTrace | None) -> None:
         live: dict[str, _Add] = {}
         while True:
             for command in self._drain(block=not self.engine.has_unfinished()):
@@ -252,14 +261,21 @@ class LocalBackend:
             self._update_stats()
             if not self.engine.has_unfinished():
                 continue
+            if trace is not None:
+                rows = [(s.request_id, s.num_tokens) for s in self.engine.batcher.running]
+                t0, c0 = trace.now(), trace.cpu()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug in the engine: fail these requests, keep serving
                 self._fail_all(live, RuntimeError(f"engine step failed: {exc!r}"))
                 continue
+            if trace is not None:
+                t1, c1 = trace.now(), trace.cpu()
             # one wake-up of each request loop per step, not one per request (batch > 1)
             _post_all([posted for output in outputs
                        if (posted := self._deliver(output, live)) is not None])
+            if trace is not None:
+                trace.record(t0, t1, trace.now(), c1 - c0, rows)
             self._num_live = len(live)
             self._update_stats()
 

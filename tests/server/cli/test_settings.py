@@ -30,6 +30,7 @@ from kvcake.server.cli.serve import (
     http_limits,
     local_config,
     settings_from_args,
+    switch_interval_s,
 )
 from kvcake.server.cluster.config import ClusterConfig
 from kvcake.server.cluster.launcher import Cluster, worker_argv
@@ -65,6 +66,7 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "retry_after_s": ("2.5", 2.5),
     "bind_threads": (False, False),  # on by default: --no-bind-threads
     "bind_engine_thread": (False, False),
+    "switch_interval_ms": ("20", 20.0),
     "log_level": ("debug", "debug"),
     "api_key": ("sk-walk", "sk-walk"),
     "max_request_bytes": ("1MiB", 2**20),
@@ -154,6 +156,8 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
     if name in HTTP_LIMITS:  # built by serve() and handed to create_app in every mode
         return [getattr(http_limits(settings_from_args(args)[0]), name)]
     if mode == "single" and args.config is None:
+        if name == "switch_interval_ms":  # set by serve() on the process before it serves
+            return [1000 * switch_interval_s(settings_from_args(args)[0])]
         local = local_config(args)
         if name in EngineSettings.model_fields:
             return [getattr(local.engine, name)]
@@ -319,3 +323,10 @@ def test_serve_hands_the_http_limits_to_the_app_in_every_mode(
 def test_a_bad_http_limit_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="max_json_depth: must be >= 2"):
         http_limits(settings_from_args(_parse(["--max-json-depth", "1"]))[0])
+
+
+def test_a_bad_switch_interval_is_a_clear_error() -> None:
+    for bad in ("0", "-1"):
+        with pytest.raises(ValueError, match="^--switch-interval-ms must be > 0"):
+            switch_interval_s(settings_from_args(_parse(["--mode", "single",
+                                                         "--switch-interval-ms", bad]))[0])
