@@ -73,8 +73,9 @@ def quantiles(values: list[float]) -> dict[str, float]:
 
 
 def decode_steps(trace: Path, context_from: int) -> dict[str, dict[str, float]]:
-    """Per decode token of a single request at `context_from` or more tokens: the step's wall
-    and CPU, its tokens' hand-off and the loop's gap to the next step, in ms."""
+    """Per decode token of a single request at `context_from` (its prompt length) or more
+    tokens: the step's wall and CPU, its tokens' hand-off and the loop's gap to the next step;
+    the wall of each step that prefilled such a prompt; in ms."""
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     rows: dict[str, list[float]] = {"step_wall": [], "step_cpu": [], "post": [], "gap": [],
                                     "token": []}
@@ -89,7 +90,13 @@ def decode_steps(trace: Path, context_from: int) -> dict[str, dict[str, float]]:
         rows["token"].append(1000 * (b["t0"] - a["t0"]))
     if not rows["token"]:
         raise RuntimeError(f"{trace}: no decode steps found")
-    return {k: quantiles(v) for k, v in rows.items()}
+    # the step that prefilled a request (its whole prompt, in one step) is the one before its
+    # first decode step; the first such request warmed up
+    rows["prefill_step_wall"] = [1000 * (a["t1"] - a["t0"]) for a, b in zip(lines, lines[1:],
+                                                                          strict=False)
+                                 if len(b["rows"]) == 1 and b["rows"][0][1] == context_from + 1
+                                 ][1:]
+    return {k: quantiles(v) for k, v in rows.items() if v}
 
 
 def served(args: argparse.Namespace, work: list[list[int]]) -> dict[str, Any]:
