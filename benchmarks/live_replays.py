@@ -16,13 +16,20 @@ replays' median with probability 1 - 2 x 2^-3 = 75% (2: 50%; 5: 94%); (c) a repl
 2-2.6 min with the server's start (40 / rate of arrivals plus the tail), so 3 replays of one
 system at one rate fit one 15-minute lock hold with room, and 2 systems x 2 rates take ~28 min.
 
-Pure arithmetic on `RequestResult`s and metric dicts; no servers here.
+Arithmetic on `RequestResult`s and metric dicts, and the live files; the servers are the
+caller's (`replay_once`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvcake.bench.stats import Outcome, RequestResult
@@ -86,6 +93,66 @@ def noise_floor(metrics: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """Per metric, the live replays' own relative spread (the closest any model can be shown
     to be from these replays)."""
     return {k: m.get("live_spread") for k, m in metrics.items() if "live_replays" in m}
+
+
+def stamp() -> dict[str, Any]:
+    return {"at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "load": list(os.getloadavg())}
+
+
+def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
+                replay_once: Callable[[str], list[RequestResult]],
+                metrics_of: Callable[[list[RequestResult]], dict[str, float]],
+                replay: bool = True, when: Callable[[], dict[str, Any]] = stamp,
+                ) -> dict[str, Any]:
+    """The live metrics at `rate` ({"metrics": pooled, "replays": each replay's}, per system).
+    With `replay`, each of `systems` is replayed `repeats` times (`replay_once(system)`: one
+    replay on a fresh server) and pooled; the other systems' come from `path`, an earlier run's
+    file, if it is of the same rate (else it is not reused). `path` is written after each
+    system with every replay's per-request records (`requests`) and `runs` (`when()` before and
+    after each replay)."""
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    if old and not math.isclose(float(old.get("rate", rate)), rate, rel_tol=1e-9):
+        print(f"[live] {path} is of rate {old['rate']}, not {rate:.6g}: not reused",
+              file=sys.stderr)
+        old = {}
+    got: dict[str, dict[str, float]] = dict(old.get("metrics", {}))
+    reps: dict[str, list[dict[str, float]]] = dict(old.get("replays", {}))
+    if not replay:
+        return {"metrics": got, "replays": reps}
+    runs, requests = dict(old.get("runs", {})), dict(old.get("requests", {}))
+    for system in systems:
+        results: list[list[RequestResult]] = []
+        runs[system] = []
+        for k in range(repeats):
+            before = when()
+            results.append(replay_once(system))
+            runs[system].append({"before": before, "after": when()})
+            print(f"[live {system} @ {rate:.3g}/s, replay {k + 1}/{repeats}] "
+                  f"{json.dumps(metrics_of(results[-1]))}", file=sys.stderr, flush=True)
+        pooled = pool(results, metrics_of)
+        got[system], reps[system] = pooled["metrics"], pooled["replays"]
+        requests[system] = [[to_json(r) for r in one] for one in results]
+        print(f"[live {system} @ {rate:.3g}/s, pooled over {repeats}] "
+              f"{json.dumps(got[system])}", file=sys.stderr, flush=True)
+        path.write_text(json.dumps({"rate": rate, "repeats": repeats, "runs": runs,
+                                    "metrics": got, "replays": reps, "requests": requests})
+                        + "\n")
+    return {"metrics": got, "replays": reps}
+
+
+def check_files(rate: float, fit_rate: float | None, replay_rates: str,
+                live_at: Callable[[float, str, bool], dict[str, Any]],
+                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The check rate's live file (`live.json`) and the fit / second rate's (`live_fit.json`,
+    None without one), each replayed when `replay_rates` ("both", "rate", "fit-rate") names
+    it; a fit rate equal to the rate is the same replays, not replayed again."""
+    live = live_at(rate, "live.json", replay_rates in ("both", "rate"))
+    if fit_rate is None:
+        return live, None
+    if math.isclose(fit_rate, rate, rel_tol=1e-9):
+        return live, live
+    return live, live_at(fit_rate, "live_fit.json", replay_rates in ("both", "fit-rate"))
 
 
 def to_json(result: RequestResult) -> dict[str, Any]:

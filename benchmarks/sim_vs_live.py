@@ -86,7 +86,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -575,55 +574,23 @@ def main(argv: list[str] | None = None) -> int:
     block_len = PromptBuilder(scale_tokens=regime.scale_tokens).block_len
     systems = [x for x in args.systems.split(",") if x]
 
-    def live_at(rate_: float, path: Path, replay: bool) -> dict[str, Any]:
-        """The live metrics at rate_ ({"metrics": pooled, "replays": each replay's}, per
-        system): --live-repeats replays for --systems (unless --sim-only or not `replay`), the
-        other systems' from an earlier run's file at the same rate. The file is written after
-        each system, with every replay's per-request records (`requests`)."""
-        old = json.loads(path.read_text()) if path.is_file() else {}
-        if old and not math.isclose(float(old.get("rate", rate_)), rate_, rel_tol=1e-9):
-            print(f"[live] {path} is of rate {old['rate']}, not {rate_:.6g}: not reused",
-                  file=sys.stderr)
-            old = {}
-        got: dict[str, dict[str, float]] = dict(old.get("metrics", {}))
-        reps: dict[str, list[dict[str, float]]] = dict(old.get("replays", {}))
-        if args.sim_only or not replay:
-            return {"metrics": got, "replays": reps}
-        runs = dict(old.get("runs", {}))
-        requests = dict(old.get("requests", {}))
+    def live_at(rate_: float, name: str, replay: bool) -> dict[str, Any]:
+        """The live metrics at rate_ (benchmarks/live_replays.py replay_file): --live-repeats
+        replays of --systems (unless --sim-only), each on a fresh server."""
         plan_ = cap.workload(records, regime, cap_args.vocab_size, rate_, args.seed)
-        for system in systems:
-            results_, runs_ = [], []
-            for k in range(args.live_repeats):
-                started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-                load = os.getloadavg()
-                with cap.Served(system, cap_args,
-                                budget if system == "colocated" else None) as s:
-                    results, _ = s.replay(plan_)
-                results_.append(results)
-                runs_.append({"started": started, "load_before": load,
-                              "load_after": os.getloadavg()})
-                print(f"[live {system} @ {rate_:.3g}/s, replay {k + 1}/{args.live_repeats}] "
-                      f"{json.dumps(live_metrics(results, regime))}", file=sys.stderr,
-                      flush=True)
-            pooled = live_replays.pool(results_, lambda rs: live_metrics(rs, regime))
-            got[system], reps[system], runs[system] = pooled["metrics"], pooled["replays"], runs_
-            requests[system] = [[live_replays.to_json(r) for r in one] for one in results_]
-            print(f"[live {system} @ {rate_:.3g}/s, pooled over {args.live_repeats}] "
-                  f"{json.dumps(got[system])}", file=sys.stderr, flush=True)
-            path.write_text(json.dumps({"rate": rate_, "repeats": args.live_repeats,
-                                        "runs": runs, "metrics": got, "replays": reps,
-                                        "requests": requests}) + "\n")
-        return {"metrics": got, "replays": reps}
 
-    live_file = live_at(rate, args.out_dir / "live.json", args.replay_rates in ("both", "rate"))
+        def replay_once(system: str) -> list[RequestResult]:
+            with cap.Served(system, cap_args, budget if system == "colocated" else None) as s:
+                return s.replay(plan_)[0]
+
+        return live_replays.replay_file(args.out_dir / name, rate_, systems, args.live_repeats,
+                                        replay_once, lambda rs: live_metrics(rs, regime),
+                                        replay=not args.sim_only)
+
+    live_file, fit_file = live_replays.check_files(rate, args.fit_rate, args.replay_rates,
+                                                   live_at)
     live, live_reps = live_file["metrics"], live_file["replays"]
-    fit_live, fit_reps = None, {}
-    if args.fit_rate is not None:  # the same rate: the same replays, not replayed again
-        fit_file = (live_file if math.isclose(args.fit_rate, rate, rel_tol=1e-9) else
-                    live_at(args.fit_rate, args.out_dir / "live_fit.json",
-                            args.replay_rates in ("both", "fit-rate")))
-        fit_live, fit_reps = fit_file["metrics"], fit_file["replays"]
+    fit_live, fit_reps = (fit_file["metrics"], fit_file["replays"]) if fit_file else (None, {})
     config_json = json.loads((cap_args.model_dir / "config.json").read_text())
     bandwidth, source = transfer_bandwidth(args.out_dir)
     profile = live_profile(args.out_dir, config_json, bandwidth)

@@ -5,6 +5,7 @@ servers."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -128,3 +129,64 @@ def test_bad_live_repeats_is_refused_by_name(bad: str, capsys: pytest.CaptureFix
 def test_live_repeats_accepts_a_count() -> None:
     assert live_replays.repeats_arg("5") == 5
     assert live_replays.DEFAULT_REPEATS == 3
+
+
+def test_replay_file_pools_each_system_and_keeps_the_others(tmp_path: Path) -> None:
+    """Replayed systems: `repeats` replays each, pooled, written with their request records;
+    a system not replayed keeps its earlier figures from a file of the same rate."""
+    r = regime()
+    path = tmp_path / "live.json"
+    path.write_text(json.dumps({"rate": 0.5, "metrics": {"colocated": {"ttft_p50_ms": 7.0}},
+                                "replays": {"colocated": [{"ttft_p50_ms": 7.0}]}}))
+    served = iter([REPLAY_A, REPLAY_B])
+    calls: list[str] = []
+
+    def replay_once(system: str) -> list[RequestResult]:
+        calls.append(system)
+        return next(served)
+
+    got = live_replays.replay_file(path, 0.5, ["disagg"], 2, replay_once,
+                                   lambda rs: sim_vs_live.live_metrics(rs, r),
+                                   when=lambda: {"at": "t"})
+    assert calls == ["disagg", "disagg"]
+    assert got["metrics"]["disagg"]["ttft_p50_ms"] == pytest.approx(450.0)
+    assert [m["ttft_p50_ms"] for m in got["replays"]["disagg"]] == pytest.approx([250.0, 650.0])
+    assert got["metrics"]["colocated"] == {"ttft_p50_ms": 7.0}  # reused, not replayed
+    saved = json.loads(path.read_text())
+    assert saved["repeats"] == 2 and saved["rate"] == 0.5
+    assert len(saved["runs"]["disagg"]) == 2
+    assert [live_replays.from_json(x) for x in saved["requests"]["disagg"][1]] == REPLAY_B
+    # read back without replaying: the same figures
+    again = live_replays.replay_file(path, 0.5, ["disagg"], 2, replay_once,
+                                     lambda rs: sim_vs_live.live_metrics(rs, r), replay=False)
+    assert again == json.loads(json.dumps(got)) and len(calls) == 2
+    # a file of another rate is not reused
+    other = live_replays.replay_file(path, 0.25, ["disagg"], 2, replay_once,
+                                     lambda rs: {}, replay=False)
+    assert other == {"metrics": {}, "replays": {}}
+
+
+@pytest.mark.parametrize(("fit_rate", "replay_rates", "expected"), [
+    (None, "both", [(0.8, "live.json", True)]),
+    (0.4, "both", [(0.8, "live.json", True), (0.4, "live_fit.json", True)]),
+    (0.4, "rate", [(0.8, "live.json", True), (0.4, "live_fit.json", False)]),
+    (0.4, "fit-rate", [(0.8, "live.json", False), (0.4, "live_fit.json", True)]),
+    (0.8, "both", [(0.8, "live.json", True)]),  # the fit rate is the rate: replayed once
+])
+def test_check_files_replays_each_rate_once(fit_rate: float | None, replay_rates: str,
+                                            expected: list[tuple[float, str, bool]]) -> None:
+    calls: list[tuple[float, str, bool]] = []
+
+    def live_at(rate: float, name: str, replay: bool) -> dict[str, Any]:
+        calls.append((rate, name, replay))
+        return {"metrics": {name: {}}, "replays": {}}
+
+    live, fit = live_replays.check_files(0.8, fit_rate, replay_rates, live_at)
+    assert calls == expected
+    assert live == {"metrics": {"live.json": {}}, "replays": {}}
+    if fit_rate is None:
+        assert fit is None
+    elif fit_rate == 0.8:
+        assert fit is live
+    else:
+        assert fit == {"metrics": {"live_fit.json": {}}, "replays": {}}
