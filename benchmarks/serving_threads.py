@@ -2,6 +2,7 @@ r"""What serving adds to the engine in `kvcake serve --mode single`: served agai
 
     .venv/bin/python benchmarks/serving_threads.py                       # default serve flags
     .venv/bin/python benchmarks/serving_threads.py --serve-args "--switch-interval-ms 0.5"
+    .venv/bin/python benchmarks/serving_threads.py --serve-args=--engine-process --no-alone
 
 The model directory is `serving_vs_vllm.py`'s (run that once first). Two parts, the same prompts
 (`--trials` fresh random `--prompt-len` prompts, `--max-tokens` out, one at a time, cold: the
@@ -56,6 +57,21 @@ def thread_times(pid: int) -> dict[str, tuple[int, int]]:
         except (OSError, ValueError):
             continue  # the thread ended meanwhile
         out[f"{task.name}:{'main' if task.name == str(pid) else name}"] = (run_ns, wait_ns)
+    return out
+
+
+def tree_times(pid: int) -> dict[str, tuple[int, int]]:
+    """`thread_times` of `pid` and of its child processes (`--engine-process`'s engine; its
+    threads named "tid:child:name")."""
+    out = thread_times(pid)
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "stat").read_text().rsplit(")", 1)[1].split()[
+                    1] == str(pid):
+                out.update({f"{k.split(':')[0]}:child:{k.split(':', 1)[1]}": v
+                            for k, v in thread_times(int(entry.name)).items()})
+        except (OSError, IndexError):
+            continue
     return out
 
 
@@ -126,9 +142,9 @@ def served(args: argparse.Namespace, work: list[list[int]]) -> dict[str, Any]:
             return asyncio.run(replay(planned, ReplayConfig(url, model)))[0][0]
 
         send(work[0])
-        before = thread_times(proc.pid)
+        before = tree_times(proc.pid)
         results = [send(prompt) for prompt in work[1:]]
-        after = thread_times(proc.pid)
+        after = tree_times(proc.pid)
     finally:
         proc.terminate()
         proc.wait()

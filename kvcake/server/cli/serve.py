@@ -108,6 +108,7 @@ def local_config(args: argparse.Namespace) -> LocalBackendConfig:
                               num_threads=worker.num_threads,
                               bind_threads=serve.bind_threads,
                               bind_engine_thread=serve.bind_engine_thread,
+                              engine_process=serve.engine_process,
                               served_model_names=serve.served_model_name or ())
 
 
@@ -193,9 +194,14 @@ def _serve_single(settings: ServeSettings, config: LocalBackendConfig,
     from kvcake.server.frontend.api import create_app
     from kvcake.server.frontend.http_server import listen_socket
     from kvcake.server.frontend.local_backend import LocalBackend
+    from kvcake.server.frontend.process_backend import ProcessBackend
 
     sys.setswitchinterval(switch_interval_s(settings))
-    backend = LocalBackend.from_config(config)
+    backend: LocalBackend | ProcessBackend
+    if config.engine_process:
+        backend = ProcessBackend(config)  # the engine is built when it starts, in its process
+    else:
+        backend = LocalBackend.from_config(config)
     # Bind first, so that --port 0 can report the port it got before serving.
     sock = listen_socket(settings.host, settings.port)
     port = sock.getsockname()[1]

@@ -165,6 +165,10 @@ class ServeSettings(_Settings):
         True, "with --bind-threads: the engine thread (torch's thread 0) is bound too; "
         "--no-bind-engine-thread: only torch's worker threads are, the engine thread floats "
         "with the HTTP threads", modes=("single",))
+    engine_process: bool = setting(
+        False, "run the engine loop in a child process of its own (as vLLM's engine core), so "
+        "the HTTP thread never holds the interpreter lock the engine needs; off: the engine is "
+        "a thread of the serving process", modes=("single",))
     switch_interval_ms: float = setting(
         5.0, "the Python thread switch interval (sys.setswitchinterval) of the serving process, "
         "in milliseconds: how long the engine thread may wait for the interpreter lock the HTTP "

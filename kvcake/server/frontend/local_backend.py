@@ -64,6 +64,8 @@ class LocalBackendConfig:
     bind_threads: bool = False  # those threads one per CPU of the process (`thread_cpus`)
     bind_engine_thread: bool = True  # with bind_threads: thread 0 (the engine thread) too
     served_model_names: tuple[str, ...] = ()  # (): the model's own name
+    # `kvcake serve` only: the engine in a child process (`ProcessBackend`), not a thread here
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:

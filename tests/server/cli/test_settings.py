@@ -67,6 +67,7 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "bind_threads": (False, False),  # on by default: --no-bind-threads
     "bind_engine_thread": (False, False),
     "switch_interval_ms": ("20", 20.0),
+    "engine_process": (True, True),
     "log_level": ("debug", "debug"),
     "api_key": ("sk-walk", "sk-walk"),
     "max_request_bytes": ("1MiB", 2**20),
@@ -166,6 +167,7 @@ def _observed(name: str, mode: str, args: argparse.Namespace) -> list[Any]:
                  "retry_after_s": local.retry_after_s, "num_threads": local.num_threads,
                  "bind_threads": local.bind_threads,
                  "bind_engine_thread": local.bind_engine_thread,
+                 "engine_process": local.engine_process,
                  "host": settings_from_args(args)[0].host,
                  "port": settings_from_args(args)[0].port}[name]]
     cluster = config_from_args(args)
