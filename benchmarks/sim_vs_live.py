@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return live_replays.replay_file(args.out_dir / name, rate_, systems, args.live_repeats,
                                         replay_once, lambda rs: live_metrics(rs, regime),
-                                        replay=not args.sim_only)
+                                        replay=replay and not args.sim_only)
 
     live_file, fit_file = live_replays.check_files(rate, args.fit_rate, args.replay_rates,
                                                    live_at)
