@@ -27,6 +27,7 @@ only reports to it what happened (starts, finishes, cache changes), as the live 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvcake.conductor import CostModel, Placement, ScheduleRequest
@@ -83,9 +84,9 @@ class Cluster:
         self.num_events = 0
         self.local_fetch_tokens = 0
         self.guard = DecodeNodeGuard(len(self.decodes), self.kv_capacity_tokens)
-        self.handoff = DecodeHandoff(config, self.conductor, self.transfers, self.guard,
-                                     self.decode_ids, self.kv_per_token,
-                                     self.predicted_output_len)
+        told = replace(config, predicted_output_len=self.predicted_output_len)
+        self.handoff = DecodeHandoff(told, self.conductor, self.transfers, self.guard,
+                                     self.decode_ids, self.kv_per_token)
 
     # ---- the loop ----------------------------------------------------------------------------
 

@@ -36,15 +36,18 @@ class DecodeHandoff:
     """Which decode node takes each prefilled request, and the KV streams that go there."""
 
     def __init__(self, config: SimConfig, conductor: Conductor, transfers: Transfers,
-                 guard: DecodeNodeGuard, decode_ids: Sequence[str], kv_per_token: int,
-                 told_output_len: int) -> None:
+                 guard: DecodeNodeGuard, decode_ids: Sequence[str], kv_per_token: int) -> None:
+        """`config.predicted_output_len` is the told output length, resolved (not None)."""
         self.config, self.conductor, self.transfers = config, conductor, transfers
         self.guard = guard
         self.decode_ids = list(decode_ids)
         self._decode_index = {name: j for j, name in enumerate(decode_ids)}
         self.kv_per_token = kv_per_token
+        if config.predicted_output_len is None:
+            raise ValueError("DecodeHandoff needs the told output length resolved: set "
+                             "config.predicted_output_len (topology.told_output_len)")
         # what the decode node is told of each request's output (never its true length)
-        self.told_output_len = told_output_len
+        self.told_output_len: int = config.predicted_output_len
 
     def stream(self, state: RequestState, senders: tuple[int, ...], now_s: float) -> list[Event]:
         """Start the request's KV flows (an equal share from each prefill node in `senders`) to

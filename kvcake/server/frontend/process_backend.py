@@ -57,9 +57,8 @@ def _stats_of(engine: Any) -> _Stats:
             1.0 - blocks.num_free_blocks / blocks.num_blocks)
 
 
-def engine_process_main(config: LocalBackendConfig, conn: Connection) -> None:
-    """The child: build the engine, then step it while any request is unfinished, blocking on
-    the pipe when idle (an idle server burns no CPU)."""
+def _child_engine(config: LocalBackendConfig) -> Any:
+    """The child's engine, its torch threads set and bound as the in-process backend's."""
     import torch
 
     from kvcake.conductor.heap import freeze_heap
@@ -72,6 +71,60 @@ def engine_process_main(config: LocalBackendConfig, conn: Connection) -> None:
     if config.bind_threads:
         bind_engine_threads(torch.get_num_threads(), config.bind_engine_thread)
     freeze_heap()
+    return engine
+
+
+def _apply_commands(engine: Any, commands: list[Any], live: dict[str, bool],
+                    ) -> list[tuple[str, BaseException | None]] | None:
+    """Adds and aborts from the frontend; the adds' acknowledgements (an exception for a
+    refused request), or None on the stop command."""
+    acks: list[tuple[str, BaseException | None]] = []
+    for command in commands:
+        if command is None:
+            return None
+        kind, arg = command
+        if kind == "abort":
+            if live.pop(arg, None) is not None:
+                engine.abort(arg)
+            continue
+        try:
+            engine.add_request(arg.request_id, arg.prompt_token_ids, _sampling_params(arg))
+        except Exception as exc:  # ValueError: bad input (400); else a server error
+            acks.append((arg.request_id, exc))
+            continue
+        live[arg.request_id] = False
+        acks.append((arg.request_id, None))
+    return acks
+
+
+def _token_events(outputs: list[Any], live: dict[str, bool]) -> list[tuple[str, TokenEvent]]:
+    """One step's outputs as the frontend's token events (aborted requests dropped; a
+    request's first event carries its queue and prefill seconds)."""
+    events: list[tuple[str, TokenEvent]] = []
+    for output in outputs:
+        started = live.get(output.request_id)
+        if started is None:  # aborted in the meantime
+            continue
+        queue_s = prefill_s = None
+        if not started:
+            live[output.request_id] = True
+            if output.first_scheduled_s is not None and output.first_token_s is not None:
+                queue_s = output.first_scheduled_s - output.arrival_s
+                prefill_s = output.first_token_s - output.first_scheduled_s
+        if output.finished:
+            del live[output.request_id]
+        reason = _FINISH.get(output.finish_reason) if output.finish_reason else None
+        events.append((output.request_id, TokenEvent(
+            tuple(output.new_token_ids), output.num_cached_tokens, reason,
+            logprobs_of(output.logprobs), prompt_logprobs_of(output.prompt_logprobs),
+            queue_s, prefill_s)))
+    return events
+
+
+def engine_process_main(config: LocalBackendConfig, conn: Connection) -> None:
+    """The child: build the engine, then step it while any request is unfinished, blocking on
+    the pipe when idle (an idle server burns no CPU)."""
+    engine = _child_engine(config)
     trace = StepTrace.from_env("single")  # diagnostics, off unless $KVCAKE_STEP_TRACE is set
     conn.send(("ready", engine.max_model_len))
     live: dict[str, bool] = {}  # request id -> produced its first token
@@ -79,22 +132,9 @@ def engine_process_main(config: LocalBackendConfig, conn: Connection) -> None:
         commands = [] if engine.has_unfinished() else [conn.recv()]
         while conn.poll():
             commands.append(conn.recv())
-        acks: list[tuple[str, BaseException | None]] = []
-        for command in commands:
-            if command is None:
-                return
-            kind, arg = command
-            if kind == "abort":
-                if live.pop(arg, None) is not None:
-                    engine.abort(arg)
-                continue
-            try:
-                engine.add_request(arg.request_id, arg.prompt_token_ids, _sampling_params(arg))
-            except Exception as exc:  # ValueError: bad input (400); else a server error
-                acks.append((arg.request_id, exc))
-                continue
-            live[arg.request_id] = False
-            acks.append((arg.request_id, None))
+        acks = _apply_commands(engine, commands, live)
+        if acks is None:
+            return
         if acks:
             conn.send(("acks", acks, _stats_of(engine)))
         if not engine.has_unfinished():
@@ -112,25 +152,7 @@ def engine_process_main(config: LocalBackendConfig, conn: Connection) -> None:
             continue
         if trace is not None:
             t1, c1 = trace.now(), trace.cpu()
-        events: list[tuple[str, TokenEvent]] = []
-        for output in outputs:
-            started = live.get(output.request_id)
-            if started is None:  # aborted in the meantime
-                continue
-            queue_s = prefill_s = None
-            if not started:
-                live[output.request_id] = True
-                if output.first_scheduled_s is not None and output.first_token_s is not None:
-                    queue_s = output.first_scheduled_s - output.arrival_s
-                    prefill_s = output.first_token_s - output.first_scheduled_s
-            if output.finished:
-                del live[output.request_id]
-            reason = _FINISH.get(output.finish_reason) if output.finish_reason else None
-            events.append((output.request_id, TokenEvent(
-                tuple(output.new_token_ids), output.num_cached_tokens, reason,
-                logprobs_of(output.logprobs), prompt_logprobs_of(output.prompt_logprobs),
-                queue_s, prefill_s)))
-        conn.send(("events", events, _stats_of(engine)))
+        conn.send(("events", _token_events(outputs, live), _stats_of(engine)))
         if trace is not None:
             trace.record(t0, t1, trace.now(), c1 - c0, rows)
 
