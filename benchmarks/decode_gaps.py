@@ -7,7 +7,7 @@ r"""Where the time between two tokens goes on the live disaggregated decode path
 
 The regime's first --num-requests requests (`serving_disagg_vs_colocated.py`'s regime.json in
 --out-dir, seeded Poisson arrivals at --rate) replayed once through 1P+1D (its `Served("disagg")`)
-with the decode worker's step trace on (`$KVCAKE_STEP_TRACE`, kvcake/server/worker/step_trace.py:
+with the decode worker's step trace on (`$KVCAKE_STEP_TRACE`, kvcake/engine/step_trace.py:
 every engine step's start, end, end of sending its tokens, CPU time and rows). Printed: the
 decode batch, the engine step's wall and CPU time (per batch size too), the loop's time between
 two steps, the sending of a step's tokens, and the paper's per-request TBT (mean of the slowest
@@ -42,7 +42,7 @@ import colocated_terms  # noqa: E402
 import serving_disagg_vs_colocated as cap  # noqa: E402
 
 from kvcake.bench.stats import paper_tbt_s  # noqa: E402
-from kvcake.server.worker.step_trace import ENV  # noqa: E402
+from kvcake.engine.step_trace import ENV  # noqa: E402
 
 
 def pct(values: list[float], *qs: float) -> list[float]:

@@ -191,15 +191,18 @@ def test_kvcake_bind_choices_pass_the_serve_flags(monkeypatch: pytest.MonkeyPatc
     bench: Any = _load_bench(monkeypatch)
     single = bench.System("kvcake-single", "float32")
 
-    def argv(bind: str) -> list[str]:
+    def argv(bind: str, extra: str = "") -> list[str]:
         args = argparse.Namespace(model_dir=Path("m"), kvcake_threads=2, max_model_len=64,
-                                  kvcake_bind=bind)
+                                  kvcake_bind=bind, kvcake_serve_args=extra)
         return bench.kvcake_command(single, args, 1, Path("."))
 
     assert not any("bind" in a for a in argv("default"))
     assert argv("off")[-1:] == ["--no-bind-threads"]
     assert argv("workers")[-2:] == ["--bind-threads", "--no-bind-engine-thread"]
     assert argv("all")[-2:] == ["--bind-threads", "--bind-engine-thread"]
+    # --kvcake-serve-args: more serve flags after the binding ones, split as a shell would
+    assert argv("off", "--engine-process --switch-interval-ms 0.5")[-4:] == [
+        "--no-bind-threads", "--engine-process", "--switch-interval-ms", "0.5"]
     monkeypatch.setattr(sys, "argv", ["serving_vs_vllm.py", "--kvcake-bind-threads"])
     assert bench.parse_args().kvcake_bind == "all"
     assert bench.session_run_ns(None) is None

@@ -37,6 +37,7 @@ from kvcake.engine.config import EngineConfig
 from kvcake.engine.engine import Engine, RequestOutput
 from kvcake.engine.sampling import SamplingParams
 from kvcake.engine.sequence import FinishReason as EngineFinish
+from kvcake.engine.step_trace import StepTrace
 from kvcake.server.frontend.backend import (
     BackendStats,
     FinishReason,
@@ -48,7 +49,6 @@ from kvcake.server.frontend.backend import (
     prompt_logprobs_of,
 )
 from kvcake.server.frontend.protocol import render_chat_text
-from kvcake.server.worker.step_trace import StepTrace
 
 _FINISH = {EngineFinish.STOP: FinishReason.STOP, EngineFinish.LENGTH: FinishReason.LENGTH,
            EngineFinish.ABORT: FinishReason.ABORT}

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvcake.engine.build import max_model_len_of
+from kvcake.engine.step_trace import StepTrace
 from kvcake.server.frontend.backend import (
     BackendStats,
     GenerateRequest,
@@ -46,7 +47,6 @@ from kvcake.server.frontend.local_backend import (
     _sampling_params,
 )
 from kvcake.server.frontend.model_front import ModelFront
-from kvcake.server.worker.step_trace import StepTrace
 
 _Stats = tuple[int, int, float]  # waiting, running, KV usage
 

@@ -26,6 +26,7 @@ import logging
 from collections import deque
 
 from kvcake.engine.kv_pool import KvAllocator
+from kvcake.engine.step_trace import StepTrace
 from kvcake.server.worker.messages import (
     Abort,
     DecodeAdmitted,
@@ -38,7 +39,6 @@ from kvcake.server.worker.messages import (
     sampling_from_wire,
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
-from kvcake.server.worker.step_trace import StepTrace
 from kvcake.server.worker.store_writer import StoreWriter
 from kvcake.transfer import TransferEngine
 

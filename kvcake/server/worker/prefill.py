@@ -30,6 +30,7 @@ from typing import Any
 
 from kvcake.engine.engine import RequestOutput
 from kvcake.engine.sequence import FinishReason
+from kvcake.engine.step_trace import StepTrace
 from kvcake.server.worker.block_fetch import StoredLayout, read_layers
 from kvcake.server.worker.config import Role
 from kvcake.server.worker.handoff import HandoffPolicy
@@ -44,7 +45,6 @@ from kvcake.server.worker.messages import (
     sampling_from_wire,
 )
 from kvcake.server.worker.role import RoleHost, sampling_params, wire_logprobs
-from kvcake.server.worker.step_trace import StepTrace
 from kvcake.server.worker.store_writer import StoreWriter
 from kvcake.transfer import (
     SegmentDesc,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvcake.engine.step_trace import ENV
 from kvcake.server.frontend.backend import GenerateRequest
 from kvcake.server.frontend.local_backend import LocalBackend, LocalBackendConfig
-from kvcake.server.worker.step_trace import ENV
 from kvcake.types import RequestId
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from kvcake.engine.step_trace import StepTrace
 from kvcake.server.worker.prefill import PrefillRole
-from kvcake.server.worker.step_trace import StepTrace
 
 
 def _ticks(*values: float) -> Callable[[], float]:

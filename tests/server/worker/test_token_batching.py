@@ -14,10 +14,10 @@ import pytest
 
 from kvcake.engine.engine import RequestOutput
 from kvcake.engine.sequence import FinishReason
+from kvcake.engine.step_trace import ENV, StepTrace
 from kvcake.server.worker.decode import DecodeRole
 from kvcake.server.worker.link import MessageLink
 from kvcake.server.worker.messages import LoadReport, Message, Tokens
-from kvcake.server.worker.step_trace import ENV, StepTrace
 
 
 class _CountingSocket:
