@@ -127,6 +127,15 @@ def engine_process_main(config: LocalBackendConfig, conn: Connection) -> None:
     engine = _child_engine(config)
     trace = StepTrace.from_env("single")  # diagnostics, off unless $KVCAKE_STEP_TRACE is set
     conn.send(("ready", engine.max_model_len))
+    try:
+        _serve(engine, conn, trace)
+    finally:
+        if trace is not None:
+            trace.close()
+
+
+def _serve(engine: Any, conn: Connection, trace: StepTrace | None) -> None:
+    """The child's loop: commands in, one step, its token events out, until the stop command."""
     live: dict[str, bool] = {}  # request id -> produced its first token
     while True:
         commands = [] if engine.has_unfinished() else [conn.recv()]
