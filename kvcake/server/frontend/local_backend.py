@@ -124,6 +124,19 @@ class _Abort:
     request_id: str
 
 
+def token_event(output: RequestOutput, first: bool) -> TokenEvent:
+    """The stream event of one engine output; a request's `first` also carries its queue and
+    prefill seconds."""
+    queue_s = prefill_s = None
+    if first and output.first_scheduled_s is not None and output.first_token_s is not None:
+        queue_s = output.first_scheduled_s - output.arrival_s
+        prefill_s = output.first_token_s - output.first_scheduled_s
+    reason = _FINISH.get(output.finish_reason) if output.finish_reason else None
+    return TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason,
+                      logprobs_of(output.logprobs), prompt_logprobs_of(output.prompt_logprobs),
+                      queue_s, prefill_s)
+
+
 class LocalBackend:
     """See the module docstring. `start()` before `generate`; `close()` stops the thread."""
 
@@ -314,20 +327,14 @@ class LocalBackend:
         add = live.get(output.request_id)
         if add is None:  # aborted in the meantime
             return None
-        queue_s = prefill_s = None
-        if not add.started:
+        first = not add.started
+        if first:
             add.started = True
             self._leave_waiting()
-            if output.first_scheduled_s is not None and output.first_token_s is not None:
-                queue_s = output.first_scheduled_s - output.arrival_s
-                prefill_s = output.first_token_s - output.first_scheduled_s
-        reason = _FINISH.get(output.finish_reason) if output.finish_reason else None
         if output.finished:  # forget it before its reader can see the end
             del live[output.request_id]
             self._num_live = len(live)
-        return add, TokenEvent(tuple(output.new_token_ids), output.num_cached_tokens, reason,
-                               logprobs_of(output.logprobs),
-                               prompt_logprobs_of(output.prompt_logprobs), queue_s, prefill_s)
+        return add, token_event(output, first)
 
     def _fail_all(self, live: dict[str, _Add], error: Exception) -> None:
         for request_id, add in list(live.items()):

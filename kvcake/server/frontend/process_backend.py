@@ -35,16 +35,14 @@ from kvcake.server.frontend.backend import (
     QueueTokenStream,
     Rejected,
     TokenEvent,
-    logprobs_of,
-    prompt_logprobs_of,
 )
 from kvcake.server.frontend.local_backend import (
-    _FINISH,
     LocalBackendConfig,
     _Add,
     _post,
     _post_all,
     _sampling_params,
+    token_event,
 )
 from kvcake.server.frontend.model_front import ModelFront
 
@@ -105,19 +103,10 @@ def _token_events(outputs: list[Any], live: dict[str, bool]) -> list[tuple[str, 
         started = live.get(output.request_id)
         if started is None:  # aborted in the meantime
             continue
-        queue_s = prefill_s = None
-        if not started:
-            live[output.request_id] = True
-            if output.first_scheduled_s is not None and output.first_token_s is not None:
-                queue_s = output.first_scheduled_s - output.arrival_s
-                prefill_s = output.first_token_s - output.first_scheduled_s
+        live[output.request_id] = True
         if output.finished:
             del live[output.request_id]
-        reason = _FINISH.get(output.finish_reason) if output.finish_reason else None
-        events.append((output.request_id, TokenEvent(
-            tuple(output.new_token_ids), output.num_cached_tokens, reason,
-            logprobs_of(output.logprobs), prompt_logprobs_of(output.prompt_logprobs),
-            queue_s, prefill_s)))
+        events.append((output.request_id, token_event(output, not started)))
     return events
 
 
