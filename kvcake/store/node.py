@@ -119,8 +119,15 @@ class StoreNode:
         return self
 
     def close(self, unregister: bool = True) -> None:
-        """Leave the pool. `unregister=False` simulates a crash (the master notices by itself)."""
+        """Leave the pool. `unregister=False` simulates a crash (the master notices by itself).
+
+        A crash takes the node's memory with it: its segment stops being served before any of its
+        ports is seen to close, so a client that remembered a replica here cannot read it once the
+        master has been told the node is gone (a graceful leave unregisters first instead, and the
+        master revokes what it drops)."""
         self._stop.set()
+        if not unregister:
+            self._stop_serving_data()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         if self._master is not None and unregister:
@@ -135,6 +142,10 @@ class StoreNode:
             self._control.close()
         if self._forward is not None:
             self._forward.close()
+        self._stop_serving_data()
+
+    def _stop_serving_data(self) -> None:
+        """Withdraw the node's segment from its transfer engine (and close an engine it owns)."""
         try:
             self.engine.unregister_segment(self._segment_name)
         except KeyError:
