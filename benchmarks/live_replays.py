@@ -104,13 +104,13 @@ def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
                 replay_once: Callable[[str], list[RequestResult]],
                 metrics_of: Callable[[list[RequestResult]], dict[str, float]],
                 replay: bool = True, when: Callable[[], dict[str, Any]] = stamp,
-                ) -> dict[str, Any]:
+                extras: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The live metrics at `rate` ({"metrics": pooled, "replays": each replay's}, per system).
     With `replay`, each of `systems` is replayed `repeats` times (`replay_once(system)`: one
     replay on a fresh server) and pooled; the other systems' come from `path`, an earlier run's
     file, if it is of the same rate (else it is not reused). `path` is written after each
     system with every replay's per-request records (`requests`) and `runs` (`when()` before and
-    after each replay)."""
+    after each replay, and `extras()`'s after it as "env": what the replay ran on)."""
     old = json.loads(path.read_text()) if path.is_file() else {}
     if old and not math.isclose(float(old.get("rate", rate)), rate, rel_tol=1e-9):
         print(f"[live] {path} is of rate {old['rate']}, not {rate:.6g}: not reused",
@@ -128,6 +128,8 @@ def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
             before = when()
             results.append(replay_once(system))
             runs[system].append({"before": before, "after": when()})
+            if extras is not None:
+                runs[system][-1]["env"] = extras()
             print(f"[live {system} @ {rate:.3g}/s, replay {k + 1}/{repeats}] "
                   f"{json.dumps(metrics_of(results[-1]))}", file=sys.stderr, flush=True)
         pooled = pool(results, metrics_of)

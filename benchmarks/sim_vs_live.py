@@ -98,6 +98,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocated_terms  # noqa: E402
 import host_terms  # noqa: E402
 import live_replays  # noqa: E402
+import replay_env  # noqa: E402
 import serving_disagg_vs_colocated as cap  # noqa: E402
 
 from kvcake.bench.capacity import find_capacities  # noqa: E402
@@ -230,6 +231,49 @@ def sim_trace(records: list[TraceRequest], planned: list[PlannedRequest],
             next_private += 1
         out.append(TraceRequest(r.index, 1000.0 * p.send_at_s, n, p.max_tokens, tuple(ids)))
     return Trace(tuple(out), "sim_vs_live", block_size=block_len)
+
+
+def recorded_replay(system: str, cap_args: Any, budget: int, planned: list[PlannedRequest],
+                    pin: bool) -> tuple[list[RequestResult], dict[str, Any]]:
+    """One replay on a fresh `system` server (pin_workers = `pin`) with what could differ
+    between invocations recorded (benchmarks/replay_env.py): workers' threads, affinity and
+    placement, the GEMM tables and whether they were measured or loaded, /proc/stat, load,
+    MHz, and the decode worker's step times from its step trace."""
+    import os
+    import tempfile
+
+    from kvcake.engine import cpu_ops
+    from kvcake.engine.step_trace import ENV
+
+    toml = cap.kvcake_toml
+    threads = {"prefill": 1, "decode": 1, "colocated": 1}  # cap.kvcake_toml's num_threads
+    env = replay_env.ReplayEnv(cpu_ops.cache_dir(), pin, threads)
+    cap.kvcake_toml = lambda *a: f"pin_workers = {str(pin).lower()}\n" + toml(*a)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
+            os.environ[ENV] = trace_dir  # the server and its workers inherit it
+            try:
+                env.start()
+                with cap.Served(system, cap_args,
+                                budget if system == "colocated" else None) as served:
+                    assert served.server is not None and served.server.sid is not None
+                    env.attach(served.server.sid)
+                    begun = time.monotonic()
+                    try:
+                        results = served.replay(planned)[0]
+                    finally:
+                        env.stop()
+            finally:
+                del os.environ[ENV]
+            steps = [json.loads(line) for path in sorted(Path(trace_dir).glob("steps-*.jsonl"))
+                     if "decode" in path.stem or system == "colocated"
+                     for line in path.read_text().splitlines()]
+    finally:
+        cap.kvcake_toml = toml
+    report = env.report()
+    report["decode_steps"] = replay_env.step_split(
+        steps, [g for r in results for g in r.gaps_s], begun)
+    return results, report
 
 
 def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, float]:
@@ -550,7 +594,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-rates", choices=("both", "rate", "fit-rate"), default="both",
                    help="which rates' live files this run replays (the other's is reused): "
                         "splits a check into lock holds of at most 15 minutes")
+    p.add_argument("--pin", choices=("off", "on"), default="off",
+                   help="the live clusters' pin_workers (kvcake/server/cluster/cpu_pinning.py; "
+                        "default off, as every earlier check ran)")
+    p.add_argument("--live-only", action="store_true",
+                   help="replay and write the live files, then stop (no simulator run)")
     args = p.parse_args(argv)
+    if args.live_only and args.sim_only:
+        p.error("--live-only and --sim-only exclude each other: pass one")
     if args.colocated_by_rows and args.colocated_terms is None:
         p.error("--colocated-by-rows needs --colocated-terms SAVED (the step trace it measures)")
     cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
@@ -579,16 +630,22 @@ def main(argv: list[str] | None = None) -> int:
         replays of --systems (unless --sim-only), each on a fresh server."""
         plan_ = cap.workload(records, regime, cap_args.vocab_size, rate_, args.seed)
 
+        envs: list[dict[str, Any]] = []
+
         def replay_once(system: str) -> list[RequestResult]:
-            with cap.Served(system, cap_args, budget if system == "colocated" else None) as s:
-                return s.replay(plan_)[0]
+            results, env = recorded_replay(system, cap_args, budget, plan_, args.pin == "on")
+            envs.append(env)
+            return results
 
         return live_replays.replay_file(args.out_dir / name, rate_, systems, args.live_repeats,
                                         replay_once, lambda rs: live_metrics(rs, regime),
-                                        replay=replay and not args.sim_only)
+                                        replay=replay and not args.sim_only,
+                                        extras=lambda: envs.pop())
 
     live_file, fit_file = live_replays.check_files(rate, args.fit_rate, args.replay_rates,
                                                    live_at)
+    if args.live_only:
+        return 0
     live, live_reps = live_file["metrics"], live_file["replays"]
     fit_live, fit_reps = (fit_file["metrics"], fit_file["replays"]) if fit_file else (None, {})
     config_json = json.loads((cap_args.model_dir / "config.json").read_text())
