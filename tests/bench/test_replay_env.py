@@ -155,3 +155,38 @@ def test_bad_new_flags_refused_by_name(argv: list[str], needle: str,
         sim_vs_live.main(["--out-dir", "/nonexistent-kvcake-dir", *argv])
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_invocation_spread_rows_and_correlation() -> None:
+    import invocation_spread
+
+    assert invocation_spread.pearson([1.0, 2.0, 3.0], [2.0, 4.0, 6.0]) == pytest.approx(1.0)
+    assert invocation_spread.pearson([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert invocation_spread.pearson([1.0, 2.0], [1.0, 2.0]) is None  # under 3 points
+    assert invocation_spread.pearson([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None  # constant
+
+    def run(at: str, steal: float, step_ms: float, pin: bool) -> dict[str, object]:
+        return {"before": {"at": f"2026-12-02 {at} UTC"}, "env": {
+            "pin_workers": pin, "load_before": [1.5, 1.0, 1.0], "mhz_before": [2000.0],
+            "mhz_after": [3000.0],
+            "gemm_tables": {"linear-k-t1.json": {"sha256_16": "abcdef0123456789",
+                                                 "before": None, "use": "measured"}},
+            "workers": {"decode:2": {"role": "decode", "affinity": [1], "ran_on_ticks": {"1": 9},
+                                     "run_queue": {"wait_share": 0.25}}},
+            "proc_stat": {"cpu": {"steal": steal, "idle": 0.5}},
+            "decode_steps": {"step_wall_ms_mean": step_ms}}}
+
+    requests = [{"gaps_s": [0.010, 0.030]}, {"gaps_s": []}, {"gaps_s": [0.020]}]
+    live = {"runs": {"disagg": [run("10:00:00", 0.0, 20.0, False), run("10:05:00", 0.1, 25.0, True),
+                                run("10:10:00", 0.2, 30.0, False)]},
+            "requests": {"disagg": [requests] * 3}}
+    rows = invocation_spread.rows_of("inv", live)
+    assert [r["name"] for r in rows] == ["inv#1", "inv#2", "inv#3"]
+    r = rows[0]
+    assert r["at"] == "10:00:00" and r["table"] == "measured:abcdef" and r["table_measured"] == 1.0
+    assert r["gap_mean_ms"] == pytest.approx(20.0)  # gaps 10, 30, 20 ms
+    assert r["mhz_mean"] == 2500.0 and r["decode_wait_share"] == 0.25
+    assert r["prefill_wait_share"] is None and r["decode_affinity"] == [1]
+    corr = invocation_spread.correlations(rows)["step_wall_mean_ms"]
+    assert corr["steal_share"] == pytest.approx(1.0)
+    assert corr["table_measured"] is None  # constant
