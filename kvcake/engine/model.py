@@ -12,7 +12,6 @@ layer does four matmuls instead of seven.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from kvcake.engine.config import ModelConfig
 from kvcake.engine.cpu_ops import paged_decode_attention, paged_prefill_attention
 from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.linear import Linear
+from kvcake.engine.rope import apply_rope, rope_inv_freq
 
 
 @dataclass
@@ -93,36 +93,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
-    dim = config.head_size
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    rs = config.rope_scaling
-    if rs is None:
-        return inv_freq.float()
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor)
-    mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_mid, mid, scaled).float()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin_half: Tensor) -> Tensor:
-    """x * cos + rotate_half(x) * sin, without building rotate_half(x): the two halves of sin
-    are equal (the frequencies are repeated), so each half of the result is one fused
-    multiply-add on top of x * cos."""
-    half = x.shape[-1] // 2
-    out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin_half, value=-1.0)
-    out[..., half:].addcmul_(x[..., :half], sin_half)
-    return out
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -165,12 +135,7 @@ class DecoderLayer(nn.Module):
         residual stream is h + pending (the previous layer's last add, folded into this
         layer's first norm); returns this layer's output the same way, (h, delta)."""
         ops = cpu_ops.fused_ops()
-        fast = self._fast
-        if fast is None:  # plain attributes: nn.Module's __getattr__ is ~1 us a lookup
-            fast = self._fast = (
-                self.qkv_proj.forward, self.o_proj.forward, self.gate_up_proj.forward,
-                self.down_proj.forward, self.input_layernorm.weight, self.input_layernorm.eps,
-                self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        fast = self._fast if self._fast is not None else self._fast_attrs()
         qkv_proj, o_proj, gate_up_proj, down_proj, in_w, in_eps, post_w, post_eps = fast
         n = h.shape[0]
         if pending is None:
@@ -184,6 +149,58 @@ class DecoderLayer(nn.Module):
         attn = self._attend(q, k, v, kv, batch)
         h, x = ops.add_rms_norm(h, o_proj(attn.view(n, self.q_size)), post_w, post_eps)
         return h, down_proj(ops.silu_mul(gate_up_proj(x)))
+
+    def _fast_attrs(self) -> tuple[Any, ...]:
+        """The fused path's attributes as plain values, cached (nn.Module's __getattr__ is ~1 us
+        a lookup)."""
+        self._fast = (
+            self.qkv_proj.forward, self.o_proj.forward, self.gate_up_proj.forward,
+            self.down_proj.forward, self.input_layernorm.weight, self.input_layernorm.eps,
+            self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return self._fast
+
+    def _forward_fused_rows(self, h: Tensor, pending: Tensor | None, rope: tuple[Tensor, Tensor],
+                            kv: Tensor, batch: AttentionBatch,
+                            rows: Tensor) -> tuple[Tensor, Tensor]:
+        """`_forward_fused` for the model's last layer when only `rows` of its output are used
+        (the rows that give logits): every row's K and V are still computed and written to the
+        pool (later steps attend to them), but the attention, o_proj and the MLP run for
+        `rows` only. Returns (h, delta) of `rows`, in their order. A cold 2,048-token prompt
+        samples from one row: its last layer's attention and MLP, ~22% of the step's FLOPs at
+        the serving model's shape, are not computed for the other 2,047."""
+        ops = cpu_ops.fused_ops()
+        fast = self._fast if self._fast is not None else self._fast_attrs()
+        qkv_proj, o_proj, gate_up_proj, down_proj, in_w, in_eps, post_w, post_eps = fast
+        (cos, sin), n, m = rope, h.shape[0], rows.shape[0]
+        if pending is None:
+            x = ops.rms_norm(h, in_w, in_eps)
+        else:
+            h, x = ops.add_rms_norm(h, pending, in_w, in_eps)
+        q, k, v = ops.rope_qkv_store(qkv_proj(x), cos.view(n, -1), sin.view(n, -1),
+                                     kv.view(-1, self.num_kv_heads, self.head_dim),
+                                     batch.k_slots, batch.v_slots, self.num_heads,
+                                     self.num_kv_heads)
+        if m == 0:  # no row samples (a prompt chunk that continues): only the KV was needed
+            return h[:0], h[:0]
+        attn = self._attend_rows(q, k, v, kv, batch, rows)
+        h, x = ops.add_rms_norm(h[rows], o_proj(attn.reshape(m, self.q_size)), post_w, post_eps)
+        return h, down_proj(ops.silu_mul(gate_up_proj(x)))
+
+    def _attend_rows(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, batch: AttentionBatch,
+                     rows: Tensor) -> Tensor:
+        """The attention output of the flat rows `rows` only. One prompt chunk whose rows are
+        the chunk's last ones in order (its sampling row) is attended for those queries alone
+        (the op takes the queries of the chunk's last positions); anything else is attended
+        whole and then selected."""
+        n, m = q.shape[0], rows.shape[0]
+        if not batch.prefill and not batch.decode and not batch.paged \
+                and len(batch.prefill_paged) == 1 and batch.prefill_paged[0][1] == n:
+            suffix = int(rows[0]) == n - 1 if m == 1 else \
+                bool(torch.equal(rows, torch.arange(n - m, n, device=rows.device)))
+            if suffix:
+                _, _, ctx_len, table = batch.prefill_paged[0]
+                return paged_prefill_attention(q[n - m:], kv, table, ctx_len, self.scale)
+        return self._attend(q, k, v, kv, batch)[rows]
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
@@ -281,9 +298,15 @@ class LlamaModel(nn.Module):
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         pending: Tensor | None = None  # fused path: the residual stream is h + pending
         views = pool.layer_views
+        # The last layer's output is read at the logit rows only: when they are fewer than the
+        # rows, that layer computes them alone (every row's KV is still written).
+        trim = fused and self.is_last and logit_rows.shape[0] < h.shape[0]
         for idx, layer in enumerate(layers):
             kv = views[idx]
-            if fused:  # direct call: nn.Module's __call__ is measurable at decode sizes
+            if trim and idx == len(layers) - 1:  # h, pending: of the logit rows, in order
+                h, pending = layer._forward_fused_rows(h, pending, (cos, sin), kv, batch,
+                                                       logit_rows)
+            elif fused:  # direct call: nn.Module's __call__ is measurable at decode sizes
                 h, pending = layer._forward_fused(h, pending, cos, sin, kv, batch)
             else:
                 h = layer(h, cos, sin, kv, batch)
@@ -292,7 +315,7 @@ class LlamaModel(nn.Module):
         if not self.is_last:
             return h if pending is None else h + pending
         if pending is not None:  # only the rows that give logits need the last add
-            if h.shape[0] == 1 and logit_rows.shape[0] == 1:  # one decode row: no gather
+            if trim or (h.shape[0] == 1 and logit_rows.shape[0] == 1):  # no gather needed
                 return self.lm_head.forward(self.norm.forward(h + pending)).float()
             return self.lm_head.forward(
                 self.norm.forward(h[logit_rows] + pending[logit_rows])).float()
