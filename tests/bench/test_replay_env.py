@@ -190,3 +190,22 @@ def test_invocation_spread_rows_and_correlation() -> None:
     corr = invocation_spread.correlations(rows)["step_wall_mean_ms"]
     assert corr["steal_share"] == pytest.approx(1.0)
     assert corr["table_measured"] is None  # constant
+
+
+def test_gemm_table_ab_reads_a_workers_log_line_and_refuses_bad_tables(tmp_path: Path) -> None:
+    import argparse
+
+    import gemm_table_ab
+
+    log = ("2026-12-02 12:32:07,989 INFO kvcake.engine.engine: engine: decode attention kernel; "
+           "linear backends (rows 1 | 2 | 3-4 | 5-8 | 9-64 | 65-512 | 513+) "
+           "{'768x512': 'aten|aten_t|onednn', '512x512': 'mkl_gemv|aten_t|aten'}\n"
+           "2026-12-02 12:32:22,024 INFO kvcake.server.cluster.backend: worker decode-1 joined\n")
+    assert gemm_table_ab.tables_from_log(log) == [
+        {"768x512": ["aten", "aten_t", "onednn"], "512x512": ["mkl_gemv", "aten_t", "aten"]}]
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME=PATH"):
+        gemm_table_ab.table_arg("just-a-path.json")
+    with pytest.raises(argparse.ArgumentTypeError, match="--table a: .* is not a file"):
+        gemm_table_ab.table_arg(f"a={tmp_path / 'missing.json'}")
+    (tmp_path / "t.json").write_text("{}")
+    assert gemm_table_ab.table_arg(f"a={tmp_path / 't.json'}") == ("a", tmp_path / "t.json")
