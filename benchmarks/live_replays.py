@@ -104,13 +104,17 @@ def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
                 replay_once: Callable[[str], list[RequestResult]],
                 metrics_of: Callable[[list[RequestResult]], dict[str, float]],
                 replay: bool = True, when: Callable[[], dict[str, Any]] = stamp,
-                extras: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+                extras: Callable[[], dict[str, Any]] | None = None,
+                append: bool = False) -> dict[str, Any]:
     """The live metrics at `rate` ({"metrics": pooled, "replays": each replay's}, per system).
     With `replay`, each of `systems` is replayed `repeats` times (`replay_once(system)`: one
     replay on a fresh server) and pooled; the other systems' come from `path`, an earlier run's
     file, if it is of the same rate (else it is not reused). `path` is written after each
     system with every replay's per-request records (`requests`) and `runs` (`when()` before and
-    after each replay, and `extras()`'s after it as "env": what the replay ran on)."""
+    after each replay, and `extras()`'s after it as "env": what the replay ran on).
+    `append`: this call's replays of a system are pooled with those `path` already holds for it
+    (an earlier invocation's, same rate): N replays split across separate invocations and lock
+    holds, so a speed that differs between invocations is in the pooled value, not beside it."""
     old = json.loads(path.read_text()) if path.is_file() else {}
     if old and not math.isclose(float(old.get("rate", rate)), rate, rel_tol=1e-9):
         print(f"[live] {path} is of rate {old['rate']}, not {rate:.6g}: not reused",
@@ -123,21 +127,28 @@ def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
     runs, requests = dict(old.get("runs", {})), dict(old.get("requests", {}))
     for system in systems:
         results: list[list[RequestResult]] = []
-        runs[system] = []
+        if append and requests.get(system):
+            results = [[from_json(r) for r in one] for one in requests[system]]
+            runs[system] = list(runs.get(system, []))
+        else:
+            runs[system] = []
+        earlier = len(results)
         for k in range(repeats):
             before = when()
             results.append(replay_once(system))
             runs[system].append({"before": before, "after": when()})
             if extras is not None:
                 runs[system][-1]["env"] = extras()
-            print(f"[live {system} @ {rate:.3g}/s, replay {k + 1}/{repeats}] "
+            print(f"[live {system} @ {rate:.3g}/s, replay {earlier + k + 1}/{earlier + repeats}] "
                   f"{json.dumps(metrics_of(results[-1]))}", file=sys.stderr, flush=True)
         pooled = pool(results, metrics_of)
         got[system], reps[system] = pooled["metrics"], pooled["replays"]
         requests[system] = [[to_json(r) for r in one] for one in results]
-        print(f"[live {system} @ {rate:.3g}/s, pooled over {repeats}] "
+        print(f"[live {system} @ {rate:.3g}/s, pooled over {len(results)}] "
               f"{json.dumps(got[system])}", file=sys.stderr, flush=True)
-        path.write_text(json.dumps({"rate": rate, "repeats": repeats, "runs": runs,
+        path.write_text(json.dumps({"rate": rate, "repeats": max(len(r) for r in
+                                                                 requests.values()),
+                                    "runs": runs,
                                     "metrics": got, "replays": reps, "requests": requests})
                         + "\n")
     return {"metrics": got, "replays": reps}

@@ -597,11 +597,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin", choices=("off", "on"), default="off",
                    help="the live clusters' pin_workers (kvcake/server/cluster/cpu_pinning.py; "
                         "default off, as every earlier check ran)")
+    p.add_argument("--append-replays", action="store_true",
+                   help="pool this invocation's replays with those the live file already holds "
+                        "for the system (same rate): --live-repeats N split across separate "
+                        "invocations and lock holds, pooled by design")
     p.add_argument("--live-only", action="store_true",
                    help="replay and write the live files, then stop (no simulator run)")
     args = p.parse_args(argv)
     if args.live_only and args.sim_only:
         p.error("--live-only and --sim-only exclude each other: pass one")
+    if args.append_replays and args.sim_only:
+        p.error("--append-replays adds replays; --sim-only replays nothing: pass one")
     if args.colocated_by_rows and args.colocated_terms is None:
         p.error("--colocated-by-rows needs --colocated-terms SAVED (the step trace it measures)")
     cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
@@ -640,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         return live_replays.replay_file(args.out_dir / name, rate_, systems, args.live_repeats,
                                         replay_once, lambda rs: live_metrics(rs, regime),
                                         replay=replay and not args.sim_only,
-                                        extras=lambda: envs.pop())
+                                        extras=lambda: envs.pop(),
+                                        append=args.append_replays)
 
     live_file, fit_file = live_replays.check_files(rate, args.fit_rate, args.replay_rates,
                                                    live_at)

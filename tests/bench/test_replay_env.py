@@ -209,3 +209,33 @@ def test_gemm_table_ab_reads_a_workers_log_line_and_refuses_bad_tables(tmp_path:
         gemm_table_ab.table_arg(f"a={tmp_path / 'missing.json'}")
     (tmp_path / "t.json").write_text("{}")
     assert gemm_table_ab.table_arg(f"a={tmp_path / 't.json'}") == ("a", tmp_path / "t.json")
+
+
+def test_append_pools_replays_across_invocations(tmp_path: Path) -> None:
+    from tests.bench.test_live_replays import REPLAY_A, REPLAY_B
+
+    path = tmp_path / "live.json"
+    n = lambda rs: {"n": float(len(rs))}  # noqa: E731
+    live_replays.replay_file(path, 1.0, ["disagg"], 1, lambda _s: REPLAY_A, n,
+                             when=lambda: {"at": "first"})
+    got = live_replays.replay_file(path, 1.0, ["disagg"], 1, lambda _s: REPLAY_B, n,
+                                   when=lambda: {"at": "second"}, append=True)
+    assert got["metrics"]["disagg"] == {"n": 8.0}  # 4 + 4 requests pooled
+    assert got["replays"]["disagg"] == [{"n": 4.0}, {"n": 4.0}]
+    data = json.loads(path.read_text())
+    assert [r["before"]["at"] for r in data["runs"]["disagg"]] == ["first", "second"]
+    assert data["repeats"] == 2 and len(data["requests"]["disagg"]) == 2
+    # without append a new invocation replaces the system's replays
+    got = live_replays.replay_file(path, 1.0, ["disagg"], 1, lambda _s: REPLAY_B, n)
+    assert got["replays"]["disagg"] == [{"n": 4.0}]
+    # another rate's file is not pooled with
+    got = live_replays.replay_file(path, 2.0, ["disagg"], 1, lambda _s: REPLAY_A, n,
+                                   append=True)
+    assert got["replays"]["disagg"] == [{"n": 4.0}]
+
+
+def test_append_replays_refused_with_sim_only(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        sim_vs_live.main(["--out-dir", "/nonexistent-kvcake-dir", "--append-replays",
+                          "--sim-only"])
+    assert exc.value.code == 2 and "--append-replays" in capsys.readouterr().err
