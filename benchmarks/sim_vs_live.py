@@ -78,6 +78,18 @@ arrivals (like with like: the live replays share those arrivals).
 holds of at most 15 minutes; a --fit-rate equal to --rate uses the same replays (not replayed
 again). The live files (`live.json`, `live_fit.json`) keep each replay's per-request records
 (`requests`), so the pooling can be recomputed without replaying.
+
+Each replay's run entry also has "env" (benchmarks/replay_env.py): the workers' torch threads,
+OS threads, affinity and where their threads ran, their run-queue wait, whether pin_workers was
+on (`--pin`, default off), the GEMM tuning tables (hash; measured at start-up or loaded), the
+machine's /proc/stat shares (steal, idle) and load over the replay, CPU MHz, and the decode
+worker's step times from its step trace (step wall / CPU, the gap time outside the step);
+`benchmarks/invocation_spread.py` sets separate invocations' replays side by side.
+`--append-replays` pools an invocation's replays with those its live file already holds (same
+rate): `--live-repeats 1 --append-replays` per invocation, invocations of the two systems
+alternating, spreads each system's N replays over separate invocations and lock holds, so a
+speed that differs between invocations lands in the pooled value (docs/benchmarks.md, eleventh
+session). `--live-only` replays and stops.
 """
 
 from __future__ import annotations
