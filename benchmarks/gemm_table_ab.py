@@ -52,6 +52,62 @@ def table_arg(text: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
+def time_tables(model: str, tables: dict[str, dict[str, list[str]]], batches: list[int],
+                rounds: int, steps: int) -> list[dict[str, Any]]:
+    """Per batch size (largest first) and table: the decode step's CPU time p50 / min over
+    `rounds` rounds of `steps` steps, the tables swapped in turn within each round."""
+    import tempfile
+
+    import torch
+
+    from kvcake.engine.config import EngineConfig
+    from kvcake.engine.engine import Engine
+    from kvcake.engine.linear import Linear, tune
+    from kvcake.engine.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    engine = Engine(model, EngineConfig(dtype="float32", device="cpu",
+                                        max_num_batched_tokens=2048, kv_cache_bytes=1 << 30))
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    scratch = Path(tempfile.mkdtemp(prefix="kvcake-tables-"))
+    paths = {}
+    for name, t in tables.items():
+        paths[name] = scratch / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.json"
+        paths[name].write_text(json.dumps(t))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(batches[0]):
+        prompt = torch.randint(4, engine.model_config.vocab_size, (1200 + (i * 37) % 600,),
+                               generator=gen).tolist()
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20_000, ignore_eos=True))
+    running = {f"r{i}" for i in range(batches[0])}
+    seen: set[str] = set()
+    while len(seen) < len(running):
+        seen.update(out.request_id for out in engine.step())
+    rows: list[dict[str, Any]] = []
+    for batch in batches:
+        while len(running) > batch:
+            rid = max(running)
+            engine.abort(rid)
+            running.discard(rid)
+        cpu: dict[str, list[float]] = {n: [] for n in tables}
+        for _ in range(rounds):
+            for name in tables:
+                tune(linears, table=paths[name])
+                engine.step()  # the first step after a swap warms the new kernels
+                for _ in range(steps):
+                    t0 = time.process_time()
+                    engine.step()
+                    cpu[name].append(time.process_time() - t0)
+        base = sorted(cpu[next(iter(tables))])[len(cpu[next(iter(tables))]) // 2]
+        for name, xs in cpu.items():
+            med = sorted(xs)[len(xs) // 2]
+            rows.append({"batch": batch, "table": name, "step_cpu_ms_p50": round(1e3 * med, 3),
+                         "step_cpu_ms_min": round(1e3 * min(xs), 3),
+                         "p50_over_first": round(med / base, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,59 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(tables) < 2:
         p.error("give at least two tables (--table NAME=PATH, --log-tables LOG)")
     batches = sorted((int(b) for b in args.batches.split(",")), reverse=True)
-
-    import tempfile
-
-    import torch
-
-    from kvcake.engine.config import EngineConfig
-    from kvcake.engine.engine import Engine
-    from kvcake.engine.linear import Linear, tune
-    from kvcake.engine.sampling import SamplingParams
-
-    torch.set_num_threads(1)
-    engine = Engine(args.model, EngineConfig(dtype="float32", device="cpu",
-                                             max_num_batched_tokens=2048,
-                                             kv_cache_bytes=1 << 30))
-    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
-    scratch = Path(tempfile.mkdtemp(prefix="kvcake-tables-"))
-    paths = {}
-    for name, t in tables.items():
-        paths[name] = scratch / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.json"
-        paths[name].write_text(json.dumps(t))
-    gen = torch.Generator().manual_seed(0)
-    for i in range(batches[0]):
-        prompt = torch.randint(4, engine.model_config.vocab_size, (1200 + (i * 37) % 600,),
-                               generator=gen).tolist()
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20_000, ignore_eos=True))
-    running = {f"r{i}" for i in range(batches[0])}
-    seen: dict[str, int] = {}
-    while len(seen) < len(running):
-        for out in engine.step():
-            seen[out.request_id] = 1
-    rows: list[dict[str, Any]] = []
-    for batch in batches:
-        while len(running) > batch:
-            rid = max(running)
-            engine.abort(rid)
-            running.discard(rid)
-        cpu: dict[str, list[float]] = {n: [] for n in tables}
-        for _ in range(args.rounds):
-            for name in tables:
-                tune(linears, table=paths[name])
-                engine.step()  # the first step after a swap warms the new kernels
-                for _ in range(args.steps):
-                    t0 = time.process_time()
-                    engine.step()
-                    cpu[name].append(time.process_time() - t0)
-        first = next(iter(tables))
-        base = sorted(cpu[first])[len(cpu[first]) // 2]
-        for name, xs in cpu.items():
-            med = sorted(xs)[len(xs) // 2]
-            rows.append({"batch": batch, "table": name, "step_cpu_ms_p50": round(1e3 * med, 3),
-                         "step_cpu_ms_min": round(1e3 * min(xs), 3),
-                         "p50_over_first": round(med / base, 3)})
-            print(json.dumps(rows[-1]), flush=True)
+    rows = time_tables(args.model, tables, batches, args.rounds, args.steps)
     for name, t in tables.items():
         print(f"{name}: {json.dumps({k: '|'.join(v) for k, v in sorted(t.items())})}")
     report = {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
