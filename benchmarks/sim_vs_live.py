@@ -81,7 +81,7 @@ again). The live files (`live.json`, `live_fit.json`) keep each replay's per-req
 
 Each replay's run entry also has "env" (benchmarks/replay_env.py): the workers' torch threads,
 OS threads, affinity and where their threads ran, their run-queue wait, whether pin_workers was
-on (`--pin`, default off), the GEMM tuning tables (hash; measured at start-up or loaded), the
+on (`--pin`, default on), the GEMM tuning tables (hash; measured at start-up or loaded), the
 machine's /proc/stat shares (steal, idle) and load over the replay, CPU MHz, and the decode
 worker's step times from its step trace (step wall / CPU, the gap time outside the step);
 `benchmarks/invocation_spread.py` sets separate invocations' replays side by side.
@@ -606,9 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-rates", choices=("both", "rate", "fit-rate"), default="both",
                    help="which rates' live files this run replays (the other's is reused): "
                         "splits a check into lock holds of at most 15 minutes")
-    p.add_argument("--pin", choices=("off", "on"), default="off",
+    p.add_argument("--pin", choices=("on", "off"), default="on",
                    help="the live clusters' pin_workers (kvcake/server/cluster/cpu_pinning.py; "
-                        "default off, as every earlier check ran)")
+                        "default on, the cluster's default since the eleventh session; every "
+                        "earlier check ran off)")
     p.add_argument("--append-replays", action="store_true",
                    help="pool this invocation's replays with those the live file already holds "
                         "for the system (same rate): --live-repeats N split across separate "

@@ -72,10 +72,11 @@ class ClusterConfig:
     profile_dir: str | None = None  # None: kvcake.server.cluster.profiler.default_cache_dir()
     max_waiting_requests: int | None = None  # 429 while this many wait for a first token
     served_model_names: tuple[str, ...] = ()  # (): the model's own name
-    # each launched worker on CPUs of its own when there are enough (cpu_pinning.py); off:
-    # no measured gain (docs/benchmarks.md, issue 11 part 2), and a pinned worker cannot move
-    # off a core that another process occupies
-    pin_workers: bool = False
+    # each launched worker on CPUs of its own when there are enough (cpu_pinning.py); on by
+    # default: unpinned, how often the decode worker shared a CPU with the prefill worker varied
+    # between invocations and moved its TBT p50 24.7-58 ms (docs/benchmarks.md, eleventh
+    # session); false for a host whose cores other tenants occupy
+    pin_workers: bool = True
     # [security]: where the cluster secret is (a file, or an environment variable's name);
     # neither: `kvcake serve` makes one for the workers it launches (launch = false needs one).
     secret_file: str | None = None
@@ -221,7 +222,7 @@ class ClusterConfig:
                    served_model_names=_names(frontend.get("served_model_name", ())),
                    etcd_endpoints=_names(etcd.get("endpoints", ())),
                    etcd_cluster=etcd.get("cluster", "kvcake"),
-                   pin_workers=_flag(raw.get("pin_workers", False), f"{source}: pin_workers"))
+                   pin_workers=_flag(raw.get("pin_workers", True), f"{source}: pin_workers"))
 
 
 def _flag(value: Any, where: str) -> bool:

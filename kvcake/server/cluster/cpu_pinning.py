@@ -1,4 +1,4 @@
-"""Which CPUs each launched worker process runs on (`ClusterConfig.pin_workers`, off by
+"""Which CPUs each launched worker process runs on (`ClusterConfig.pin_workers`, on by
 default). Pure policy.
 
 The rule: when the CPUs this launcher may use hold a CPU for every thread of every launched
@@ -11,11 +11,13 @@ Why it exists: a decode worker's step is its TBT; a worker that the scheduler mo
 cores, or that shares a core with another engine for a while, pays cold caches and waits. One
 core per engine thread is what a worker's `num_threads` asks for, and it applies to every role
 alike, so a colocated baseline's workers get the same treatment as a disaggregated pair's.
-Why it is off by default: on the 2-core machine, 1P+1D and 2 colocated workers at 1.113 req/s
-showed no gain from it (docs/benchmarks.md, issue 11 part 2: TBT and shares within one run's
-noise), and a pinned worker cannot leave a core that another process (the frontend, another
-tenant) occupies, which the scheduler otherwise does for it. Turn it on for a host whose cores
-the cluster has to itself.
+Why it is on by default: on the 2-core machine, 1P+1D unpinned at 0.787 req/s, separate
+invocations of the same replay had the decode worker's busiest thread on the prefill worker's
+CPU in 0-25% of samples, and their TBT p50 ranged 29-58 ms with it; pinned, 24.7-29.4 ms
+(docs/benchmarks.md, eleventh session: between-invocation variation). An earlier A/B at 1.113
+req/s found no gain within one run's noise (issue 11 part 2). Its cost: a pinned worker cannot
+leave a core that another process (the frontend, another tenant) occupies, which the scheduler
+otherwise does for it; `pin_workers = false` for a host whose cores other tenants share.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 with `in_process=True`, for tests), the cached profile (measured on first use), then the
 backend connects to every worker. `close()` shuts the workers down (SIGTERM, then SIGKILL after a
 grace period) and stops the master: no orphans. Children also exit when this process dies (they
-watch their parent's pid). With `pin_workers = true` (off by default) and a CPU per worker
+watch their parent's pid). With `pin_workers = true` (the default) and a CPU per worker
 thread, each launched worker runs on CPUs of its own (cpu_pinning.py); this process stays
 unpinned.
 """

@@ -32,9 +32,9 @@ def test_too_few_cpus_or_unbounded_threads_pin_nobody() -> None:
 
 def test_pin_workers_is_read_from_the_config_and_checked() -> None:
     workers = [{"role": "prefill"}, {"role": "decode"}]
-    assert ClusterConfig.from_dict({"workers": workers}).pin_workers is False
-    assert ClusterConfig.from_dict({"workers": workers, "pin_workers": True}).pin_workers \
-        is True
+    assert ClusterConfig.from_dict({"workers": workers}).pin_workers is True  # the default
+    assert ClusterConfig.from_dict({"workers": workers, "pin_workers": False}).pin_workers \
+        is False
     with pytest.raises(ValueError, match="pin_workers: must be true or false"):
         ClusterConfig.from_dict({"workers": workers, "pin_workers": "yes"})
 
@@ -68,7 +68,9 @@ def test_launcher_pins_disagg_and_colocated_workers_alike(monkeypatch: pytest.Mo
                            pin_workers=True)
     assert _launch_all(monkeypatch, config, {0, 1}) == {1000: (0,), 1001: (1,)}
     assert _launch_all(monkeypatch, config, {0}) == {}  # too few: nobody
-    off = ClusterConfig(mode=mode, workers=config.workers)  # the default: off
+    default = ClusterConfig(mode=mode, workers=config.workers)  # the default: on
+    assert _launch_all(monkeypatch, default, {0, 1}) == {1000: (0,), 1001: (1,)}
+    off = ClusterConfig(mode=mode, workers=config.workers, pin_workers=False)
     assert _launch_all(monkeypatch, off, {0, 1}) == {}
 
 
