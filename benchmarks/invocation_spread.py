@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     rows = [row for f in args.files
-            for row in rows_of(f.stem, json.loads(f.read_text()), args.system)]
+            for row in rows_of(f"{f.parent.name}/{f.stem}", json.loads(f.read_text()),
+                                args.system)]
     if not rows:
         raise SystemExit("no replay with a recorded env in these files: replay them with "
                          "sim_vs_live.py (it records benchmarks/replay_env.py's env since a0bbd33)")
