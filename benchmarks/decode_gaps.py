@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import colocated_terms  # noqa: E402
 import serving_disagg_vs_colocated as cap  # noqa: E402
+from replay_env import worker_roles  # noqa: E402
 
 from kvcake.bench.stats import paper_tbt_s  # noqa: E402
 from kvcake.engine.step_trace import ENV  # noqa: E402
@@ -97,23 +98,7 @@ class WorkerCpu:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def roles(self) -> dict[int, str]:
-        out = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            parent = (argv[argv.index(b"--parent-pid") + 1].decode()
-                      if b"--parent-pid" in argv[:-1] else "")
-            if b"worker" not in argv or self.session not in (int(fields[3]), int(parent or -1)):
-                continue  # a worker runs in a session of its own, `--parent-pid` the server
-            role = argv[argv.index(b"--role") + 1].decode() if b"--role" in argv else "worker"
-            out[int(entry.name)] = role
-        return out
+        return worker_roles(self.session)  # pid -> role of the server's worker processes
 
     def _cpu_s(self, pid: int) -> float:
         stat = Path(f"/proc/{pid}/stat").read_text()
