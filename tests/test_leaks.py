@@ -18,8 +18,13 @@ def test_a_thread_a_process_and_a_listener_left_running_are_named() -> None:
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait, name="left-behind", daemon=True)
     thread.start()
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
+    # The child says it runs before it is looked for: between exec and the new image's set-up,
+    # /proc/PID/environ reads empty, so a child caught in that window would not carry the mark.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdout is not None
+    assert child.stdout.readline() == b"up\n"
     listener = socket.create_server(("127.0.0.1", 0))
     try:
         extra = leaks.left_over(MARK, before, leaks.Running(), wait_s=0.0)
@@ -36,5 +41,7 @@ def test_a_thread_a_process_and_a_listener_left_running_are_named() -> None:
         assert child.stdin is not None
         child.stdin.close()
         child.wait()
+        assert child.stdout is not None
+        child.stdout.close()
         listener.close()
     assert not leaks.left_over(MARK, before, leaks.Running(), wait_s=5.0)  # all stopped
