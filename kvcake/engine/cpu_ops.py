@@ -37,9 +37,11 @@ import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -127,13 +129,19 @@ def load_error() -> str | None:
 
 @cache
 def fused_ops() -> SimpleNamespace:
-    """The ops' overloads (`torch.ops.kvcake.X.default`), bound once: calling an overload skips
-    the overload-packet's Python dispatch (a few microseconds a call, ~30 calls a decode step).
-    Needs `load()`."""
+    """The ops' overloads (`torch.ops.kvcake.X.default`) as their C++ callables, bound once:
+    calling one skips the overload packet's and the overload's Python `__call__` frames (~30
+    calls a decode step). Needs `load()`."""
     ops = torch.ops.kvcake
-    return SimpleNamespace(**{name: getattr(ops, name).default for name in (
-        "rms_norm", "add_rms_norm", "silu_mul", "rope_qkv_store", "paged_decode_attention",
-        "paged_prefill_attention", "split_gemv")})
+    return SimpleNamespace(**{name: overload_callable(getattr(ops, name).default) for name in (
+        "rms_norm", "add_rms_norm", "silu_mul", "argmax_rows", "rope_qkv_store",
+        "paged_decode_attention", "paged_prefill_attention", "split_gemv")})
+
+
+def overload_callable(overload: Any) -> Callable[..., Any]:
+    """The C++ callable behind an op overload (`torch.ops.NS.OP.default`): the same call as the
+    overload's, without its Python `__call__` frame (which only forwards `*args, **kwargs`)."""
+    return getattr(overload, "_op", overload)
 
 
 def paged_decode_attention(q: Tensor, kv_layer: Tensor, block_tables: Tensor,

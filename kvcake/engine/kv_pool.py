@@ -52,6 +52,10 @@ class KVPool:
             self.kv.zero_()  # the invariant above, whatever the allocator handed over
         # One view per layer, made once (indexing `kv` per layer per step showed in a step).
         self.layer_views: tuple[Tensor, ...] = tuple(self.kv.unbind(0))
+        # The same layers as rows [num_blocks * 2 * block_size, num_kv_heads, head_dim] (where
+        # a step writes each token's K and V), also made once.
+        self.layer_rows: tuple[Tensor, ...] = tuple(v.view(-1, *v.shape[-2:])
+                                                    for v in self.layer_views)
         self.layer_shape = tuple(self.kv.shape[2:])
         self.layer_nbytes = self.kv[0, 0].numel() * self.kv.element_size()
         self.block_nbytes = self.layer_nbytes * config.num_layers

@@ -130,10 +130,12 @@ class Kernel:
         if backend == "aten":
             return lambda x: F.linear(x, w, b)
         if backend == "onednn" and self._onednn is not None:
-            packed, op = self._onednn, torch.ops.mkldnn._linear_pointwise.default
+            packed = self._onednn
+            op = cpu_ops.overload_callable(torch.ops.mkldnn._linear_pointwise.default)
             return lambda x: op(x, packed, b, "none", [], "")
         if backend == "mkl_gemv" and self._mkl is not None:
-            packed, op = self._mkl, torch.ops.mkl._mkl_linear.default
+            packed = self._mkl
+            op = cpu_ops.overload_callable(torch.ops.mkl._mkl_linear.default)
             return lambda x: op(x, packed, w, b, 1)
         if backend == "mkl_split" and self._split is not None:
             (packs, parts), split = self._split, cpu_ops.fused_ops().split_gemv

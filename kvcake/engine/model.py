@@ -67,7 +67,8 @@ class ForwardInputs:
     input_ids / positions: [n] per flat row (a stage without layer 0 reads `hidden` instead of
     the ids); logit_rows: the flat rows whose logits a last stage returns; max_position: the
     largest of `positions` when the caller knows it (saves a device sync); hidden: a stage
-    without layer 0: the previous stage's output [n, hidden_size].
+    without layer 0: the previous stage's output [n, hidden_size]; every_row: `logit_rows` is
+    every row in order (a decode step: the logits need no gather).
     """
 
     input_ids: Tensor
@@ -75,6 +76,7 @@ class ForwardInputs:
     logit_rows: Tensor
     max_position: int | None = None
     hidden: Tensor | None = None
+    every_row: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +113,8 @@ class DecoderLayer(nn.Module):
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, kv: Tensor,
                 batch: AttentionBatch) -> Tensor:
         if cpu_ops.fused(h):
-            h, delta = self._forward_fused(h, None, cos, sin, kv, batch)
+            h, delta = self._forward_fused(h, None, (cos, sin), kv,
+                                           kv.view(-1, self.num_kv_heads, self.head_dim), batch)
             return h + delta
         x = self.input_layernorm(h)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -119,6 +122,7 @@ class DecoderLayer(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over the heads
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         rows = kv.view(-1, self.num_kv_heads, self.head_dim)
@@ -129,11 +133,14 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
 
-    def _forward_fused(self, h: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor,
-                       kv: Tensor, batch: AttentionBatch) -> tuple[Tensor, Tensor]:
+    def _forward_fused(self, h: Tensor, pending: Tensor | None, rope: tuple[Tensor, Tensor],
+                       kv: Tensor, kv_rows: Tensor,
+                       batch: AttentionBatch) -> tuple[Tensor, Tensor]:
         """`forward` with the element-wise steps as single-pass ops (CPU fp32, `cpu_ops`). The
         residual stream is h + pending (the previous layer's last add, folded into this
-        layer's first norm); returns this layer's output the same way, (h, delta)."""
+        layer's first norm); returns this layer's output the same way, (h, delta). `rope`:
+        cos [n, head_dim] and sin's first half [n, head_dim / 2]; `kv_rows`: the layer `kv` as
+        rows [-1, num_kv_heads, head_dim] (`KVPool.layer_rows`)."""
         ops = cpu_ops.fused_ops()
         fast = self._fast if self._fast is not None else self._fast_attrs()
         qkv_proj, o_proj, gate_up_proj, down_proj, in_w, in_eps, post_w, post_eps = fast
@@ -142,10 +149,8 @@ class DecoderLayer(nn.Module):
             x = ops.rms_norm(h, in_w, in_eps)
         else:
             h, x = ops.add_rms_norm(h, pending, in_w, in_eps)
-        rows = kv.view(-1, self.num_kv_heads, self.head_dim)
-        q, k, v = ops.rope_qkv_store(qkv_proj(x), cos.view(n, -1), sin.view(n, -1),
-                                     rows, batch.k_slots, batch.v_slots, self.num_heads,
-                                     self.num_kv_heads)
+        q, k, v = ops.rope_qkv_store(qkv_proj(x), rope[0], rope[1], kv_rows, batch.k_slots,
+                                     batch.v_slots, self.num_heads, self.num_kv_heads)
         attn = self._attend(q, k, v, kv, batch)
         h, x = ops.add_rms_norm(h, o_proj(attn.view(n, self.q_size)), post_w, post_eps)
         return h, down_proj(ops.silu_mul(gate_up_proj(x)))
@@ -160,7 +165,7 @@ class DecoderLayer(nn.Module):
         return self._fast
 
     def _forward_fused_rows(self, h: Tensor, pending: Tensor | None, rope: tuple[Tensor, Tensor],
-                            kv: Tensor, batch: AttentionBatch,
+                            kv: Tensor, kv_rows: Tensor, batch: AttentionBatch,
                             rows: Tensor) -> tuple[Tensor, Tensor]:
         """`_forward_fused` for the model's last layer when only `rows` of its output are used
         (the rows that give logits): every row's K and V are still computed and written to the
@@ -171,15 +176,13 @@ class DecoderLayer(nn.Module):
         ops = cpu_ops.fused_ops()
         fast = self._fast if self._fast is not None else self._fast_attrs()
         qkv_proj, o_proj, gate_up_proj, down_proj, in_w, in_eps, post_w, post_eps = fast
-        (cos, sin), n, m = rope, h.shape[0], rows.shape[0]
+        m = rows.shape[0]
         if pending is None:
             x = ops.rms_norm(h, in_w, in_eps)
         else:
             h, x = ops.add_rms_norm(h, pending, in_w, in_eps)
-        q, k, v = ops.rope_qkv_store(qkv_proj(x), cos.view(n, -1), sin.view(n, -1),
-                                     kv.view(-1, self.num_kv_heads, self.head_dim),
-                                     batch.k_slots, batch.v_slots, self.num_heads,
-                                     self.num_kv_heads)
+        q, k, v = ops.rope_qkv_store(qkv_proj(x), rope[0], rope[1], kv_rows, batch.k_slots,
+                                     batch.v_slots, self.num_heads, self.num_kv_heads)
         if m == 0:  # no row samples (a prompt chunk that continues): only the KV was needed
             return h[:0], h[:0]
         attn = self._attend_rows(q, k, v, kv, batch, rows)
@@ -275,7 +278,8 @@ class LlamaModel(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self._rope_cache: Tensor | None = None  # [2 (cos, sin), positions, head_dim]
+        # (cos [positions, head_dim], sin's first half [positions, head_dim / 2])
+        self._rope_cache: tuple[Tensor, Tensor] | None = None
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, batch: AttentionBatch, pool: KVPool,
@@ -297,44 +301,50 @@ class LlamaModel(nn.Module):
         fused = cpu_ops.fused(h)  # decided once per forward (a check per layer showed in a step)
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         pending: Tensor | None = None  # fused path: the residual stream is h + pending
-        views = pool.layer_views
+        views, kv_rows = pool.layer_views, pool.layer_rows
+        n = h.shape[0]
+        every_row = inputs.every_row or (n == 1 and logit_rows.shape[0] == 1)
         # The last layer's output is read at the logit rows only: when they are fewer than the
         # rows, that layer computes them alone (every row's KV is still written).
-        trim = fused and self.is_last and logit_rows.shape[0] < h.shape[0]
+        trim = fused and self.is_last and logit_rows.shape[0] < n
         for idx, layer in enumerate(layers):
-            kv = views[idx]
             if trim and idx == len(layers) - 1:  # h, pending: of the logit rows, in order
-                h, pending = layer._forward_fused_rows(h, pending, (cos, sin), kv, batch,
-                                                       logit_rows)
+                h, pending = layer._forward_fused_rows(h, pending, (cos, sin), views[idx],
+                                                       kv_rows[idx], batch, logit_rows)
             elif fused:  # direct call: nn.Module's __call__ is measurable at decode sizes
-                h, pending = layer._forward_fused(h, pending, cos, sin, kv, batch)
+                h, pending = layer._forward_fused(h, pending, (cos, sin), views[idx],
+                                                  kv_rows[idx], batch)
             else:
-                h = layer(h, cos, sin, kv, batch)
+                h = layer(h, cos, sin, views[idx], batch)
             if layer_hook is not None:
                 layer_hook(first + idx)
         if not self.is_last:
             return h if pending is None else h + pending
-        if pending is not None:  # only the rows that give logits need the last add
-            if trim or (h.shape[0] == 1 and logit_rows.shape[0] == 1):  # no gather needed
-                return self.lm_head.forward(self.norm.forward(h + pending)).float()
-            return self.lm_head.forward(
-                self.norm.forward(h[logit_rows] + pending[logit_rows])).float()
-        return self.lm_head.forward(self.norm.forward(h[logit_rows])).float()
+        if not (trim or every_row):  # only the rows that give logits need the last add
+            h = h[logit_rows]
+            pending = None if pending is None else pending[logit_rows]
+        if pending is None:
+            logits = self.lm_head.forward(self.norm.forward(h))
+        else:  # the last add and the final norm in one pass
+            norm = self.norm
+            logits = self.lm_head.forward(
+                cpu_ops.fused_ops().add_rms_norm(h, pending, norm.weight, norm.eps)[1])
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _rope(self, positions: Tensor, dtype: torch.dtype,
               max_position: int | None = None) -> tuple[Tensor, Tensor]:
-        """cos [n, 1, head_dim] and the first half of sin [n, 1, head_dim / 2] (its halves are
-        equal) of `positions`, from a cache grown on demand."""
+        """cos [n, head_dim] and the first half of sin [n, head_dim / 2] (its halves are equal)
+        of `positions`, from caches grown on demand (one gather each: the fused ops' layout)."""
         need = (int(positions.max().item()) if max_position is None else max_position) + 1
-        if self._rope_cache is None or self._rope_cache.shape[1] < need \
-                or self._rope_cache.dtype != dtype:
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < need \
+                or self._rope_cache[0].dtype != dtype:
             size = max(need, 1 << (need - 1).bit_length(), 1024)
             pos = torch.arange(size, dtype=torch.float32, device=positions.device)
             freqs = pos[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope_cache = torch.stack((emb.cos(), emb.sin())).to(dtype)
-        cos_sin = self._rope_cache[:, positions].unsqueeze(2)
-        return cos_sin[0], cos_sin[1][..., :self.config.head_size // 2]
+            self._rope_cache = (emb.cos().to(dtype),
+                                emb.sin()[:, :self.config.head_size // 2].to(dtype).contiguous())
+        return self._rope_cache[0][positions], self._rope_cache[1][positions]
 
     def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load weights named as in transformers' LlamaForCausalLM (fusing qkv and gate|up)."""

@@ -8,6 +8,7 @@ token's slot (block id, offset) from its position:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -41,6 +42,13 @@ class LogitRows:
 
 SAMPLING_ROWS = LogitRows()  # one row per sampling chunk: what a step samples from
 ALL_ROWS = LogitRows(all_rows=True)  # every scheduled token: scoring a prompt
+
+
+def _long_tensor(values: list[int]) -> Tensor:
+    """int64 CPU tensor of `values` (through an `array`: about half of `torch.tensor`'s time for
+    a step's few hundred ints; the tensor keeps the array alive)."""
+    return torch.frombuffer(array("q", values), dtype=torch.long) if values else \
+        torch.empty(0, dtype=torch.long)
 
 
 class _FlatRows:
@@ -132,7 +140,10 @@ class ModelRunner:
         bs = self.block_size
         # Every int list of the step goes to the device as one tensor, then views of it: a
         # torch.tensor call per list was a measurable share of a decode step.
-        parts: list[list[int]] = [flat.input_ids, flat.positions, flat.k_slots, flat.logit_rows,
+        # The V slots are listed too (each K slot + block_size): an add op on the device cost
+        # more than the list at decode sizes.
+        parts: list[list[int]] = [flat.input_ids, flat.positions, flat.k_slots,
+                                  [s + bs for s in flat.k_slots], flat.logit_rows,
                                   flat.prefill_tables]
         decode_rows, decode_tables = flat.decode_rows, flat.decode_tables
         paged = bool(decode_rows) and self.paged_attention
@@ -140,21 +151,26 @@ class ModelRunner:
         if paged:
             parts += [decode_rows, flat.decode_lens,
                       [b for t in decode_tables for b in (*t, *[0] * (width - len(t)))]]
-        values = self._long([v for part in parts for v in part])
-        views = values.split([len(part) for part in parts])
-        ids_t, pos_t, k, logit_t = views[:4]
-        batch = AttentionBatch(prefill=flat.prefill, decode=[], k_slots=k, v_slots=k + bs,
+        flat_values = [v for part in parts for v in part]
+        values = _long_tensor(flat_values) if self.device.type == "cpu" else \
+            self._long(flat_values)
+        views = torch.split_with_sizes(values, [len(part) for part in parts])
+        ids_t, pos_t, k, v, logit_t, prefill_tables = views[:6]
+        batch = AttentionBatch(prefill=flat.prefill, decode=[], k_slots=k, v_slots=v,
                                block_size=bs)
         offset = 0
         for row, q_len, ctx_len in flat.paged_prefill:
             blocks = -(-ctx_len // bs)
-            batch.prefill_paged.append((row, q_len, ctx_len, views[4][offset:offset + blocks]))
+            batch.prefill_paged.append((row, q_len, ctx_len,
+                                        prefill_tables[offset:offset + blocks]))
             offset += blocks
         if paged:
-            batch.paged.append((views[5], views[7].view(len(decode_rows), width), views[6]))
+            batch.paged.append((views[6], views[8].view(len(decode_rows), width), views[7]))
         elif decode_rows:
             self._fill_decode(batch, decode_rows, decode_tables, flat.decode_lens)
-        inputs = ForwardInputs(ids_t, pos_t, logit_t, max(flat.positions), hidden)
+        n = len(flat.input_ids)
+        every_row = len(flat.logit_rows) == n and flat.logit_rows == list(range(n))
+        inputs = ForwardInputs(ids_t, pos_t, logit_t, max(flat.positions), hidden, every_row)
         return inputs, batch
 
     def _fill_decode(self, batch: AttentionBatch, rows: list[int],

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvcake.engine import cpu_ops
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -145,6 +147,14 @@ def suppress_tokens(logits: Tensor, rows: list[int], token_ids: list[tuple[int, 
             logits[row, cols] = float("-inf")
 
 
+def greedy_token_ids(logits: Tensor) -> list[int]:
+    """Each row's argmax (the first largest logit) as a list; on CPU fp32 through kvcake's op
+    (`cpu_ops`: one call, vectorized), else torch's argmax."""
+    if logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] and cpu_ops.fused(logits):
+        return cpu_ops.fused_ops().argmax_rows(logits)  # type: ignore[no-any-return]
+    return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+
+
 class Sampler:
     """Turns one row of logits per sequence into one token id per sequence."""
 
@@ -178,7 +188,7 @@ class Sampler:
 
     def sample(self, logits: Tensor, request_ids: list[str],
                params: list[SamplingParams]) -> list[int]:
-        greedy_ids = logits.argmax(dim=-1).tolist()
+        greedy_ids = greedy_token_ids(logits)
         if all(p.greedy for p in params):
             return greedy_ids
         out: list[int] = []

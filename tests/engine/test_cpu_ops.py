@@ -331,3 +331,41 @@ def test_decode_op_split_over_threads_equals_one_thread_and_the_reference() -> N
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
     assert torch.equal(torch.cat(results[1][:3]), results[1][3])  # batched = one by one
     assert (results[1][3] - _reference(q, kv, tables, lens)).abs().max().item() < 1e-5
+
+
+@needs_op
+def test_argmax_rows_is_torchs_argmax_ties_nans_and_infinities_included() -> None:
+    """The first largest value of each row (what torch.argmax returns): a tie goes to the
+    earlier index, a NaN counts as the largest (the first NaN), and widths off the op's
+    16-lane step are scanned to the end."""
+    assert cpu_ops.load(), cpu_ops.load_error()
+    argmax_rows = cpu_ops.fused_ops().argmax_rows
+    gen = torch.Generator().manual_seed(3)
+    for width in (1, 15, 16, 17, 33, 32000):
+        x = torch.randn(5, width, generator=gen)
+        assert argmax_rows(x) == x.argmax(-1).tolist(), width
+    x = torch.zeros(6, 40)
+    x[0, [7, 33]] = 2.0  # a tie: the earlier one
+    x[1, [3, 20]] = float("nan")  # NaNs: the first NaN, even below a larger value
+    x[1, 10] = 9.0
+    x[2, 39] = float("nan")  # a NaN in the last lane, after the largest value
+    x[2, 1] = 5.0
+    x[3] = float("-inf")  # every value -inf: index 0
+    x[4, [12, 13]] = float("inf")
+    x[5, 38] = 1.0  # in the tail past the last full 16-lane step
+    assert argmax_rows(x) == x.argmax(-1).tolist() == [7, 3, 39, 0, 12, 38]
+
+
+@needs_op
+def test_argmax_rows_refuses_what_it_cannot_read_and_greedy_ids_fall_back() -> None:
+    from kvcake.engine.sampling import greedy_token_ids
+
+    x = torch.randn(40, 3)
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        cpu_ops.fused_ops().argmax_rows(x.t())  # rows not contiguous
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        cpu_ops.fused_ops().argmax_rows(x.double())
+    # The sampler's greedy ids take torch's argmax wherever the op does not apply.
+    assert greedy_token_ids(x.t()) == x.t().argmax(-1).tolist()
+    assert greedy_token_ids(x.bfloat16()) == x.bfloat16().argmax(-1).tolist()
+    assert greedy_token_ids(x) == x.argmax(-1).tolist()

@@ -112,3 +112,37 @@ def test_every_chunk_sampling_keeps_each_rows_logits() -> None:
     assert got.shape[0] == 4
     rows = [15, 31, 47, 49]
     assert (got - ref[rows]).abs().max().item() < 1e-5
+
+
+def test_a_decode_step_reads_every_row_in_order_and_needs_no_gather(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pure decode step's logit rows are every row in order (`ForwardInputs.every_row`: the
+    model skips the gather); a step with a prompt chunk is not, and a batch decodes the same
+    tokens as each sequence alone."""
+    from kvcake.engine.sampling import SamplingParams
+
+    seen: list[tuple[int, bool]] = []
+    real = model.LlamaModel.forward
+
+    def spy(self: model.LlamaModel, inputs: model.ForwardInputs, *args: object,
+            **kwargs: object) -> torch.Tensor:
+        seen.append((inputs.input_ids.shape[0], inputs.every_row))
+        return real(self, inputs, *args, **kwargs)  # type: ignore[arg-type]
+
+    def decode(prompts: list[list[int]]) -> dict[str, list[int]]:
+        engine = Engine("tiny", SMALL_POOL)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out
+
+    prompts = [_ids(40, 1), _ids(23, 2), _ids(70, 3)]
+    monkeypatch.setattr(model.LlamaModel, "forward", spy)
+    together = decode(prompts)
+    assert (3, True) in seen  # the three decoding together
+    assert all(not every for rows, every in seen if rows > 3)  # the prompt steps
+    alone = {f"r{i}": decode([p])["r0"] for i, p in enumerate(prompts)}
+    assert together == alone

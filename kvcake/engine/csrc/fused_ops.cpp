@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <vector>
 
 #include "fast_exp.h"
 
@@ -185,12 +186,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_store(
   return {q, k, v};
 }
 
+// Greedy sampling's argmax of each row, as a list: the index of the first largest value, a NaN
+// counting as the largest (torch.argmax's rule). A max over lanes the compiler vectorizes, then
+// the first index holding it: one call in place of argmax + tolist, which took ~0.17 ms of a
+// decode step on 32,000 logits (its row reduction is scalar), run right after the lm_head.
+std::vector<int64_t> argmax_rows(const at::Tensor& logits) {
+  check_rows(logits, "argmax_rows");
+  const int64_t n = logits.size(0), width = logits.size(1);
+  TORCH_CHECK(width > 0, "argmax_rows: rows must not be empty");
+  constexpr int64_t L = 16;
+  std::vector<int64_t> out(n);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* x = logits.data_ptr<float>() + r * logits.stride(0);
+    float lane[L];
+    int nan[L];
+    for (int64_t j = 0; j < L; ++j) {
+      lane[j] = -INFINITY;
+      nan[j] = 0;
+    }
+    int64_t i = 0;
+    for (; i + L <= width; i += L)
+      for (int64_t j = 0; j < L; ++j) {
+        const float y = x[i + j];
+        lane[j] = y > lane[j] ? y : lane[j];
+        nan[j] |= y != y;
+      }
+    float best = -INFINITY;
+    int any_nan = 0;
+    for (int64_t j = 0; j < L; ++j) {
+      best = lane[j] > best ? lane[j] : best;
+      any_nan |= nan[j];
+    }
+    for (; i < width; ++i) {
+      best = x[i] > best ? x[i] : best;
+      any_nan |= x[i] != x[i];
+    }
+    int64_t at = 0;
+    if (any_nan) {
+      while (x[at] == x[at]) ++at;
+    } else {
+      while (x[at] != best) ++at;
+    }
+    out[r] = at;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvcake, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> int[]");
   m.def("rope_qkv_store(Tensor qkv, Tensor cos, Tensor sin_half, Tensor(a!) pool_rows, "
         "Tensor k_slots, Tensor v_slots, int num_heads, int num_kv_heads) -> "
         "(Tensor, Tensor, Tensor)");
@@ -200,5 +248,6 @@ TORCH_LIBRARY_IMPL(kvcake, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("rope_qkv_store", &rope_qkv_store);
 }
