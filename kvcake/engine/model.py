@@ -141,18 +141,32 @@ class DecoderLayer(nn.Module):
         layer's first norm); returns this layer's output the same way, (h, delta). `rope`:
         cos [n, head_dim] and sin's first half [n, head_dim / 2]; `kv_rows`: the layer `kv` as
         rows [-1, num_kv_heads, head_dim] (`KVPool.layer_rows`)."""
+        h, q, k, v = self._fused_qkv(h, pending, rope, kv_rows, batch)
+        attn = self._attend(q, k, v, kv, batch)
+        return self._fused_out(h, attn.view(h.shape[0], self.q_size))
+
+    def _fused_qkv(self, h: Tensor, pending: Tensor | None, rope: tuple[Tensor, Tensor],
+                   kv_rows: Tensor, batch: AttentionBatch) -> tuple[Tensor, ...]:
+        """The fused layer up to attention, every row: (h with pending added, q, k, v), RoPE
+        applied and each row's K and V written to `kv_rows`."""
         ops = cpu_ops.fused_ops()
         fast = self._fast if self._fast is not None else self._fast_attrs()
-        qkv_proj, o_proj, gate_up_proj, down_proj, in_w, in_eps, post_w, post_eps = fast
-        n = h.shape[0]
+        qkv_proj, in_w, in_eps = fast[0], fast[4], fast[5]
         if pending is None:
             x = ops.rms_norm(h, in_w, in_eps)
         else:
             h, x = ops.add_rms_norm(h, pending, in_w, in_eps)
         q, k, v = ops.rope_qkv_store(qkv_proj(x), rope[0], rope[1], kv_rows, batch.k_slots,
                                      batch.v_slots, self.num_heads, self.num_kv_heads)
-        attn = self._attend(q, k, v, kv, batch)
-        h, x = ops.add_rms_norm(h, o_proj(attn.view(n, self.q_size)), post_w, post_eps)
+        return h, q, k, v
+
+    def _fused_out(self, h: Tensor, attn: Tensor) -> tuple[Tensor, Tensor]:
+        """The fused layer after attention (`attn` [rows, q_size] of the rows of `h`): o_proj,
+        the residual add and norm, the MLP; (h, delta) as `_forward_fused` returns them."""
+        ops = cpu_ops.fused_ops()
+        _, o_proj, gate_up_proj, down_proj, _, _, post_w, post_eps = self._fast or \
+            self._fast_attrs()
+        h, x = ops.add_rms_norm(h, o_proj(attn), post_w, post_eps)
         return h, down_proj(ops.silu_mul(gate_up_proj(x)))
 
     def _fast_attrs(self) -> tuple[Any, ...]:
@@ -173,21 +187,12 @@ class DecoderLayer(nn.Module):
         `rows` only. Returns (h, delta) of `rows`, in their order. A cold 2,048-token prompt
         samples from one row: its last layer's attention and MLP, ~22% of the step's FLOPs at
         the serving model's shape, are not computed for the other 2,047."""
-        ops = cpu_ops.fused_ops()
-        fast = self._fast if self._fast is not None else self._fast_attrs()
-        qkv_proj, o_proj, gate_up_proj, down_proj, in_w, in_eps, post_w, post_eps = fast
         m = rows.shape[0]
-        if pending is None:
-            x = ops.rms_norm(h, in_w, in_eps)
-        else:
-            h, x = ops.add_rms_norm(h, pending, in_w, in_eps)
-        q, k, v = ops.rope_qkv_store(qkv_proj(x), rope[0], rope[1], kv_rows, batch.k_slots,
-                                     batch.v_slots, self.num_heads, self.num_kv_heads)
+        h, q, k, v = self._fused_qkv(h, pending, rope, kv_rows, batch)
         if m == 0:  # no row samples (a prompt chunk that continues): only the KV was needed
             return h[:0], h[:0]
         attn = self._attend_rows(q, k, v, kv, batch, rows)
-        h, x = ops.add_rms_norm(h[rows], o_proj(attn.reshape(m, self.q_size)), post_w, post_eps)
-        return h, down_proj(ops.silu_mul(gate_up_proj(x)))
+        return self._fused_out(h[rows], attn.reshape(m, self.q_size))
 
     def _attend_rows(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, batch: AttentionBatch,
                      rows: Tensor) -> Tensor:
