@@ -179,7 +179,7 @@ class DecoderLayer(nn.Module):
         return self._fast
 
     def _forward_fused_rows(self, h: Tensor, pending: Tensor | None, rope: tuple[Tensor, Tensor],
-                            kv: Tensor, kv_rows: Tensor, batch: AttentionBatch,
+                            kv: Tensor, batch: AttentionBatch,
                             rows: Tensor) -> tuple[Tensor, Tensor]:
         """`_forward_fused` for the model's last layer when only `rows` of its output are used
         (the rows that give logits): every row's K and V are still computed and written to the
@@ -188,6 +188,7 @@ class DecoderLayer(nn.Module):
         samples from one row: its last layer's attention and MLP, ~22% of the step's FLOPs at
         the serving model's shape, are not computed for the other 2,047."""
         m = rows.shape[0]
+        kv_rows = kv.view(-1, self.num_kv_heads, self.head_dim)  # a prompt step's: one view
         h, q, k, v = self._fused_qkv(h, pending, rope, kv_rows, batch)
         if m == 0:  # no row samples (a prompt chunk that continues): only the KV was needed
             return h[:0], h[:0]
@@ -315,7 +316,7 @@ class LlamaModel(nn.Module):
         for idx, layer in enumerate(layers):
             if trim and idx == len(layers) - 1:  # h, pending: of the logit rows, in order
                 h, pending = layer._forward_fused_rows(h, pending, (cos, sin), views[idx],
-                                                       kv_rows[idx], batch, logit_rows)
+                                                       batch, logit_rows)
             elif fused:  # direct call: nn.Module's __call__ is measurable at decode sizes
                 h, pending = layer._forward_fused(h, pending, (cos, sin), views[idx],
                                                   kv_rows[idx], batch)
