@@ -5,8 +5,8 @@ rather than instrumented.
         [--steps 200] [--rounds 3] [--threads 2] [--model DIR_OR_PRESET] [--json OUT]
 
 Why not the torch profiler (`step_profile.py`): it records every op, and its own cost is as large
-as what it reports: at batch 1 and 2k context a step took 11.92 ms unprofiled and 13.66 ms
-profiled, 12.8% of it outside torch ops (docs/benchmarks.md, issue 13, twelfth session).
+as what it reports: at batch 1 and 2k context a step took 10.87 ms unprofiled and 12.86 ms
+profiled, 13.1% of it outside torch ops (docs/benchmarks.md, issue 13, twelfth session).
 
 Method. The model is `step_profile.py`'s (the shape `serving_vs_vllm.py` serves; seeded random
 weights, fp32) unless `--model` names another. For each batch size B: B fresh prompts of
@@ -92,8 +92,8 @@ def shares(samples: dict[str, int]) -> dict[str, float]:
     """Each class's share of all samples (0 for each when there are none)."""
     total = sum(samples.values())
     out = dict.fromkeys(CLASSES, 0.0)
-    for dso, count in samples.items():
-        out[classify(dso)] += count / total if total else 0.0
+    for dso, count in samples.items():  # no samples: no iteration, every share 0
+        out[classify(dso)] += count / total
     return out
 
 
