@@ -68,6 +68,15 @@ FLUSH_BYTES = 64 << 20
 MAX_MACS = 1 << 31
 
 
+_generation = [0]  # bumped whenever a layer's kernel or a kernel's choice changes
+
+
+def generation() -> int:
+    """A number that changes whenever any `Linear.kernel`, or a kernel's bound choice, does:
+    what a cache of the kernels' operands (`Kernel.operands`) is keyed by."""
+    return _generation[0]
+
+
 def bucket_of(rows: int) -> int:
     if rows <= 1:  # the decode step of one sequence: the common case, no loop
         return 0
@@ -124,6 +133,20 @@ class Kernel:
         """One callable per bucket for `choice` (no backend lookup per call: a decode step
         makes ~17 of these calls, each a few microseconds of Python otherwise)."""
         self._fns = [self._fn(b) for b in self.choice]
+        _generation[0] += 1
+
+    def operands(self, bucket: int) -> tuple[int, Tensor | None, list[Tensor], list[Tensor]]:
+        """What the C++ decode loop (`torch.ops.kvcake.decode_layers`) needs to make this
+        product for `bucket`'s rows as `__call__` does: the backend's index in BACKENDS, the
+        packed weight (onednn, mkl_gemv) and the split parts (mkl_split: packed, weight).
+        ValueError if the chosen backend's packed form is missing."""
+        backend = self.choice[bucket]
+        packed = {"onednn": self._onednn, "mkl_gemv": self._mkl}.get(backend)
+        if backend in ("onednn", "mkl_gemv") and packed is None \
+                or backend == "mkl_split" and self._split is None:
+            raise ValueError(f"linear kernel: {backend} chosen but not prepared")
+        packs, parts = self._split if backend == "mkl_split" and self._split else ([], [])
+        return BACKENDS.index(backend), packed, list(packs), list(parts)
 
     def _fn(self, backend: str) -> Callable[[Tensor], Tensor]:
         w, b = self.weight, self.bias
@@ -172,12 +195,22 @@ class Kernel:
 class Linear(nn.Linear):
     """`nn.Linear` whose forward goes through a tuned `Kernel` once `tune` gave it one."""
 
-    kernel: Kernel | None = None
+    _kernel: Kernel | None = None
+
+    @property
+    def kernel(self) -> Kernel | None:
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, kernel: Kernel | None) -> None:
+        self._kernel = kernel
+        _generation[0] += 1
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel is None:
+        kernel = self._kernel
+        if kernel is None:
             return F.linear(x, self.weight, self.bias)
-        return self.kernel(x)
+        return kernel(x)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ sequence (prefill chunks and decode steps mixed) plus an `AttentionBatch` that s
 sequence, where its queries sit in the flat batch, how long its context is and which KV blocks
 hold it. Each layer writes its new K/V into the pool before attending, then calls the optional
 `layer_hook(layer_idx)` so a worker can stream that layer's KV while later layers compute.
+A pure decode step without a hook runs every layer in one C++ call (`decode_layers`), the
+same ops in the same order.
 
 Weights are held in Hugging Face naming at load time and fused here (q|k|v and gate|up) so each
 layer does four matmuls instead of seven.
@@ -20,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvcake.engine import cpu_ops
+from kvcake.engine import cpu_ops, decode_layers
 from kvcake.engine.config import ModelConfig
 from kvcake.engine.cpu_ops import paged_decode_attention, paged_prefill_attention
+from kvcake.engine.decode_layers import DecodeLayers
 from kvcake.engine.kv_pool import KVPool
 from kvcake.engine.linear import Linear
 from kvcake.engine.rope import apply_rope, rope_inv_freq
@@ -286,6 +289,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         # (cos [positions, head_dim], sin's first half [positions, head_dim / 2])
         self._rope_cache: tuple[Tensor, Tensor] | None = None
+        self._decode_loop: DecodeLayers | None = None  # built on the first decode step
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, batch: AttentionBatch, pool: KVPool,
@@ -313,6 +317,10 @@ class LlamaModel(nn.Module):
         # The last layer's output is read at the logit rows only: when they are fewer than the
         # rows, that layer computes them alone (every row's KV is still written).
         trim = fused and self.is_last and logit_rows.shape[0] < n
+        if fused and layer_hook is None and not trim and decode_layers.applies(batch):
+            # a pure decode step: every layer in one C++ call (the same ops, bit-identical)
+            h, pending = self._decode_layers()(h, pending, (cos, sin), views, kv_rows, batch)
+            layers = []
         for idx, layer in enumerate(layers):
             if trim and idx == len(layers) - 1:  # h, pending: of the logit rows, in order
                 h, pending = layer._forward_fused_rows(h, pending, (cos, sin), views[idx],
@@ -336,6 +344,11 @@ class LlamaModel(nn.Module):
             logits = self.lm_head.forward(
                 cpu_ops.fused_ops().add_rms_norm(h, pending, norm.weight, norm.eps)[1])
         return logits if logits.dtype == torch.float32 else logits.float()
+
+    def _decode_layers(self) -> DecodeLayers:
+        if self._decode_loop is None:
+            self._decode_loop = DecodeLayers(list(self.layers))  # type: ignore[arg-type]
+        return self._decode_loop
 
     def _rope(self, positions: Tensor, dtype: torch.dtype,
               max_position: int | None = None) -> tuple[Tensor, Tensor]:
