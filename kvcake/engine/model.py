@@ -5,8 +5,6 @@ sequence (prefill chunks and decode steps mixed) plus an `AttentionBatch` that s
 sequence, where its queries sit in the flat batch, how long its context is and which KV blocks
 hold it. Each layer writes its new K/V into the pool before attending, then calls the optional
 `layer_hook(layer_idx)` so a worker can stream that layer's KV while later layers compute.
-A pure decode step without a hook runs every layer in one C++ call (`decode_layers`), the
-same ops in the same order.
 
 Weights are held in Hugging Face naming at load time and fused here (q|k|v and gate|up) so each
 layer does four matmuls instead of seven.
@@ -289,7 +287,8 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         # (cos [positions, head_dim], sin's first half [positions, head_dim / 2])
         self._rope_cache: tuple[Tensor, Tensor] | None = None
-        self._decode_loop: DecodeLayers | None = None  # built on the first decode step
+        # a pure decode step's layers in one C++ call (the same ops in the same order)
+        self._decode_layers = DecodeLayers(list(self.layers))  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, batch: AttentionBatch, pool: KVPool,
@@ -319,7 +318,7 @@ class LlamaModel(nn.Module):
         trim = fused and self.is_last and logit_rows.shape[0] < n
         if fused and layer_hook is None and not trim and decode_layers.applies(batch):
             # a pure decode step: every layer in one C++ call (the same ops, bit-identical)
-            h, pending = self._decode_layers()(h, pending, (cos, sin), views, kv_rows, batch)
+            h, pending = self._decode_layers(h, pending, (cos, sin), views, kv_rows, batch)
             layers = []
         for idx, layer in enumerate(layers):
             if trim and idx == len(layers) - 1:  # h, pending: of the logit rows, in order
@@ -344,11 +343,6 @@ class LlamaModel(nn.Module):
             logits = self.lm_head.forward(
                 cpu_ops.fused_ops().add_rms_norm(h, pending, norm.weight, norm.eps)[1])
         return logits if logits.dtype == torch.float32 else logits.float()
-
-    def _decode_layers(self) -> DecodeLayers:
-        if self._decode_loop is None:
-            self._decode_loop = DecodeLayers(list(self.layers))  # type: ignore[arg-type]
-        return self._decode_loop
 
     def _rope(self, positions: Tensor, dtype: torch.dtype,
               max_position: int | None = None) -> tuple[Tensor, Tensor]:
