@@ -287,7 +287,6 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         # (cos [positions, head_dim], sin's first half [positions, head_dim / 2])
         self._rope_cache: tuple[Tensor, Tensor] | None = None
-        # a pure decode step's layers in one C++ call (the same ops in the same order)
         self._decode_layers = DecodeLayers(list(self.layers))  # type: ignore[arg-type]
 
     @torch.inference_mode()
