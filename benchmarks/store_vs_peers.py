@@ -41,6 +41,7 @@ Ports used: --port .. --port+19 (ours, redis, mooncake) and 21800.. (transfer en
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -206,6 +207,21 @@ class Ours:
             self.client.close()
         for proc in reversed(self.procs):
             _terminate(proc)
+
+
+def missing_peers(skip: set[str]) -> list[str]:
+    """What the peers not in `skip` need and this machine lacks, each as what to do about it."""
+    missing = []
+    if "redis" not in skip:
+        if shutil.which("redis-server") is None:
+            missing.append("redis-server: apt-get install redis-server (or --skip redis)")
+        if importlib.util.find_spec("redis") is None:
+            missing.append("the redis client: .venv/bin/pip install 'redis>=5' (kvcake's "
+                           "`bench` extra), or --skip redis")
+    if "mooncake" not in skip and not (MOONCAKE_VENV / "bin" / "mooncake_master").exists():
+        missing.append(f"no Mooncake venv at {MOONCAKE_VENV}: bash "
+                       "../shared/tools/peers/mooncake_store_setup.sh (or --skip mooncake)")
+    return missing
 
 
 class Redis:
@@ -435,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(kvcake store node --no-prefault), to measure what that costs puts")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    missing = missing_peers(skip)
+    if missing:  # before any server starts
+        print("store_vs_peers: missing peers:\n  " + "\n  ".join(missing), file=sys.stderr)
+        return 2
     if args.no_prefault:
         Ours.node_flags = ("--no-prefault",)
     ours_tcp = Ours("ours-tcp", args.port, shm=False, hosted=True)  # the default deployment
