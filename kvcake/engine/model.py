@@ -315,11 +315,11 @@ class LlamaModel(nn.Module):
         # The last layer's output is read at the logit rows only: when they are fewer than the
         # rows, that layer computes them alone (every row's KV is still written).
         trim = fused and self.is_last and logit_rows.shape[0] < n
-        if fused and layer_hook is None and not trim and decode_layers.applies(batch):
-            # a pure decode step: every layer in one C++ call (the same ops, bit-identical)
+        # a pure decode step: every layer in one C++ call (the same ops, bit-identical)
+        one_call = fused and layer_hook is None and not trim and decode_layers.applies(batch)
+        if one_call:
             h, pending = self._decode_layers(h, pending, (cos, sin), views, kv_rows, batch)
-            layers = []
-        for idx, layer in enumerate(layers):
+        for idx, layer in enumerate(() if one_call else layers):
             if trim and idx == len(layers) - 1:  # h, pending: of the logit rows, in order
                 h, pending = layer._forward_fused_rows(h, pending, (cos, sin), views[idx],
                                                        batch, logit_rows)
