@@ -438,7 +438,7 @@ def print_capacity(result: dict[str, Any]) -> None:
     print(f"s_d = {result['s_d_ms']:.2f} ms; TBT SLOs "
           f"{', '.join(f'{x:.1f}' for x in result['tbt_slo_ms'])} ms")
     print(f"| TBT SLO (ms) | {' | '.join(SYSTEMS)} (req/s) | disagg/colocated | disagg/vllm |")
-    print("|---|---|---|---|")
+    print("|---" * (len(SYSTEMS) + 3) + "|")  # SLO, each system, the two gains
     g = gains(result)
 
     def fmt(x: float | None) -> str:
