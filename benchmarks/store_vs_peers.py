@@ -32,6 +32,9 @@ like with like both ways: returning new `bytes` (ours `get_batch`, Redis `mget`,
 `batch_get_into` into a registered buffer; Redis has no such call); and the
 transfer engine alone (benchmarks/transfer_bench.py). Systems take turns for `--rounds` rounds
 and each keeps its best figure (the machine is shared; interleaving gives all the same chances).
+Each round starts one system later in the list (`turn_order`): a system measured right after
+another inherits what that one left behind (a peer's background work after its phase, the
+allocator's state after its freed buffers), so no system always follows the same one.
 
     .venv/bin/python benchmarks/store_vs_peers.py [--rounds 3] [--port 21100] [--json out.json]
 
@@ -50,9 +53,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kvcake.store import StoreClient  # noqa: E402
@@ -365,6 +369,13 @@ def _terminate(proc: subprocess.Popen[Any]) -> None:
             proc.wait(timeout=5)
 
 
+def turn_order(systems: list[T], round_index: int) -> list[T]:
+    """The systems in round `round_index`'s order: the list rotated by the round's index, so
+    the first to go (and the one after each system) changes from round to round."""
+    shift = round_index % len(systems) if systems else 0
+    return systems[shift:] + systems[:shift]
+
+
 def measure(systems: list[Any], rounds: int) -> dict[str, dict[str, float]]:
     """{system: {metric: best value}}; metrics are GB/s and ops/s."""
     best: dict[str, dict[str, float]] = {s.name: {} for s in systems}
@@ -373,9 +384,10 @@ def measure(systems: list[Any], rounds: int) -> dict[str, dict[str, float]]:
         best[system][metric] = max(best[system].get(metric, 0.0), value)
 
     for r in range(rounds):
+        order = turn_order(systems, r)
         for label, size in SIZES.items():
             n = COUNTS[size]
-            for system in systems:
+            for system in order:
                 out = system.putget(size, n, f"r{r}-{label}")
                 if not out.get("get_ok") or out.get("put_errors"):
                     raise RuntimeError(f"{system.name} returned wrong bytes or failed: {out}")
@@ -383,7 +395,7 @@ def measure(systems: list[Any], rounds: int) -> dict[str, dict[str, float]]:
                     if f"{op}_s" in out:
                         keep(system.name, f"{label}.{op}.gbps", n * size / out[f"{op}_s"] / GB)
                         keep(system.name, f"{label}.{op}.ops", n / out[f"{op}_s"])
-        for system in systems:
+        for system in order:
             out = system.batch(1 << 20, BATCH, f"r{r}-batch")
             if not out.get("get_ok"):
                 raise RuntimeError(f"{system.name} batch get returned wrong bytes: {out}")

@@ -1,5 +1,6 @@
 """benchmarks/store_vs_peers.py checks its peers before any server starts: each one missing is
-named with what to do, and a run that lacks one exits 2 having started nothing."""
+named with what to do, and a run that lacks one exits 2 having started nothing; its rounds
+rotate the order the systems are measured in."""
 
 from __future__ import annotations
 
@@ -38,3 +39,14 @@ def test_a_run_without_its_peers_starts_nothing(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(svp.Ours, "start", never)
     assert svp.main(["--skip", "redis,transfer"]) == 2
     assert "missing peers" in capsys.readouterr().err
+
+
+def test_each_round_starts_one_system_later() -> None:
+    systems = ["ours", "redis", "mooncake"]
+    assert [svp.turn_order(systems, r) for r in range(4)] == [
+        ["ours", "redis", "mooncake"],
+        ["redis", "mooncake", "ours"],
+        ["mooncake", "ours", "redis"],
+        ["ours", "redis", "mooncake"],
+    ]
+    assert svp.turn_order([], 2) == []
