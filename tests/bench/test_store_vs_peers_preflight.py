@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import store_peers  # noqa: E402
 import store_vs_peers as svp  # noqa: E402
 
 
@@ -20,7 +21,7 @@ def test_each_missing_peer_is_named_with_what_to_do(monkeypatch: pytest.MonkeyPa
                                                     tmp_path: Path) -> None:
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(svp, "MOONCAKE_VENV", tmp_path / "no-venv")
+    monkeypatch.setattr(store_peers, "MOONCAKE_VENV", tmp_path / "no-venv")
     missing = svp.missing_peers(set())
     assert len(missing) == 3
     assert "apt-get install redis-server" in missing[0]
@@ -31,7 +32,7 @@ def test_each_missing_peer_is_named_with_what_to_do(monkeypatch: pytest.MonkeyPa
 
 def test_a_run_without_its_peers_starts_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(svp, "MOONCAKE_VENV", tmp_path / "no-venv")
+    monkeypatch.setattr(store_peers, "MOONCAKE_VENV", tmp_path / "no-venv")
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("a server was started")
