@@ -25,22 +25,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from store_peers import wait_port, wait_registered  # benchmarks/, this script's directory
+
 from kvcake.store import StoreClient
 from kvcake.store.layout import HEADER_BYTES, payload_checksum
 from kvcake.store.master_api import unwrap
 from kvcake.store.replica_io import segment_of, valid
 from kvcake.transfer import TransferConfig, TransferOp, TransferRequest
-
-
-def _wait_port(port: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s")
 
 
 def _p50_us(samples: list[float]) -> float:
@@ -95,7 +86,7 @@ def redis_latency(size: int, ops: int, port: int) -> dict[str, float] | None:
     except FileNotFoundError:
         return None
     try:
-        _wait_port(port)
+        wait_port(port)
         client = redis.Redis(host="127.0.0.1", port=port)
         value = bytes([7]) * size
         _timed(lambda i: client.set(f"w{i}", value), 50)
@@ -112,13 +103,13 @@ def ours_latency(size: int, ops: int, port: int) -> dict[str, float]:
                                str(port), "--no-node", "--stats-interval-s", "3600"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
-        _wait_port(port)
+        wait_port(port)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "kvcake.store", "node", "--master", f"127.0.0.1:{port}",
              "--dram", "1GiB", "--node-id", "bench", "--port", str(port + 1),
              "--stats-interval-s", "3600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        _wait_port(port + 1)
-        time.sleep(0.5)  # registration follows the segment server's start
+        wait_port(port + 1)
+        wait_registered(f"127.0.0.1:{port}")  # after the segment server's start and prefault
         config = TransferConfig(serve=False, use_shared_memory=False)
         with StoreClient(f"127.0.0.1:{port}", transfer_config=config) as client:
             return _measure(client, size, ops)

@@ -2,7 +2,8 @@
 (`putget`, `batch`, `stop`): Redis (redis-server, the redis client in this process) and the
 Mooncake store (a master, a storage worker and a client worker, in the Mooncake venv that
 `../shared/tools/peers/mooncake_store_setup.sh` builds); and what a run needs of this machine
-(`missing_peers`), asked before any server starts.
+(`missing_peers`), asked before any server starts; and the helpers this script and
+`store_latency.py` start and stop servers with (`wait_port`, `wait_registered`, `terminate`).
 """
 
 from __future__ import annotations
@@ -208,3 +209,18 @@ def terminate(proc: subprocess.Popen[Any]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+def wait_registered(address: str, timeout_s: float = 120.0) -> None:
+    """Until the master at `address` has a node registered."""
+    from kvcake.store.remote import RemoteMaster
+
+    master = RemoteMaster(address)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not master.stats()["nodes"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no node registered with {address} in {timeout_s:.0f} s")
+            time.sleep(0.05)
+    finally:
+        master.close()

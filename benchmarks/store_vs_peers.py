@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from store_peers import Mooncake, Redis, missing_peers, terminate, wait_port  # noqa: E402
+from store_peers import Mooncake, Redis, missing_peers, terminate, wait_port, wait_registered  # noqa: E402
 
 from kvcake.store import StoreClient  # noqa: E402
 from kvcake.transfer import TransferConfig  # noqa: E402
@@ -113,7 +113,7 @@ class Ours:
                  "--stats-interval-s", "3600", *self.node_flags], stdout=node_log,
                 stderr=subprocess.STDOUT))
             wait_port(self.port + 1)
-            _wait_registered(address)  # after the segment server's start (and its prefault)
+            wait_registered(address)  # after the segment server's start (and its prefault)
         self.address = address
         config = TransferConfig(serve=False, use_shared_memory=self.shm, num_rails=4)
         options: dict[str, Any] = {"async_seal": self.async_seal,
@@ -161,21 +161,6 @@ class Ours:
             self.client.close()
         for proc in reversed(self.procs):
             terminate(proc)
-
-
-def _wait_registered(address: str, timeout_s: float = 120.0) -> None:
-    """Until the master at `address` has a node registered."""
-    from kvcake.store.remote import RemoteMaster
-
-    master = RemoteMaster(address)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not master.stats()["nodes"]:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no node registered with {address} in {timeout_s:.0f} s")
-            time.sleep(0.05)
-    finally:
-        master.close()
 
 
 def turn_order(systems: list[T], round_index: int) -> list[T]:
