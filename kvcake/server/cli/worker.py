@@ -65,7 +65,9 @@ def register(subparsers: Any) -> None:
     q.add_argument("--cache-dir", default=None, help=f"default: {default_cache_dir()}")
     q.add_argument("--num-threads", type=int, default=1)
     q.add_argument("--refresh", action="store_true", help="measure even if a cache exists")
-    q.add_argument("--input-lens", default=",".join(map(str, ProfileGrid().input_lens)))
+    q.add_argument("--input-lens", default=None, metavar="N,N,...",
+                   help="prompt lengths to measure (default: doubling up to the longest prompt "
+                        "the engine takes, at most 8,192 tokens: ProfileGrid.spanning)")
     q.add_argument("--model", default="tiny")
     add_flags(q.add_argument_group("EngineSettings"), EngineSettings)
     q.set_defaults(func=run_profile)
@@ -115,14 +117,16 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    try:
-        lens = tuple(int(x) for x in args.input_lens.split(","))
-    except ValueError:
-        raise ValueError(f"--input-lens: expected comma-separated integers, got "
-                         f"{args.input_lens!r}") from None
+    grid = None
+    if args.input_lens is not None:
+        try:
+            grid = ProfileGrid(input_lens=tuple(int(x) for x in args.input_lens.split(",")))
+        except ValueError as exc:
+            raise ValueError(f"--input-lens: expected at least 3 comma-separated integers >= 2, "
+                             f"got {args.input_lens!r} ({exc})") from None
     engine = engine_config(args)
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    profile = load_or_profile(args.model, engine, cache_dir, ProfileGrid(input_lens=lens),
+    profile = load_or_profile(args.model, engine, cache_dir, grid,
                               refresh=args.refresh, num_threads=args.num_threads)
     path = cache_path(cache_dir, args.model, engine.dtype, profile.num_threads)
     print(f"profile of {profile.model} ({profile.dtype}, {profile.num_threads} threads): {path}")

@@ -3,8 +3,11 @@
 The Conductor predicts T_prefill = f(input_len, prefix_len) with a polynomial regression and the
 decode step time (TBT) with a linear one (kvcake.conductor.predictor). Here both are fitted on
 times measured on the live engine: a grid of (input length, cached prefix length) prefills and a
-few decode steps of (batch size, context). The fit is cached as JSON under the cache directory,
-keyed by model, dtype and torch threads, and `serve` reuses it (profiling on first use).
+few decode steps of (batch size, context). The default grid spans the prompts the engine takes
+(`ProfileGrid.spanning`), so the Conductor's TTFT estimate of a long prompt is read off measured
+points, not extrapolated from short ones. The fit is cached as JSON under the cache directory,
+keyed by model, dtype and torch threads, and `serve` reuses it (profiling on first use; a cache
+of an older format is measured again).
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ from kvcake.engine.engine import Engine
 from kvcake.engine.sampling import SamplingParams
 from kvcake.ids import CountingIds
 
+PROFILE_FORMAT = 2  # 2: default grid over the engine's prompts (1: prompts of <= 384 tokens)
+LONGEST_PROFILED_PROMPT = 8192  # tokens; ~2 s of prefill for the 44M benchmark model, 1 thread
+LONGEST_PROFILED_CONTEXT = 2048  # tokens per sequence of a profiled decode step
+
 
 @dataclass(frozen=True)
 class ProfileGrid:
-    """What to measure. The default is small: a few seconds on the tiny preset."""
+    """What to measure. The bare default is small (a few seconds on the tiny preset); what `serve`
+    and `kvcake profile` measure by default is `spanning` the engine's prompts."""
 
     input_lens: tuple[int, ...] = (32, 96, 192, 384)
     prefix_fracs: tuple[float, ...] = (0.0, 0.5, 0.9)
@@ -51,6 +59,30 @@ class ProfileGrid:
         if self.repeats < 1:
             raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
 
+    @classmethod
+    def spanning(cls, max_prompt_tokens: int, kv_pool_tokens: int) -> ProfileGrid:
+        """The default grid stretched over an engine's prompts: the short lengths, then doubling
+        up to the longest prompt it takes (`max_prompt_tokens`, within its KV pool), at most
+        LONGEST_PROFILED_PROMPT; decode steps also at the longest context per sequence the pool
+        holds for the largest batch twice over, at most half the prompt limit (its requests
+        generate while the batch prefills) and LONGEST_PROFILED_CONTEXT. On prompts of
+        <= 384 tokens only, a quadratic fit put the benchmark model's 3,024-token prompt 18% and
+        its 20,826-token one 30% above a fit over 256..8,192 tokens (issue 11)."""
+        base = cls()
+        longest = max(2, min(max_prompt_tokens, kv_pool_tokens - 1, LONGEST_PROFILED_PROMPT))
+        lens = [n for n in base.input_lens if n < longest]
+        while lens and 2 * lens[-1] < longest:
+            lens.append(2 * lens[-1])
+        lens.append(longest)
+        if len(lens) < 3:
+            lens = sorted({max(2, longest // 4), max(2, longest // 2), longest})
+        # half the context: a decode point's requests also generate through their batch's prefill
+        context = min(LONGEST_PROFILED_CONTEXT, max_prompt_tokens // 2,
+                      kv_pool_tokens // (2 * max(base.decode_batch_sizes)))
+        contexts = [c for c in base.decode_context_lens if c < context] + [max(1, context)]
+        return cls(input_lens=tuple(sorted(set(lens))),
+                   decode_context_lens=tuple(sorted(set(contexts))))
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -62,9 +94,11 @@ class Profile:
     prefill_points: list[PrefillPoint] = field(default_factory=list)
     decode_points: list[DecodePoint] = field(default_factory=list)
 
+    format: int = PROFILE_FORMAT
+
     def to_json(self) -> str:
         return json.dumps({
-            "model": self.model, "dtype": self.dtype, "num_threads": self.num_threads,
+            "format": self.format, "model": self.model, "dtype": self.dtype, "num_threads": self.num_threads,
             "prefill": json.loads(self.prefill.to_json()),
             "decode": json.loads(self.decode.to_json()),
             "prefill_points": [[p.input_len, p.prefix_len, p.time_s] for p in self.prefill_points],
@@ -78,7 +112,8 @@ class Profile:
                    PrefillTimePredictor.from_json(json.dumps(data["prefill"])),
                    DecodeStepPredictor.from_json(json.dumps(data["decode"])),
                    [PrefillPoint(int(a), int(b), float(c)) for a, b, c in data["prefill_points"]],
-                   [DecodePoint(int(a), int(b), float(c)) for a, b, c in data["decode_points"]])
+                   [DecodePoint(int(a), int(b), float(c)) for a, b, c in data["decode_points"]],
+                   int(data.get("format", 1)))
 
 
 def default_cache_dir() -> Path:
@@ -164,11 +199,15 @@ def measure_decode(engine: Engine, grid: ProfileGrid, seed: int = 1) -> list[Dec
     return points
 
 
-def run_profile(model: str, engine_config: EngineConfig, grid: ProfileGrid) -> Profile:
-    """Measure with torch's current thread count (set it first, as the workers do)."""
+def run_profile(model: str, engine_config: EngineConfig,
+                grid: ProfileGrid | None = None) -> Profile:
+    """Measure with torch's current thread count (set it first, as the workers do); without a
+    grid, over the engine's prompts (`ProfileGrid.spanning`)."""
     import torch
 
     engine = Engine(model, engine_config)
+    if grid is None:  # a prompt of n tokens and its one sampled token: n + 1 <= max_model_len
+        grid = ProfileGrid.spanning(engine.max_model_len - 1, engine.num_blocks * engine.block_size)
     prefill = measure_prefill(engine, grid)
     decode = measure_decode(engine, grid)
     return Profile(engine.model_config.name, engine_config.dtype, torch.get_num_threads(),
@@ -179,8 +218,8 @@ def run_profile(model: str, engine_config: EngineConfig, grid: ProfileGrid) -> P
 def load_or_profile(model: str, engine_config: EngineConfig, cache_dir: Path | None = None,
                     grid: ProfileGrid | None = None, refresh: bool = False,
                     num_threads: int | None = None) -> Profile:
-    """The cached profile of (model, dtype, torch threads), measured and cached if absent.
-    `num_threads` (None: torch's current setting) is set for the measurement, as workers do."""
+    """The cached profile of (model, dtype, torch threads), measured and cached if absent (or, with
+    the default grid, if it is of an older format than PROFILE_FORMAT). `num_threads` (None: torch's current setting) is set for the measurement, as workers do."""
     import torch
 
     if num_threads is not None:
@@ -191,10 +230,12 @@ def load_or_profile(model: str, engine_config: EngineConfig, cache_dir: Path | N
     path = cache_path(directory, model, engine_config.dtype, torch.get_num_threads())
     if path.is_file() and not refresh:
         try:
-            return Profile.from_json(path.read_text())
+            cached = Profile.from_json(path.read_text())
+            if cached.format >= PROFILE_FORMAT or grid is not None:
+                return cached
         except (ValueError, KeyError, TypeError):
             pass  # a stale or damaged cache is measured again
-    profile = run_profile(model, engine_config, grid or ProfileGrid())
+    profile = run_profile(model, engine_config, grid)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two profilers at once: no clobbering
     tmp.write_text(profile.to_json())

@@ -36,7 +36,8 @@ def test_profile_measures_fits_and_caches(tmp_path: Path,
 @pytest.mark.parametrize(("argv", "error"), [
     (["worker", "--role", "mixer"], "role: must be one of prefill, decode, colocated"),
     (["worker", "--store-dram-bytes", "lots"], "--store-dram-bytes: cannot read 'lots'"),
-    (["profile", "--input-lens", "1,x"], "--input-lens: expected comma-separated integers"),
+    (["profile", "--input-lens", "1,x"], "--input-lens: expected at least 3 comma-separated integers >= 2"),
+    (["profile", "--input-lens", "1,2"], "--input-lens: expected at least 3"),
     (["profile", "--num-threads", "0"], "num_threads: must be >= 1"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], error: str,

@@ -1,0 +1,66 @@
+"""The profile's default grid spans the engine's prompts, and an older cache is measured again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcake.engine.config import EngineConfig
+from kvcake.server.cluster.profiler import (
+    PROFILE_FORMAT,
+    Profile,
+    ProfileGrid,
+    cache_path,
+    load_or_profile,
+)
+
+
+def test_spanning_doubles_up_to_the_longest_prompt_the_engine_takes() -> None:
+    grid = ProfileGrid.spanning(max_prompt_tokens=32767, kv_pool_tokens=262144)
+    assert grid.input_lens == (32, 96, 192, 384, 768, 1536, 3072, 6144, 8192)
+    assert grid.decode_context_lens == (32, 256, 2048)
+    assert grid.prefix_fracs == ProfileGrid().prefix_fracs
+
+
+def test_spanning_stops_at_the_context_and_at_the_kv_pool() -> None:
+    tiny = ProfileGrid.spanning(max_prompt_tokens=2047, kv_pool_tokens=4096)
+    assert tiny.input_lens == (32, 96, 192, 384, 768, 1536, 2047)
+    assert tiny.decode_context_lens == (32, 256)  # 8 sequences x 256 = half the pool
+    big_pool = ProfileGrid.spanning(max_prompt_tokens=2047, kv_pool_tokens=2**20)
+    assert big_pool.decode_context_lens == (32, 256, 1023)  # half the context: room to generate
+    small_pool = ProfileGrid.spanning(max_prompt_tokens=8191, kv_pool_tokens=1000)
+    assert small_pool.input_lens == (32, 96, 192, 384, 768, 999)
+    assert small_pool.decode_context_lens == (32, 62)
+
+
+def test_spanning_a_short_context_still_gives_three_lengths() -> None:
+    assert ProfileGrid.spanning(max_prompt_tokens=40, kv_pool_tokens=4096).input_lens == (
+        10, 20, 40)
+
+
+def test_an_older_cache_is_measured_again_with_the_default_grid(tmp_path: Path) -> None:
+    engine = EngineConfig(kv_cache_bytes=8 * 2**20, max_num_batched_tokens=128)
+    explicit = ProfileGrid(input_lens=(16, 48, 96), decode_batch_sizes=(1, 2),
+                           decode_context_lens=(32, 64), repeats=1)
+    first = load_or_profile("tiny", engine, tmp_path, explicit, num_threads=1)
+    path = cache_path(tmp_path, "tiny", "float32", 1)
+    raw = json.loads(path.read_text())
+    assert raw["format"] == PROFILE_FORMAT
+    del raw["format"]  # as written before the format existed: prompts of <= 384 tokens
+    path.write_text(json.dumps(raw))
+    assert Profile.from_json(path.read_text()).format == 1
+    # An explicit grid takes the cache as it is; the default grid measures it again.
+    again = load_or_profile("tiny", engine, tmp_path, explicit, num_threads=1)
+    assert again.prefill_points == first.prefill_points
+    fresh = load_or_profile("tiny", engine, tmp_path, num_threads=1)
+    assert fresh.format == PROFILE_FORMAT
+    assert max(p.input_len for p in fresh.prefill_points) == 2047  # tiny: 2,048-token context
+    assert Profile.from_json(path.read_text()).prefill_points == fresh.prefill_points
+
+
+@pytest.mark.parametrize("bad", [(1, 2, 3), (16, 48)])
+def test_a_grid_of_too_few_or_too_short_prompts_is_refused(bad: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="input_lens: give at least 3 lengths, each >= 2"):
+        ProfileGrid(input_lens=bad)
