@@ -5,7 +5,8 @@ Life of one flight (its `Stage`, flight.py), p its prefill and d its decode work
               d itself queues reservations its pool has no room for).
   RESERVING   `ReserveKv` to d, whose engine reserves the KV blocks (waiting while its pool is
               full) -> `KvReserved` names them.                  (colocated, p == d: skipped)
-  PREFILLING  `PrefillOrder` to p, which writes the KV straight into those blocks of d's pool.
+  PREFILLING  `PrefillOrder` to p, which writes the KV straight into those blocks of d's pool;
+              `PrefillStarted`: p's engine began it (the Conductor's queue of p runs it down).
   DECODING    `PrefillDone`: the first token goes to the client (TTFT), `DecodeOrder` to d
               (colocated: p decodes in place); `DecodeAdmitted`: d committed the reservation;
               `Tokens` stream to the client until one carries a finish reason.
@@ -46,6 +47,7 @@ from kvcake.server.worker.messages import (
     KvReserved,
     Message,
     PrefillDone,
+    PrefillStarted,
     RequestFailed,
     ReserveKv,
     Tokens,
@@ -107,7 +109,11 @@ class Flights:
         flight = self.by_id.get(getattr(message, "request_id", ""))
         if flight is None:
             return
-        if isinstance(message, PrefillDone):
+        if isinstance(message, PrefillStarted):
+            if flight.stage is Stage.PREFILLING and not flight.placement.prefill_group:
+                self._router.prefill_started(flight.placement, message.request_id,
+                                             self._clock.now_s())
+        elif isinstance(message, PrefillDone):
             if flight.placement.prefill_group:
                 self._on_stage_done(flight, worker_id, message)
             else:
@@ -206,8 +212,9 @@ class Flights:
         placement = flight.placement
         flight.stage = Stage.PREFILLING
         flight.prefill_writing = True
-        self._router.prefill_started(placement, flight.request.request_id, self._clock.now_s())
-        if placement.prefill_group:
+        if placement.prefill_group:  # its stages start together: the group's clock runs now
+            self._router.prefill_started(placement, flight.request.request_id,
+                                         self._clock.now_s())
             self._send_cpp(flight)
             return
         if not self._workers.send(placement.prefill_id,

@@ -12,6 +12,8 @@ Direction and meaning (F = frontend, P = prefill worker, D = decode worker):
   F -> D    ReserveKv      reserve the request's KV blocks in D's engine
   D -> F    KvReserved     D's pool segment and the reserved block ids (or RequestFailed)
   F -> P    PrefillOrder   fetch the planned prefix, prefill, stream KV into D's blocks
+  P -> F    PrefillStarted P's engine scheduled the prompt's first chunk: the Conductor's queue
+                           counts the prefill's predicted time down from now, not from the order
   P -> F    PrefillDone    first token, cached/fetched tokens, overlap and fetch figures
                            (or an error)
   F -> D    DecodeOrder    commit the reserved blocks, join continuous batching
@@ -95,6 +97,11 @@ class PrefillOrder:
     # The layer slices a CPP group stores a block in, as bounds [0, .., num_layers] ([]: none):
     # a fetched block not stored whole is read as those slices (block_fetch.read_layers)
     fetch_layer_bounds: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefillStarted:
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -243,13 +250,13 @@ class CppSlotFree:
 NEXT_STAGE_NEW = -1
 
 
-Message = (Hello | PrefillOrder | PrefillDone | DecodeOrder | ReserveKv | KvReserved
+Message = (Hello | PrefillOrder | PrefillStarted | PrefillDone | DecodeOrder | ReserveKv | KvReserved
            | DecodeAdmitted | Tokens
            | RequestFailed | KvEvents | StoreEvents | LoadReport | Ping | Pong | Abort | Shutdown
            | CppOrder | CppHidden | CppSlotFree)
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    Hello, PrefillOrder, PrefillDone, DecodeOrder, ReserveKv, KvReserved, DecodeAdmitted,
+    Hello, PrefillOrder, PrefillStarted, PrefillDone, DecodeOrder, ReserveKv, KvReserved, DecodeAdmitted,
     Tokens, RequestFailed,
     KvEvents, StoreEvents, LoadReport, Ping, Pong, Abort, Shutdown, CppOrder, CppHidden,
     CppSlotFree)}

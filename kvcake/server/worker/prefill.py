@@ -7,7 +7,8 @@ Lifecycle of one `PrefillOrder` on the engine-loop thread:
      a failed or partial fetch only shortens the reused prefix (the rest is recomputed, so the
      tokens are the same);
   2. `add_request(prefill_only=True)`: the engine reuses the cached prefix and prefills the
-     rest, in chunks of max_num_batched_tokens;
+     rest, in chunks of max_num_batched_tokens; when it schedules the first chunk the worker
+     reports `PrefillStarted` (the Conductor's queue of this worker runs it down from then);
   3. during each step, `layer_hook(l)` submits an asynchronous write of layer l of the
      request's blocks straight into the blocks the decode engine reserved (its KV pool
      segment) while layer l+1 computes (per request, `handoff.py`'s `HandoffPolicy` sends it
@@ -40,6 +41,7 @@ from kvcake.server.worker.messages import (
     Message,
     PrefillDone,
     PrefillOrder,
+    PrefillStarted,
     RequestFailed,
     Tokens,
     sampling_from_wire,
@@ -84,6 +86,7 @@ class _Prefill:
     transfer_bytes: int = 0
     first_token_sent: bool = False
     layerwise: bool = False  # stream during the prefill (else after it): `HandoffPolicy`
+    started: bool = False  # `PrefillStarted` sent: the engine scheduled its first chunk
 
 
 class PrefillRole:
@@ -263,6 +266,9 @@ class PrefillRole:
                 end = min(seq.num_prompt_tokens, seq.num_computed_tokens + budget)
                 state.step_end_block = -(-end // bs)
                 self._in_step.append(state)
+                if not state.started:  # its first chunk: the Conductor's queue clock starts
+                    state.started = True
+                    self.worker.send(PrefillStarted(seq.request_id))
 
     def _submit_layer(self, state: _Prefill, layer_idx: int, first_block: int,
                       end_block: int) -> None:

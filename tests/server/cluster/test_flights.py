@@ -26,6 +26,7 @@ from kvcake.server.worker.messages import (
     Ping,
     PrefillDone,
     PrefillOrder,
+    PrefillStarted,
     RequestFailed,
     ReserveKv,
     Tokens,
@@ -45,6 +46,7 @@ class Bench:
     router: Router
     flights: Flights
     loop: asyncio.AbstractEventLoop
+    clock: ManualClock
 
     def admit(self, max_tokens: int = 5, rid: str = "r") -> asyncio.Queue[TokenEvent | BaseException]:
         request = GenerateRequest(RequestId(rid), PROMPT, max_tokens)
@@ -78,9 +80,9 @@ def bench() -> Iterator[Bench]:
     workers = WorkerSet()
     hellos = workers.connect([p.address, d.address])
     router = Router.for_workers(ConductorConfig(), hellos, PREFILL, DECODE)
-    loop = asyncio.new_event_loop()
-    yield Bench(p, d, workers, router, Flights(workers, router, ManualClock(), TransferTotals()),
-                loop)
+    loop, clock = asyncio.new_event_loop(), ManualClock()
+    yield Bench(p, d, workers, router, Flights(workers, router, clock, TransferTotals()),
+                loop, clock)
     workers.close()
     p.close()
     d.close()
@@ -105,6 +107,31 @@ def test_a_request_reserves_prefills_decodes_and_ends_with_its_last_token(bench:
     assert bench.events(sink) == [TokenEvent((5, 6), 16, FinishReason.LENGTH)]
     assert bench.flights.by_id == {}
     assert isinstance(bench.d.probe(bench.workers), Ping)  # no Abort after the end
+
+
+def test_the_conductor_runs_a_prefill_down_from_its_start_not_from_its_order(
+        bench: Bench) -> None:
+    """A worker computes its orders one after another: an order waiting behind another is not
+    running, so the Conductor counts its whole predicted time until the worker says it began."""
+    clock = bench.clock
+    bench.admit(rid="a")
+    bench.reserve([7, 8], rid="a")
+    bench.admit(rid="b")
+    bench.reserve([9, 10], rid="b")
+    conductor, queue = bench.router.conductor, bench.router.conductor.prefill_queue("prefill-0")
+    predicted = queue.queue_s(0.0)  # both orders out, neither begun
+    assert predicted > 0 and len(queue) == 2
+    clock.advance(100.0)  # long past both predictions: still all of it, nothing began
+    assert conductor.queue_s("prefill-0", clock.now_s()) == pytest.approx(predicted)
+    bench.flights.on_message("prefill-0", PrefillStarted("a"))
+    started = clock.now_s()
+    clock.advance(1e-4)
+    left = conductor.queue_s("prefill-0", clock.now_s())
+    assert left == pytest.approx(predicted - 1e-4)
+    clock.advance(100.0)  # a is overdue: only b's time is left
+    assert 0 < conductor.queue_s("prefill-0", clock.now_s()) < predicted
+    assert clock.now_s() > started
+    bench.flights.on_message("prefill-0", PrefillStarted("zz"))  # no such flight: dropped
 
 
 def test_a_one_token_request_reserves_two_and_cancels_after_its_prefill(bench: Bench) -> None:
@@ -250,9 +277,9 @@ def group_bench() -> Iterator[tuple[Bench, FakeWorker, FakeWorker]]:
     config = ConductorConfig(cpp_min_tokens=32, cpp_nodes=2, cpp_chunk_tokens=16,
                              cpp_min_chunk_tokens=16)
     router = Router.for_workers(config, hellos, PREFILL, DECODE)
-    loop = asyncio.new_event_loop()
-    yield (Bench(p, d, workers, router, Flights(workers, router, ManualClock(), TransferTotals()),
-                 loop), s0, s1)
+    loop, clock = asyncio.new_event_loop(), ManualClock()
+    yield (Bench(p, d, workers, router, Flights(workers, router, clock, TransferTotals()),
+                 loop, clock), s0, s1)
     workers.close()
     for fake in (p, d, s0, s1):
         fake.close()

@@ -19,6 +19,7 @@ from kvcake.server.worker.messages import (
     LoadReport,
     PrefillDone,
     PrefillOrder,
+    PrefillStarted,
     RequestFailed,
     Shutdown,
     Tokens,
@@ -79,6 +80,29 @@ def test_colocated_order_streams_the_offline_tokens(colocated: Worker) -> None:
         link.close()
     [ref] = LLM("tiny", config=ENGINE).generate([prompt], SamplingParams(5, ignore_eos=True))
     assert out == ref.token_ids
+
+
+def test_each_prefill_reports_its_start_when_the_engine_schedules_its_first_chunk() -> None:
+    """Orders wait in the worker's engine one behind another (a 16-token budget, 48-token
+    prompts): the second is reported started only after the first is done, so the Conductor's
+    queue does not run both down at once."""
+    engine = EngineConfig(kv_cache_bytes=4 * 2**20, max_num_batched_tokens=16)
+    with Worker(WorkerConfig(role=Role.COLOCATED, engine=engine, worker_id="c1",
+                             secret=SECRET)) as worker:
+        link = MessageLink.connect(worker.address, secret=SECRET)
+        try:
+            next_of(link, Hello)
+            for rid in ("a", "b"):
+                link.send(PrefillOrder(rid, list(range(1, 49)), {"max_tokens": 1}, [], {}, []))
+            seen = []
+            while len(seen) < 4:
+                message = next_of(link, PrefillStarted, PrefillDone, Tokens)
+                if not isinstance(message, Tokens):
+                    seen.append((type(message).__name__, message.request_id))
+        finally:
+            link.close()
+    assert seen == [("PrefillStarted", "a"), ("PrefillDone", "a"),
+                    ("PrefillStarted", "b"), ("PrefillDone", "b")]
 
 
 def test_a_refused_order_is_reported_and_the_worker_keeps_serving(colocated: Worker) -> None:
