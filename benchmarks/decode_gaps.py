@@ -190,7 +190,7 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
         with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
             os.environ[ENV] = trace_dir  # the server and its workers inherit it
             try:
-                served = cap.Served(kind, cap_args, budget)
+                served = cap.Served(kind, cap_args, regime, budget)
                 if port_in_use(served.port):  # a stale server would answer the health check
                     raise SystemExit(f"127.0.0.1:{served.port} is in use: stop what listens "
                                      f"there (an earlier run's server?) or pass another port")

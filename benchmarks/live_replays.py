@@ -122,9 +122,9 @@ def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
         old = {}
     got: dict[str, dict[str, float]] = dict(old.get("metrics", {}))
     reps: dict[str, list[dict[str, float]]] = dict(old.get("replays", {}))
-    if not replay:
-        return {"metrics": got, "replays": reps}
     runs, requests = dict(old.get("runs", {})), dict(old.get("requests", {}))
+    if not replay:
+        return {"metrics": got, "replays": reps, "runs": runs}
     for system in systems:
         results: list[list[RequestResult]] = []
         if append and requests.get(system):
@@ -151,7 +151,23 @@ def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
                                     "runs": runs,
                                     "metrics": got, "replays": reps, "requests": requests})
                         + "\n")
-    return {"metrics": got, "replays": reps}
+    return {"metrics": got, "replays": reps, "runs": runs}
+
+
+def check_admission(live: dict[str, Any] | None, admission: str) -> None:
+    """Exit when a disaggregated replay in `live` (replay_file's answer) ran with another
+    admission than `admission`, the one the simulator is about to run: the two would not be the
+    same system. A replay that did not record one ran before the flag existed: none."""
+    if live is None:
+        return
+    ran = {run.get("env", {}).get("admission", "none")
+           for run in live.get("runs", {}).get("disagg", [])}
+    if len(ran) > 1:
+        raise SystemExit(f"the live disaggregated replays ran with admissions "
+                         f"{' and '.join(sorted(ran))}, mixed in one file: replay them again")
+    if ran - {admission}:
+        raise SystemExit(f"the live disaggregated replays ran with admission {ran.pop()}, not "
+                         f"{admission}: pass --disagg-admission to match, or replay them again")
 
 
 def check_files(rate: float, fit_rate: float | None, replay_rates: str,

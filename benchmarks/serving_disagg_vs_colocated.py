@@ -52,12 +52,21 @@ starts from SLO k-1's capacity). Bounded so that one system's step fits one 15-m
 on 2 cores (a probe lasts ~N / rate): rates below 1/4 of r0 are not replayed (a capacity there is
 reported as below that floor, null), and no probe starts that would end past 780 s of replays
 (the capacities are then those the probes run support; `complete` false in the step's JSON).
-Probes are written to `<step>.partial.json` as they end; a rerun of the step reuses them. Admission
-control is off in kvcake (every request is served).
+Probes are written to `<step>.partial.json` as they end; a rerun of the step reuses them.
+
+Admission: the disaggregated pair is MOONCAKE, whose Conductor (Algorithm 1) answers HTTP 429 at
+arrival when the predicted TTFT or TBT would break its SLO; it runs with the admission `kvcake
+serve` ships (`--disagg-admission early`) against the regime's TTFT SLO and its loosest TBT SLO, so
+one replay still gives all three shares (a rejected request counts as a miss at every SLO). The
+colocated pair and vLLM never reject, as the simulator's colocated baselines do not. Until
+2026-12-07 every system ran without admission (`--disagg-admission none` still does): the
+disaggregated pair then served even a prompt whose own prefill outlasts the TTFT SLO (the 40
+records' longest, 20,826 scaled tokens), and everything behind it in its one prefill worker's
+queue waited it out (docs/benchmarks.md, issue 11 on the AVX-512 machine).
 
 Systems, one at a time on 127.0.0.1, each warmed up the same way (benchmarks/serving_vs_vllm.py):
 - `disagg`: `kvcake serve --config` 1 prefill + 1 decode worker (1 thread each), policy
-  global_cache with the store, layer-wise KV streaming over shared memory;
+  global_cache with the store, layer-wise KV streaming over shared memory, admission as above;
 - `colocated`: 2 colocated kvcake workers (1 thread each; prefix caching and chunked prefill),
   policy colocated, at the prefill-chunk budget `colocated-budget` picked: one replay per budget
   in {64, 256, 1024, 2048} at the fixed rate 1 / mean prefill (the pair's prefill half busy);
@@ -70,13 +79,7 @@ Systems, one at a time on 127.0.0.1, each warmed up the same way (benchmarks/ser
 capacity is null when even the lowest probed rate fails, or the system was not run).
 
 ## `--transport`: the KV hand-off, layer-wise vs after the prefill
-Sequential long prompts (tiny preset, 1,500 tokens) on 1 prefill + 1 decode worker, the KV
-streamed layer by layer during the prefill or after it (since the per-request hand-off policy,
-kvcake/server/worker/handoff.py, a `layerwise = true` worker streams only the requests it
-predicts pay for it; on one host over shared memory that is none of these, so the two modes'
-numbers are from before that change): mean TTFT, prefill compute and exposed
-transfer per request (--transport-runs repeats, alternating the modes); then the two same-host
-transports (shared memory vs loopback TCP) per mode, requests alternating between them.
+Its runs and what they report: benchmarks/kv_handoff_runs.py.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_vs_vllm: model, servers
 
+import kv_handoff_runs  # noqa: E402
 import serving_vs_vllm as svv  # noqa: E402
 
 from kvcake.bench.capacity import find_capacities  # noqa: E402
@@ -102,10 +106,7 @@ from kvcake.bench.prompts import PromptBuilder  # noqa: E402
 from kvcake.bench.regime import Regime, Replay, derive_regime  # noqa: E402
 from kvcake.bench.replay import PlannedRequest, ReplayConfig, replay  # noqa: E402
 from kvcake.bench.stats import RequestResult, is_effective, summarize  # noqa: E402
-from kvcake.conductor import Admission, ConductorConfig  # noqa: E402
 from kvcake.engine.config import EngineConfig  # noqa: E402
-from kvcake.server.cluster.config import ClusterConfig  # noqa: E402
-from kvcake.server.cluster.launcher import Cluster  # noqa: E402
 from kvcake.sim.trace import TraceRequest, load_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +205,21 @@ def load_regime(args: argparse.Namespace) -> Regime:
 
 # ---- the systems ------------------------------------------------------------------------------------
 
-def kvcake_toml(kind: str, args: argparse.Namespace, port: int, budget: int | None) -> str:
+def conductor_toml(kind: str, admission: str, regime: Regime) -> str:
+    """The Conductor's section: the disaggregated pair's admission (`--disagg-admission`) checks
+    the regime's TTFT SLO and its loosest TBT SLO at arrival (one replay still gives the share at
+    every TBT SLO: an admitted request that misses a tighter one counts as a miss there); the
+    colocated pair never rejects, as vLLM (and the simulator's colocated baselines) do not."""
+    policy = "colocated" if kind == "colocated" else "global_cache"
+    if kind == "colocated" or admission == "none":
+        return f'[conductor]\nadmission = "none"\npolicy = "{policy}"\n'
+    return (f'[conductor]\nadmission = "{admission}"\npolicy = "{policy}"\n'
+            f"ttft_slo_s = {regime.ttft_slo_s!r}\n"
+            f"tbt_slo_s = {max(regime.tbt_slos_ms) / 1000.0!r}\n")
+
+
+def kvcake_toml(kind: str, args: argparse.Namespace, port: int, budget: int | None,
+                regime: Regime) -> str:
     engine = (f'[engine]\ndtype = "float32"\nmax_model_len = {MAX_MODEL_LEN}\n'
               f'kv_cache_bytes = "{KV_CACHE}"\n')
     if budget is not None:
@@ -212,8 +227,7 @@ def kvcake_toml(kind: str, args: argparse.Namespace, port: int, budget: int | No
     head = (f'model = "{args.model_dir}"\nmode = "{"colocated" if kind == "colocated" else "disaggregated"}"\n'
             f'[frontend]\nhost = "127.0.0.1"\nport = {port}\n'
             f'[store]\nmaster_host = "127.0.0.1"\nmaster_port = {port + 1}\n{engine}'
-            f'[conductor]\nadmission = "none"\n'
-            f'policy = "{"colocated" if kind == "colocated" else "global_cache"}"\n')
+            + conductor_toml(kind, args.disagg_admission, regime))
     if kind == "colocated":
         return head + (f'[[workers]]\nrole = "colocated"\nport = {port + 2}\nnum_threads = 1\n'
                        f'[[workers]]\nrole = "colocated"\nport = {port + 3}\nnum_threads = 1\n')
@@ -225,8 +239,9 @@ def kvcake_toml(kind: str, args: argparse.Namespace, port: int, budget: int | No
 class Served:
     """One system started on 127.0.0.1 (context manager: stopped on exit)."""
 
-    def __init__(self, kind: str, args: argparse.Namespace, budget: int | None = None) -> None:
-        self.kind, self.args, self.budget = kind, args, budget
+    def __init__(self, kind: str, args: argparse.Namespace, regime: Regime,
+                 budget: int | None = None) -> None:
+        self.kind, self.args, self.regime, self.budget = kind, args, regime, budget
         self.port = args.port_base + 10 * STEPS.index(kind if kind in STEPS else "colocated")
         self.run_dir = args.out_dir / "run"
         self.server: svv.Server | None = None
@@ -245,7 +260,8 @@ class Served:
                                     self.run_dir)
         else:
             toml = self.run_dir / f"{self.kind}.toml"
-            toml.write_text(kvcake_toml(self.kind, self.args, self.port, self.budget))
+            toml.write_text(kvcake_toml(self.kind, self.args, self.port, self.budget,
+                                         self.regime))
             log = self.run_dir / f"{self.kind}.log"
             with log.open("wb") as out:
                 proc = subprocess.Popen([sys.executable, "-m", "kvcake", "serve", "--config",
@@ -299,7 +315,7 @@ class Served:
 def probe_summary(results: list[RequestResult], duration_s: float, regime: Regime,
                   rate: float) -> dict[str, Any]:
     report = summarize(results, duration_s, regime.ttft_slo_s, regime.tbt_slos_ms[1] / 1000.0)
-    keep = ("completed", "failed", "median_ttft_ms", "p90_ttft_ms", "median_tbt_ms",
+    keep = ("completed", "failed", "rejected", "median_ttft_ms", "p90_ttft_ms", "median_tbt_ms",
             "p90_tbt_ms", "mean_tpot_ms", "duration")
     return {"rate": rate, "shares": shares(results, regime), **{k: report[k] for k in keep},
             "errors": report["error_messages"][:3]}
@@ -386,7 +402,7 @@ def run_step(step: str, args: argparse.Namespace, regime: Regime) -> dict[str, A
         rate = 1.0 / regime.mean_prefill_s
         per_budget = {}
         for budget in BUDGETS:
-            with Served("colocated", args, budget) as served:
+            with Served("colocated", args, regime, budget) as served:
                 planned = workload(records, regime, args.vocab_size, rate, seed=500)
                 results, duration = served.replay(planned)
                 per_budget[budget] = probe_summary(results, duration, regime, rate)
@@ -401,13 +417,15 @@ def run_step(step: str, args: argparse.Namespace, regime: Regime) -> dict[str, A
             if not path.is_file():
                 raise SystemExit(f"{path} not found: run --systems colocated-budget first")
             budget = int(json.loads(path.read_text())["chunk_budget"])
-        with Served(step, args, budget) as served:
+        with Served(step, args, regime, budget) as served:
             before = served.counters()
             result = search(served, records, regime, args.out_dir / f"{step}.partial.json")
             after = served.counters()
             result["counters"] = {k: after[k] - before.get(k, 0.0) if k.endswith("_total")
                                   else after[k] for k in after}
         result["chunk_budget"] = budget
+        if step == "disagg":
+            result["admission"] = args.disagg_admission
     result |= {"started": begun, "load_before": load_before, "load_after": os.getloadavg(),
                "wall_s": time.perf_counter() - started}
     (args.out_dir / f"{step}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -450,196 +468,6 @@ def print_capacity(result: dict[str, Any]) -> None:
               f"{fmt(g['disagg/vllm'][i])} |")
 
 
-# ---- the transport comparison (layer-wise vs after the prefill; shm vs tcp) --------------------------
-
-TRANSPORT_ENGINE = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_batched_tokens=512)
-
-def streaming_run(layerwise: bool, engine: EngineConfig,
-                  args: argparse.Namespace) -> dict[str, float]:
-    """Sequential long prompts (3 chunks each) on 1 prefill + 1 decode worker, the KV streamed
-    layer by layer during the prefill or all of it after: TTFT and exposed transfer time."""
-    import asyncio
-
-    import numpy as np
-
-    from kvcake.server.frontend.backend import GenerateRequest
-    from kvcake.types import RequestId
-
-    config = ClusterConfig.simple(1, 1, engine=engine, conductor=ConductorConfig(
-        admission=Admission.NONE), worker={"layerwise": layerwise,
-                                           "store_dram_bytes": 256 * 2**20})
-    rng = np.random.default_rng(7)
-    with Cluster(config) as cluster:
-        backend = cluster.backend
-        assert backend is not None
-
-        async def one(i: int) -> float:
-            prompt = tuple(rng.integers(0, 256, args.streaming_prompt_len).tolist())
-            start = time.perf_counter()
-            stream = await backend.generate(GenerateRequest(
-                RequestId(f"s{i}"), prompt, 2, temperature=0.0, ignore_eos=True))
-            first = None
-            async for _ in stream:
-                first = first or time.perf_counter() - start
-            return first or 0.0
-
-        ttfts = [asyncio.run(one(i)) for i in range(args.streaming_requests)]
-        t = backend.totals
-        return {"mean_ttft_ms": 1000 * float(np.mean(ttfts)),
-                "exposed_ms_per_request": 1000 * t.transfer_exposed_s / t.num_prefills,
-                "compute_ms_per_request": 1000 * t.compute_s / t.num_prefills,
-                "mib_per_request": t.transfer_bytes / t.num_prefills / 2**20,
-                "hidden_share": t.hidden_share}
-
-
-def print_streaming(runs: dict[str, dict[str, float]]) -> None:
-    for mode, r in runs.items():
-        print(f"streaming {mode:13s}: mean TTFT {r['mean_ttft_ms']:.1f} ms, exposed transfer "
-              f"{r['exposed_ms_per_request']:.2f} ms of {r['mib_per_request']:.2f} MiB per request"
-              f" (prefill compute {r['compute_ms_per_request']:.1f} ms, hidden share "
-              f"{r['hidden_share']:.1%})")
-
-
-def transport_run(engine: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """See the module docstring: per (mode, transport), mean exposed transfer, transfer window
-    and prefill compute per request, and the decode process's CPU per request (one warm-up
-    request per prefill worker is not counted)."""
-    import os
-
-    import numpy as np
-
-    from kvcake.server.cluster.launcher import worker_argv
-    from kvcake.server.worker.config import Role, WorkerConfig
-    from kvcake.server.worker.link import MessageLink
-    from kvcake.server.worker.worker import Worker
-
-    decode_cfg = WorkerConfig(role=Role.DECODE, engine=engine, worker_id="bench-d",
-                              num_threads=1)
-    decode = subprocess.Popen(worker_argv(decode_cfg, os.getpid()), stdout=subprocess.PIPE,
-                              text=True)
-    assert decode.stdout is not None
-    ready = decode.stdout.readline().split()
-    if ready[:3] != ["kvcake", "worker", "ready"]:
-        decode.kill()
-        raise SystemExit(f"decode worker did not start: {ready}")
-    d_link = MessageLink.connect(ready[4])  # a worker serves one link: shared by all runs
-    runs = {(mode, kind): _Prefiller(Worker(WorkerConfig(
-                role=Role.PREFILL, engine=engine, worker_id=f"bench-p-{mode}-{kind}",
-                num_threads=1, layerwise=mode == "layerwise", shared_memory=kind == "shm"))
-                .start(), d_link, decode.pid)
-            for mode in ("layerwise", "after_prefill") for kind in ("shm", "tcp")}
-    rng = np.random.default_rng(11)
-    try:
-        for i in range(args.transport_requests + 1):
-            for run in runs.values():
-                run.one(f"t{i}", rng.integers(0, 256, args.streaming_prompt_len).tolist(), i > 0)
-        return {f"{mode}/{kind}": run.summary() for (mode, kind), run in runs.items()}
-    finally:
-        for run in runs.values():
-            run.close()
-        d_link.close()
-        decode.terminate()
-        decode.wait(timeout=30)
-
-
-class _Prefiller:
-    """One in-process prefill worker, its link, and the link to the decode worker process."""
-
-    SAMPLING = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
-
-    def __init__(self, worker: Any, decode_link: Any, decode_pid: int) -> None:
-        from kvcake.server.worker.link import MessageLink
-
-        self.worker, self.d, self.decode_pid = worker, decode_link, decode_pid
-        self.p = MessageLink.connect(worker.address)
-        self.done: list[Any] = []
-        self.decode_cpu_s = 0.0
-
-    def one(self, rid: str, prompt: list[int], counted: bool) -> None:
-        from kvcake.server.worker.messages import (
-            Abort,
-            KvReserved,
-            PrefillDone,
-            PrefillOrder,
-            ReserveKv,
-        )
-
-        rid = f"{self.worker.worker_id}-{rid}"
-        cpu_before = _cpu_s(self.decode_pid)
-        self.d.send(ReserveKv(rid, prompt, self.SAMPLING))
-        reserved = _next_of(self.d, KvReserved)
-        self.p.send(PrefillOrder(rid, prompt, self.SAMPLING, [], reserved.kv_pool,
-                                 reserved.block_ids, reserved.num_pool_blocks))
-        done = _next_of(self.p, PrefillDone)
-        self.d.send(Abort(rid))  # the prefill waited for its writes: nothing writes them now
-        if counted:
-            self.done.append(done)
-            self.decode_cpu_s += _cpu_s(self.decode_pid) - cpu_before
-
-    def summary(self) -> dict[str, float]:
-        n = len(self.done)
-        return {"requests": n,
-                "exposed_ms": 1000 * sum(d.transfer_exposed_s for d in self.done) / n,
-                "span_ms": 1000 * sum(d.transfer_span_s for d in self.done) / n,
-                "compute_ms": 1000 * sum(d.compute_s for d in self.done) / n,
-                "mib": sum(d.transfer_bytes for d in self.done) / n / 2**20,
-                "decode_cpu_ms": 1000 * self.decode_cpu_s / n}
-
-    def close(self) -> None:
-        self.p.close()
-        self.worker.close()
-
-
-def _next_of(link: Any, kind: type) -> Any:
-    """The next message of `kind` on `link` (reports in between skipped); exits on a failure."""
-    from kvcake.server.worker.messages import RequestFailed
-
-    while True:
-        message = link.recv()
-        if message is None or isinstance(message, RequestFailed):
-            raise SystemExit(f"transport comparison: {message!r}")
-        if isinstance(message, kind):
-            return message
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (all its threads)."""
-    import os
-
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def print_transport(runs: dict[str, dict[str, float]]) -> None:
-    for name, r in runs.items():
-        print(f"transport {name:19s}: exposed {r['exposed_ms']:.2f} ms, window "
-              f"{r['span_ms']:.1f} ms, prefill compute {r['compute_ms']:.1f} ms, decode CPU "
-              f"{r['decode_cpu_ms']:.1f} ms per request of {r['mib']:.2f} MiB "
-              f"({r['requests']:.0f} requests)")
-    for mode in ("layerwise", "after_prefill"):
-        shm, tcp = runs[f"{mode}/shm"], runs[f"{mode}/tcp"]
-        ratio = tcp["exposed_ms"] / shm["exposed_ms"] if shm["exposed_ms"] else float("inf")
-        print(f"{mode}: exposed transfer tcp / shm = {ratio:.2f}")
-
-
-def transport_main(args: argparse.Namespace) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, float]]] = {"layerwise": [], "after_prefill": []}
-    for i in range(args.transport_runs):
-        order = ("layerwise", "after_prefill") if i % 2 == 0 else ("after_prefill", "layerwise")
-        for mode in order:
-            runs[mode].append(streaming_run(mode == "layerwise", TRANSPORT_ENGINE, args))
-            print_streaming({f"{mode} #{i + 1}": runs[mode][-1]})
-    net = [lw["mean_ttft_ms"] / ap["mean_ttft_ms"]
-           for lw, ap in zip(runs["layerwise"], runs["after_prefill"], strict=True)]
-    print(f"net TTFT layer-wise / after-prefill per run: {', '.join(f'{x:.2f}' for x in net)}")
-    out: dict[str, Any] = {"streaming": runs, "net_ttft_ratio": net}
-    if args.transport_requests > 0:
-        out["transport"] = transport_run(TRANSPORT_ENGINE, args)
-        print_transport(out["transport"])
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -663,6 +491,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/kvcake-vs-vllm-model"))
     p.add_argument("--seed", type=int, default=0, help="the model's weights")
     p.add_argument("--port-base", type=int, default=25000)
+    p.add_argument("--disagg-admission", choices=("early", "slo", "none"), default="early",
+                   help="the disaggregated pair's admission (Algorithm 1's HTTP 429 on the "
+                        "regime's TTFT SLO and loosest TBT SLO; default early, what `kvcake "
+                        "serve` runs; none: every request served, as before 2026-12-07)")
     p.add_argument("--transport", action="store_true",
                    help="run only the KV hand-off comparison (tiny preset)")
     p.add_argument("--transport-runs", type=int, default=3)
@@ -685,7 +517,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.transport:
-        out = transport_main(args)
+        out = kv_handoff_runs.transport_main(args)
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / "transport.json").write_text(json.dumps(out, indent=1) + "\n")
         return 0

@@ -120,6 +120,7 @@ from kvcake.bench.replay import PlannedRequest  # noqa: E402
 from kvcake.bench.stats import RequestResult, paper_tbt_s, tpot_s  # noqa: E402
 from kvcake.sim.config import SimConfig  # noqa: E402
 from kvcake.sim.live_profile import LiveCost, live_cost_from_dict  # noqa: E402
+from kvcake.sim.records import is_effective  # noqa: E402
 from kvcake.sim.run import simulate  # noqa: E402
 from kvcake.sim.trace import Trace, TraceRequest  # noqa: E402
 
@@ -245,7 +246,8 @@ def sim_trace(records: list[TraceRequest], planned: list[PlannedRequest],
     return Trace(tuple(out), "sim_vs_live", block_size=block_len)
 
 
-def recorded_replay(system: str, cap_args: Any, budget: int, planned: list[PlannedRequest],
+def recorded_replay(system: str, cap_args: Any, regime: Regime, budget: int,
+                    planned: list[PlannedRequest],
                     pin: bool) -> tuple[list[RequestResult], dict[str, Any]]:
     """One replay on a fresh `system` server (pin_workers = `pin`) with what could differ
     between invocations recorded (benchmarks/replay_env.py): workers' threads, affinity and
@@ -266,7 +268,7 @@ def recorded_replay(system: str, cap_args: Any, budget: int, planned: list[Plann
             os.environ[ENV] = trace_dir  # the server and its workers inherit it
             try:
                 env.start()
-                with cap.Served(system, cap_args,
+                with cap.Served(system, cap_args, regime,
                                 budget if system == "colocated" else None) as served:
                     assert served.server is not None and served.server.sid is not None
                     env.attach(served.server.sid)
@@ -283,6 +285,7 @@ def recorded_replay(system: str, cap_args: Any, budget: int, planned: list[Plann
     finally:
         cap.kvcake_toml = toml
     report = env.report()
+    report["admission"] = cap_args.disagg_admission if system == "disagg" else "none"
     report["decode_steps"] = replay_env.step_split(
         steps, [g for r in results for g in r.gaps_s], begun)
     return results, report
@@ -306,31 +309,39 @@ def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, floa
 
 def sim_metrics(trace: Trace, regime: Regime, config: SimConfig, cost: Any,
                 jitter: list[float] | None = None) -> dict[str, float]:
-    """The simulated run's metrics; with `jitter` (host_terms' measured step dispersion) its
-    TBTs and shares are taken with every gap multiplied by a draw from it (the admission is
-    off, so the run itself is the same at each SLO)."""
-    out: dict[str, float] = {}
+    """The simulated run's metrics: one run (its admission, if any, checks the config's SLOs, as
+    the live Conductor checks the loosest TBT SLO), the share at each TBT SLO from its requests;
+    with `jitter` (host_terms' measured step dispersion) its TBTs and shares are taken with every
+    gap multiplied by a draw from it."""
+    result = simulate(config, trace, cost)
+    summary = result.summary
+    out = {"ttft_p50_ms": 1000 * summary["ttft_s"]["p50"],
+           "ttft_p90_ms": 1000 * summary["ttft_s"]["p90"],
+           "tbt_p50_ms": 1000 * summary["tbt_s"]["p50"],
+           "tbt_p90_ms": 1000 * summary["tbt_s"]["p90"],
+           "tpot_mean_ms": 1000 * sim_tpot_mean_s(result.states)}
+    if not jitter:
+        for k, share in enumerate(sim_shares(result.states, regime)):
+            out[f"effective_share_slo{k + 1}"] = share
+        return out
+    tbts = host_terms.jittered_tbts(result.states, jitter)
+    got = [t for t in tbts if t is not None]
+    out["tbt_p50_ms"] = 1000 * float(np.percentile(got, 50))
+    out["tbt_p90_ms"] = 1000 * float(np.percentile(got, 90))
     for k, slo in enumerate(regime.tbt_slos_ms):
-        result = simulate(dataclasses.replace(config, tbt_slo_ms=slo), trace, cost)
-        summary = result.summary
-        if k == 0:
-            out = {"ttft_p50_ms": 1000 * summary["ttft_s"]["p50"],
-                   "ttft_p90_ms": 1000 * summary["ttft_s"]["p90"],
-                   "tbt_p50_ms": 1000 * summary["tbt_s"]["p50"],
-                   "tbt_p90_ms": 1000 * summary["tbt_s"]["p90"],
-                   "tpot_mean_ms": 1000 * sim_tpot_mean_s(result.states)}
-        out[f"effective_share_slo{k + 1}"] = summary["effective_request_capacity"]
-        if jitter:
-            tbts = host_terms.jittered_tbts(result.states, jitter)
-            got = [t for t in tbts if t is not None]
-            out["tbt_p50_ms"] = 1000 * float(np.percentile(got, 50))
-            out["tbt_p90_ms"] = 1000 * float(np.percentile(got, 90))
-            out[f"effective_share_slo{k + 1}"] = sum(
-                1 for s, t in zip(result.states, tbts, strict=True)
-                if s.ttft_s is not None and s.finish_s is not None
-                and s.ttft_s <= regime.ttft_slo_s and (t is None or t <= slo / 1000.0)
-            ) / max(1, len(result.states))
+        out[f"effective_share_slo{k + 1}"] = sum(
+            1 for s, t in zip(result.states, tbts, strict=True)
+            if s.ttft_s is not None and s.finish_s is not None
+            and s.ttft_s <= regime.ttft_slo_s and (t is None or t <= slo / 1000.0)
+        ) / max(1, len(result.states))
     return out
+
+
+def sim_shares(states: Any, regime: Regime) -> list[float]:
+    """The effective share of a simulated run's requests at each of the regime's TBT SLOs (a
+    rejected request is a miss at every one)."""
+    return [sum(is_effective(s, regime.ttft_slo_s, slo / 1000.0) for s in states)
+            / max(1, len(states)) for slo in regime.tbt_slos_ms]
 
 
 def sim_tpot_mean_s(states: Any) -> float:
@@ -402,32 +413,37 @@ def fit_contention(profile: dict[str, Any], live: dict[str, float], trace: Trace
     return {k: round(v, 4) for k, v in factors.items()}
 
 
-def sim_configs(regime: Regime, block_len: int, budget: int) -> dict[str, SimConfig]:
-    common = {"ttft_slo_s": regime.ttft_slo_s, "tbt_slo_ms": regime.tbt_slos_ms[1],
-              "block_size": block_len, "admission": "none", "seed": 0}
+def sim_configs(regime: Regime, block_len: int, budget: int,
+                admission: str = "none") -> dict[str, SimConfig]:
+    """The live systems as the simulator runs them: the disaggregated pair with the live run's
+    admission (`--disagg-admission`) on the regime's TTFT SLO and loosest TBT SLO, as
+    serving_disagg_vs_colocated.conductor_toml configures the live Conductor; the colocated pair
+    never rejects."""
+    common = {"ttft_slo_s": regime.ttft_slo_s, "tbt_slo_ms": max(regime.tbt_slos_ms),
+              "block_size": block_len, "seed": 0}
     pool_tokens = KV_POOL_BYTES // 4096
     return {
         "disagg": SimConfig(num_prefill=1, num_decode=1, policy="global_cache",
-                            store_tokens=pool_tokens, **common),  # type: ignore[arg-type]
+                            store_tokens=pool_tokens, admission=admission,
+                            **common),  # type: ignore[arg-type]
         "colocated": SimConfig(num_prefill=1, num_decode=1, policy="colocated",
                                chunked_prefill=True, chunk_budget_tokens=budget,
-                               max_batch_size=min(64, budget - 1),
+                               max_batch_size=min(64, budget - 1), admission="none",
                                **common),  # type: ignore[arg-type]
     }
 
 
 def sim_capacity(records: list[TraceRequest], regime: Regime, cost: Any, budget: int,
-                 vocab_size: int) -> dict[str, list[float | None]]:
+                 vocab_size: int, admission: str = "none") -> dict[str, list[float | None]]:
     """The simulator's capacity per TBT SLO for the same regime: the capacity benchmark's search
     (start rate, probes, 90% target) over the same requests, each probe one simulated run."""
     block_len = PromptBuilder(scale_tokens=regime.scale_tokens).block_len
     out: dict[str, list[float | None]] = {}
-    for name, config in sim_configs(regime, block_len, budget).items():
+    for name, config in sim_configs(regime, block_len, budget, admission).items():
         def probe(rate: float, config: SimConfig = config) -> list[float]:
             planned = cap.workload(records, regime, vocab_size, rate, seed=0)
-            trace = sim_trace(records, planned, block_len)
-            return [simulate(dataclasses.replace(config, tbt_slo_ms=slo), trace, cost)
-                    .summary["effective_request_capacity"] for slo in regime.tbt_slos_ms]
+            return sim_shares(simulate(config, sim_trace(records, planned, block_len),
+                                       cost).states, regime)
 
         found = find_capacities(probe, 0.5 / regime.mean_prefill_s, len(regime.tbt_slos_ms),
                                 cap.TARGET_SHARE, regime.max_probes)
@@ -472,7 +488,8 @@ def capacity_check(cap_dir: Path, regime: Regime, records: list[TraceRequest], c
         if not path.is_file():
             continue
         data = json.loads(path.read_text())
-        config = sim_configs(regime, block_len, int(data.get("chunk_budget") or budget))[system]
+        config = sim_configs(regime, block_len, int(data.get("chunk_budget") or budget),
+                             data.get("admission", "none"))[system]  # as the probes ran
         rows, hits = [], []
         for probe in sorted(data["probes"], key=lambda p: p["rate"]):
             planned = cap.workload(records, regime, vocab_size, probe["rate"], seed=0)
@@ -616,6 +633,10 @@ def main(argv: list[str] | None = None) -> int:
                         "invocations and lock holds, pooled by design")
     p.add_argument("--live-only", action="store_true",
                    help="replay and write the live files, then stop (no simulator run)")
+    p.add_argument("--disagg-admission", choices=("early", "slo", "none"), default="early",
+                   help="the disaggregated pair's admission, live and simulated "
+                        "(serving_disagg_vs_colocated.py's flag; none: the live files of "
+                        "checks before 2026-12-07)")
     args = p.parse_args(argv)
     if args.live_only and args.sim_only:
         p.error("--live-only and --sim-only exclude each other: pass one")
@@ -623,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--append-replays adds replays; --sim-only replays nothing: pass one")
     if args.colocated_by_rows and args.colocated_terms is None:
         p.error("--colocated-by-rows needs --colocated-terms SAVED (the step trace it measures)")
-    cap_args = cap.parse_args(["--out-dir", str(args.out_dir)])
+    cap_args = cap.parse_args(["--out-dir", str(args.out_dir),
+                               "--disagg-admission", args.disagg_admission])
     regime = cap.load_regime(cap_args)
     budget_path = args.out_dir / "colocated-budget.json"
     if not budget_path.is_file():
@@ -652,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
         envs: list[dict[str, Any]] = []
 
         def replay_once(system: str) -> list[RequestResult]:
-            results, env = recorded_replay(system, cap_args, budget, plan_, args.pin == "on")
+            results, env = recorded_replay(system, cap_args, regime, budget, plan_,
+                                           args.pin == "on")
             envs.append(env)
             return results
 
@@ -666,12 +689,14 @@ def main(argv: list[str] | None = None) -> int:
                                                    live_at)
     if args.live_only:
         return 0
+    for checked in (live_file, fit_file):
+        live_replays.check_admission(checked, args.disagg_admission)
     live, live_reps = live_file["metrics"], live_file["replays"]
     fit_live, fit_reps = (fit_file["metrics"], fit_file["replays"]) if fit_file else (None, {})
     config_json = json.loads((cap_args.model_dir / "config.json").read_text())
     bandwidth, source = transfer_bandwidth(args.out_dir)
     profile = live_profile(args.out_dir, config_json, bandwidth)
-    configs = sim_configs(regime, block_len, budget)
+    configs = sim_configs(regime, block_len, budget, args.disagg_admission)
     contention = None
     fit_metrics = None
     terms = None
@@ -766,7 +791,8 @@ def main(argv: list[str] | None = None) -> int:
                                cap_args.vocab_size)
         print_capacity_check(check)
     if not args.no_capacity:
-        capacity = sim_capacity(records, regime, cost, budget, cap_args.vocab_size)
+        capacity = sim_capacity(records, regime, cost, budget, cap_args.vocab_size,
+                                args.disagg_admission)
         (args.out_dir / "sim_capacity.json").write_text(json.dumps(capacity) + "\n")
         print(f"simulated capacity (req/s) per TBT SLO "
               f"{[round(x, 1) for x in regime.tbt_slos_ms]}: {json.dumps(capacity)}")

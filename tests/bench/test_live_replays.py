@@ -163,7 +163,25 @@ def test_replay_file_pools_each_system_and_keeps_the_others(tmp_path: Path) -> N
     # a file of another rate is not reused
     other = live_replays.replay_file(path, 0.25, ["disagg"], 2, replay_once,
                                      lambda rs: {}, replay=False)
-    assert other == {"metrics": {}, "replays": {}}
+    assert other == {"metrics": {}, "replays": {}, "runs": {}}
+
+
+def test_a_check_refuses_live_replays_of_another_admission() -> None:
+    def runs(*admissions: str | None) -> dict[str, object]:
+        return {"runs": {"disagg": [{"env": {} if a is None else {"admission": a}}
+                                    for a in admissions],
+                         "colocated": [{"env": {"admission": "none"}}]}}
+
+    live_replays.check_admission(runs("early", "early"), "early")
+    live_replays.check_admission(runs(None), "none")  # recorded before the flag: none
+    live_replays.check_admission(None, "early")  # no second rate
+    with pytest.raises(SystemExit, match="ran with admission none, not early: pass "
+                                         "--disagg-admission to match"):
+        live_replays.check_admission(runs(None), "early")
+    with pytest.raises(SystemExit, match="ran with admission early, not none"):
+        live_replays.check_admission(runs("early"), "none")
+    with pytest.raises(SystemExit, match="admissions early and none, mixed in one file"):
+        live_replays.check_admission(runs(None, "early"), "early")
 
 
 @pytest.mark.parametrize(("fit_rate", "replay_rates", "expected"), [
