@@ -16,8 +16,8 @@ replays' median with probability 1 - 2 x 2^-3 = 75% (2: 50%; 5: 94%); (c) a repl
 2-2.6 min with the server's start (40 / rate of arrivals plus the tail), so 3 replays of one
 system at one rate fit one 15-minute lock hold with room, and 2 systems x 2 rates take ~28 min.
 
-Arithmetic on `RequestResult`s and metric dicts, and the live files; the servers are the
-caller's (`replay_once`).
+Arithmetic on `RequestResult`s (a replay's metrics: `live_metrics`) and metric dicts, and the
+live files; the servers are the caller's (`replay_once`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcake.bench.stats import Outcome, RequestResult
+import numpy as np
+
+from kvcake.bench.regime import Regime
+from kvcake.bench.stats import Outcome, RequestResult, is_effective, paper_tbt_s, tpot_s
 
 DEFAULT_REPEATS = 3
 WITHIN = 0.15  # the issue's target on |sim / live - 1|, live = the pooled value
@@ -194,3 +197,23 @@ def from_json(data: dict[str, Any]) -> RequestResult:
     return RequestResult(Outcome(data["outcome"]), int(data["prompt_len"]),
                          int(data["output_len"]), data["ttft_s"], tuple(data["gaps_s"]),
                          data["latency_s"], data.get("error", ""))
+
+
+def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, float]:
+    """One replay's (or the pooled replays') metrics: TTFT and TBT percentiles over the requests
+    that got a first token, the mean TPOT, and the effective share of all sent requests at each
+    TBT SLO (serving_disagg_vs_colocated.shares)."""
+    done = [r for r in results if r.ttft_s is not None]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    tbts = [paper_tbt_s(r.gaps_s) for r in done if r.gaps_s]
+    out = {"ttft_p50_ms": 1000 * float(np.percentile(ttfts, 50)),
+           "ttft_p90_ms": 1000 * float(np.percentile(ttfts, 90)),
+           "tbt_p50_ms": 1000 * float(np.percentile(tbts, 50)),
+           "tbt_p90_ms": 1000 * float(np.percentile(tbts, 90))}
+    tpots = [t for r in done if (t := tpot_s(r)) is not None]
+    if tpots:  # the mean decode step a request saw (its gaps' mean): what sets the batch
+        out["tpot_mean_ms"] = 1000 * float(np.mean(tpots))
+    for k, slo in enumerate(regime.tbt_slos_ms):
+        out[f"effective_share_slo{k + 1}"] = sum(
+            is_effective(r, regime.ttft_slo_s, slo / 1000.0) for r in results) / max(1, len(results))
+    return out

@@ -12,8 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import live_replays  # noqa: E402
 import serving_disagg_vs_colocated as cap  # noqa: E402
 import sim_vs_live  # noqa: E402
+import simulated_runs  # noqa: E402
 
 from kvcake.bench.regime import Regime, Replay, derive_regime  # noqa: E402
 from kvcake.bench.stats import Outcome, RequestResult  # noqa: E402
@@ -67,16 +69,16 @@ def test_sim_vs_live_json_shape() -> None:
     r = regime()
     planned = cap.workload(RECORDS, r, 258, 2.0, seed=1)
     block = round(512 * r.scale_tokens)
-    trace = sim_vs_live.sim_trace(RECORDS, planned, block)
+    trace = simulated_runs.sim_trace(RECORDS, planned, block)
     assert [t.input_len for t in trace.requests] == [len(p.prompt_token_ids) for p in planned]
     assert all(len(t.hash_ids) == -(-t.input_len // block) for t in trace.requests)
     cost = live_cost_from_dict(profile_dict()).as_cost_model()
-    configs = sim_vs_live.sim_configs(r, block, budget=256)
-    sim = {name: sim_vs_live.sim_metrics(trace, r, config, cost)
+    configs = simulated_runs.sim_configs(r, block, budget=256)
+    sim = {name: simulated_runs.sim_metrics(trace, r, config, cost)
            for name, config in configs.items()}
     results = [RequestResult(Outcome.OK, 10, 3, 0.1 * (i + 1), (0.01, 0.02), 0.2)
                for i in range(10)]
-    live = {name: sim_vs_live.live_metrics(results, r) for name in sim}
+    live = {name: live_replays.live_metrics(results, r) for name in sim}
     metrics = sim_vs_live.compare(live, sim)
     assert set(metrics) == {f"{s}.{m}" for s in ("disagg", "colocated")
                             for m in ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90_ms",
@@ -103,7 +105,7 @@ def test_sim_vs_live_checks_every_probe_of_a_capacity_search(tmp_path: Path) -> 
     (tmp_path / "disagg.json").write_text(json.dumps({"probes": probes, "counters": {
         "prefix_cache_queries_total": 1000.0, "prefix_cache_hits_total": 50.0}}))
     cost = live_cost_from_dict(profile_dict()).as_cost_model()
-    check = sim_vs_live.capacity_check(tmp_path, r, RECORDS, cost, budget=256, vocab_size=258)
+    check = simulated_runs.capacity_check(tmp_path, r, RECORDS, cost, budget=256, vocab_size=258)
     assert set(check) == {"disagg"}  # no colocated.json: not checked
     rows = check["disagg"]["probes"]
     assert [row["rate"] for row in rows] == [1.0, 2.0]  # by rate
@@ -115,17 +117,17 @@ def test_sim_vs_live_checks_every_probe_of_a_capacity_search(tmp_path: Path) -> 
     assert 0.0 <= check["disagg"]["hit_share"]["sim"] <= 1.0
     # the same probe simulated on its own gives the same numbers
     block = round(512 * r.scale_tokens)
-    trace = sim_vs_live.sim_trace(RECORDS, cap.workload(RECORDS, r, 258, 2.0, seed=0), block)
-    alone = sim_vs_live.sim_metrics(trace, r, sim_vs_live.sim_configs(r, block, 256)["disagg"],
+    trace = simulated_runs.sim_trace(RECORDS, cap.workload(RECORDS, r, 258, 2.0, seed=0), block)
+    alone = simulated_runs.sim_metrics(trace, r, simulated_runs.sim_configs(r, block, 256)["disagg"],
                                     cost)
     assert rows[1]["tbt_p50_ms"]["sim"] == pytest.approx(alone["tbt_p50_ms"])
     assert 0.0 <= rows[1]["prefill_busy_share"] <= 1.0
     assert "implied_decode_factor" not in rows[0]  # no live TPOT to match
     # the implied factor: the simulated mean TPOT at it is the probe's live 8.0 ms
     factor = rows[1]["implied_decode_factor"]
-    config = sim_vs_live.sim_configs(r, block, 256)["disagg"]
+    config = simulated_runs.sim_configs(r, block, 256)["disagg"]
     at = dataclasses.replace(live_cost_from_dict(profile_dict()), decode_contention=factor)
-    tpot = 1000 * sim_vs_live.sim_tpot_mean_s(simulate(config, trace, at.as_cost_model()).states)
+    tpot = 1000 * simulated_runs.sim_tpot_mean_s(simulate(config, trace, at.as_cost_model()).states)
     assert 0.5 < factor < 8.0 and tpot == pytest.approx(8.0, rel=2e-3)
     json.dumps(check)
     other = tmp_path / "other"
@@ -134,22 +136,22 @@ def test_sim_vs_live_checks_every_probe_of_a_capacity_search(tmp_path: Path) -> 
         lambda b, c: 0.008, lambda n: n / 4000.0,
         Replay(2000.0, [40], num_requests=12, max_probes=2), max_model_len=2048).to_json())
     with pytest.raises(SystemExit, match="not this out-dir's regime"):
-        sim_vs_live.capacity_check(other, r, RECORDS, cost, budget=256, vocab_size=258)
+        simulated_runs.capacity_check(other, r, RECORDS, cost, budget=256, vocab_size=258)
 
 
 def test_sim_vs_live_diagnostics() -> None:
     r = regime()
     block = round(512 * r.scale_tokens)
-    trace = sim_vs_live.sim_trace(RECORDS, cap.workload(RECORDS, r, 258, 2.0, seed=0), block)
-    config = sim_vs_live.sim_configs(r, block, 256)["disagg"]
+    trace = simulated_runs.sim_trace(RECORDS, cap.workload(RECORDS, r, 258, 2.0, seed=0), block)
+    config = simulated_runs.sim_configs(r, block, 256)["disagg"]
     cost = live_cost_from_dict(profile_dict())
-    diag = sim_vs_live.diagnostics(trace, config, cost)
+    diag = simulated_runs.diagnostics(trace, config, cost)
     assert set(diag) == {"hit_share", "tpot_mean_ms", "tbt_p50_elasticity"}
     # RECORDS share hash ids 0, 1, 2: later prompts reuse their head from the store
     assert diag["hit_share"] > 0
     # slower decode steps never make the TBT smaller; at least proportionally larger here
     assert diag["tbt_p50_elasticity"] >= 1.0 - 1e-9
-    assert "tbt_p50_elasticity" not in sim_vs_live.diagnostics(
+    assert "tbt_p50_elasticity" not in simulated_runs.diagnostics(
         trace, config, None)  # the paper's cost model: no decode factor to vary
 
 

@@ -36,7 +36,7 @@ REPLAY_B = [request(0.5, 0.016), request(0.6, 0.030), request(0.7, 0.050), reque
 
 def pooled() -> dict[str, Any]:
     r = regime()
-    return live_replays.pool([REPLAY_A, REPLAY_B], lambda rs: sim_vs_live.live_metrics(rs, r))
+    return live_replays.pool([REPLAY_A, REPLAY_B], lambda rs: live_replays.live_metrics(rs, r))
 
 
 def test_metrics_are_over_the_pooled_requests() -> None:
@@ -146,7 +146,7 @@ def test_replay_file_pools_each_system_and_keeps_the_others(tmp_path: Path) -> N
         return next(served)
 
     got = live_replays.replay_file(path, 0.5, ["disagg"], 2, replay_once,
-                                   lambda rs: sim_vs_live.live_metrics(rs, r),
+                                   lambda rs: live_replays.live_metrics(rs, r),
                                    when=lambda: {"at": "t"})
     assert calls == ["disagg", "disagg"]
     assert got["metrics"]["disagg"]["ttft_p50_ms"] == pytest.approx(450.0)
@@ -158,7 +158,7 @@ def test_replay_file_pools_each_system_and_keeps_the_others(tmp_path: Path) -> N
     assert [live_replays.from_json(x) for x in saved["requests"]["disagg"][1]] == REPLAY_B
     # read back without replaying: the same figures
     again = live_replays.replay_file(path, 0.5, ["disagg"], 2, replay_once,
-                                     lambda rs: sim_vs_live.live_metrics(rs, r), replay=False)
+                                     lambda rs: live_replays.live_metrics(rs, r), replay=False)
     assert again == json.loads(json.dumps(got)) and len(calls) == 2
     # a file of another rate is not reused
     other = live_replays.replay_file(path, 0.25, ["disagg"], 2, replay_once,

@@ -70,16 +70,16 @@ def test_the_simulator_slows_with_the_decode_factor() -> None:
     assert tbt[1] == pytest.approx(2.0 * tbt[0], rel=0.05)
 
 
-def test_sim_vs_live_fits_a_factor_by_bisection() -> None:
+def test_live_profile_fit_fits_a_factor_by_bisection() -> None:
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import sim_vs_live
+    import live_profile_fit
 
     def measure(f: float) -> float:  # a simulated metric that grows with the factor
         return 40.0 * f + 10.0
 
-    assert sim_vs_live.fit_factor(90.0, measure) == pytest.approx(2.0, rel=1e-3)
-    assert sim_vs_live.fit_factor(1.0, measure) == 0.5  # below the range: its lower bound
-    assert sim_vs_live.fit_factor(1e6, measure) == 8.0  # above it: the upper bound
+    assert live_profile_fit.fit_factor(90.0, measure) == pytest.approx(2.0, rel=1e-3)
+    assert live_profile_fit.fit_factor(1.0, measure) == 0.5  # below the range: its lower bound
+    assert live_profile_fit.fit_factor(1e6, measure) == 8.0  # above it: the upper bound

@@ -1,0 +1,172 @@
+"""What every mode of `benchmarks/sim_vs_live.py` shares: `Setup` (the regime and its requests
+at a rate, the colocated budget, the capacity benchmark's arguments, and the live files it
+replays: `live_at`), `recorded_replay` (one live replay on a fresh server with what it ran on
+recorded) and `Terms` (the live profile with the host terms measured from saved step traces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import colocated_terms  # noqa: E402
+import host_terms  # noqa: E402
+import live_replays  # noqa: E402
+import replay_env  # noqa: E402
+import serving_disagg_vs_colocated as cap  # noqa: E402
+from live_replays import live_metrics  # noqa: E402
+from simulated_runs import sim_trace  # noqa: E402
+
+from kvcake.bench.prompts import PromptBuilder  # noqa: E402
+from kvcake.bench.regime import Regime  # noqa: E402
+from kvcake.bench.replay import PlannedRequest  # noqa: E402
+from kvcake.bench.stats import RequestResult  # noqa: E402
+from kvcake.sim.live_profile import live_cost_from_dict  # noqa: E402
+from kvcake.sim.trace import Trace, TraceRequest  # noqa: E402
+
+
+def recorded_replay(system: str, cap_args: Any, regime: Regime, budget: int,
+                    planned: list[PlannedRequest],
+                    pin: bool) -> tuple[list[RequestResult], dict[str, Any]]:
+    """One replay on a fresh `system` server (pin_workers = `pin`) with what could differ
+    between invocations recorded (benchmarks/replay_env.py): workers' threads, affinity and
+    placement, the GEMM tables and whether they were measured or loaded, /proc/stat, load,
+    MHz, and the decode worker's step times from its step trace."""
+    import os
+    import tempfile
+
+    from kvcake.engine import cpu_ops
+    from kvcake.engine.step_trace import ENV
+
+    toml = cap.kvcake_toml
+    threads = {"prefill": 1, "decode": 1, "colocated": 1}  # cap.kvcake_toml's num_threads
+    env = replay_env.ReplayEnv(cpu_ops.cache_dir(), pin, threads)
+    cap.kvcake_toml = lambda *a: f"pin_workers = {str(pin).lower()}\n" + toml(*a)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
+            os.environ[ENV] = trace_dir  # the server and its workers inherit it
+            try:
+                env.start()
+                with cap.Served(system, cap_args, regime,
+                                budget if system == "colocated" else None) as served:
+                    assert served.server is not None and served.server.sid is not None
+                    env.attach(served.server.sid)
+                    begun = time.monotonic()
+                    try:
+                        results = served.replay(planned)[0]
+                    finally:
+                        env.stop()
+            finally:
+                del os.environ[ENV]
+            steps = [json.loads(line) for path in sorted(Path(trace_dir).glob("steps-*.jsonl"))
+                     if "decode" in path.stem or system == "colocated"
+                     for line in path.read_text().splitlines()]
+    finally:
+        cap.kvcake_toml = toml
+    report = env.report()
+    report["admission"] = cap_args.disagg_admission if system == "disagg" else "none"
+    report["decode_steps"] = replay_env.step_split(
+        steps, [g for r in results for g in r.gaps_s], begun)
+    return results, report
+
+
+@dataclass
+class Setup:
+    """What every mode of a check shares: the regime and its requests, the colocated budget,
+    the capacity benchmark's arguments (its model directory and vocabulary)."""
+
+    args: argparse.Namespace
+    cap_args: argparse.Namespace
+    regime: Regime
+    budget: int
+    records: list[TraceRequest]
+    block_len: int
+
+    @classmethod
+    def load(cls, args: argparse.Namespace) -> Setup:
+        cap_args = cap.parse_args(["--out-dir", str(args.out_dir),
+                                   "--disagg-admission", args.disagg_admission])
+        regime = cap.load_regime(cap_args)
+        budget_path = args.out_dir / "colocated-budget.json"
+        if not budget_path.is_file():
+            raise SystemExit(f"{budget_path} not found: run serving_disagg_vs_colocated.py "
+                             "--systems colocated-budget first")
+        budget = int(json.loads(budget_path.read_text())["chunk_budget"])
+        cap_args.vocab_size = cap.prepare_model(cap_args).vocab_size
+        return cls(args, cap_args, regime, budget,
+                   cap.records_of(cap_args.trace, regime.num_requests),
+                   PromptBuilder(scale_tokens=regime.scale_tokens).block_len)
+
+    def planned(self, rate: float, first: int | None = None) -> list[PlannedRequest]:
+        """The regime's requests at `rate` (the first `first` of them), the live replays'."""
+        return cap.workload(self.records, self.regime, self.cap_args.vocab_size, rate,
+                            self.args.seed)[:first]
+
+    def trace(self, planned: list[PlannedRequest]) -> Trace:
+        return sim_trace(self.records[:len(planned)], planned, self.block_len)
+
+    def live_at(self, rate: float, name: str, replay: bool) -> dict[str, Any]:
+        """The live metrics at `rate` (benchmarks/live_replays.py replay_file): --live-repeats
+        replays of --systems (unless --sim-only), each on a fresh server."""
+        args, planned = self.args, self.planned(rate)
+        envs: list[dict[str, Any]] = []
+
+        def replay_once(system: str) -> list[RequestResult]:
+            results, env = recorded_replay(system, self.cap_args, self.regime, self.budget,
+                                           planned, args.pin == "on")
+            envs.append(env)
+            return results
+
+        return live_replays.replay_file(args.out_dir / name, rate,
+                                        [x for x in args.systems.split(",") if x],
+                                        args.live_repeats, replay_once,
+                                        lambda rs: live_metrics(rs, self.regime),
+                                        replay=replay and not args.sim_only,
+                                        extras=lambda: envs.pop(),
+                                        append=args.append_replays)
+
+
+@dataclass
+class Terms:
+    """The live profile with the host terms measured from saved step traces (none fitted)."""
+
+    profile: dict[str, Any]
+    host: dict[str, Any] | None = None  # --host-terms
+    colocated: dict[str, Any] | None = None  # --colocated-terms
+
+    @classmethod
+    def measure(cls, args: argparse.Namespace, profile: dict[str, Any]) -> Terms:
+        terms = cls(profile)
+        if args.host_terms is not None:
+            base = live_cost_from_dict(profile)
+            terms.host = host_terms.measure(host_terms.load_saved(args.host_terms), base.decode,
+                                            base.prefill)
+            terms.profile = host_terms.with_terms(terms.profile, terms.host)
+            print(f"host terms measured from {args.host_terms}: {json.dumps(terms.host)}")
+        if args.colocated_terms is not None:
+            base = live_cost_from_dict(terms.profile)
+            terms.colocated = colocated_terms.measure(
+                host_terms.load_saved(args.colocated_terms), base.decode, base.prefill,
+                by_rows=args.colocated_by_rows)
+            terms.profile = {**terms.profile, "live": {**terms.profile["live"],
+                                                       "colocated": terms.colocated["colocated"]}}
+            print(f"colocated terms measured from {args.colocated_terms}: "
+                  f"{json.dumps(terms.colocated['colocated'])}")
+        return terms
+
+    @property
+    def jitters(self) -> dict[str, list[float] | None]:
+        """Each system's measured step dispersion (None: its terms were not measured)."""
+        return {"disagg": self.host["step_jitter_quantiles"] if self.host else None,
+                "colocated": (self.colocated["step_jitter_quantiles"] if self.colocated
+                              else None)}
+
+    def cost(self) -> Any:
+        return live_cost_from_dict(self.profile).as_cost_model()
