@@ -67,7 +67,8 @@ def register(subparsers: Any) -> None:
     q.add_argument("--refresh", action="store_true", help="measure even if a cache exists")
     q.add_argument("--input-lens", default=None, metavar="N,N,...",
                    help="prompt lengths to measure (default: doubling up to the longest prompt "
-                        "the engine takes, at most 8,192 tokens: ProfileGrid.spanning)")
+                        "the engine takes, at most 8,192 tokens or the first cold prefill "
+                        "over 2 s: ProfileGrid.spanning)")
     q.add_argument("--model", default="tiny")
     add_flags(q.add_argument_group("EngineSettings"), EngineSettings)
     q.set_defaults(func=run_profile)

@@ -35,6 +35,10 @@ from kvcake.ids import CountingIds
 PROFILE_FORMAT = 2  # 2: default grid over the engine's prompts (1: prompts of <= 384 tokens)
 LONGEST_PROFILED_PROMPT = 8192  # tokens; ~2 s of prefill for the 44M benchmark model, 1 thread
 LONGEST_PROFILED_CONTEXT = 2048  # tokens per sequence of a profiled decode step
+# A spanning grid stops doubling after a cold prefill this long (a larger model measures shorter
+# prompts): 1 thread, the `small` preset profiles in ~38 s (to 3,072 tokens), the 44M capacity
+# benchmark model in ~25 s (to 8,192).
+LONGEST_PROFILED_PREFILL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,10 @@ class ProfileGrid:
     decode_batch_sizes: tuple[int, ...] = (1, 4, 8)
     decode_context_lens: tuple[int, ...] = (32, 256)
     repeats: int = 2  # the minimum of this many runs is kept (noise on a shared machine)
+    # None: every length. Else no longer length after a cold prefill slower than this (at
+    # least 3 lengths are measured), and no decode point whose batch holds more prompt tokens
+    # than the longest prompt measured.
+    longest_prefill_s: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_lens) < 3 or min(self.input_lens) < 2:
@@ -58,6 +66,9 @@ class ProfileGrid:
             raise ValueError("decode_batch_sizes, decode_context_lens: positive values needed")
         if self.repeats < 1:
             raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
+        if self.longest_prefill_s is not None and not self.longest_prefill_s > 0:
+            raise ValueError(f"longest_prefill_s: must be > 0 seconds or None, got "
+                             f"{self.longest_prefill_s}")
 
     @classmethod
     def spanning(cls, max_prompt_tokens: int, kv_pool_tokens: int) -> ProfileGrid:
@@ -65,7 +76,8 @@ class ProfileGrid:
         up to the longest prompt it takes (`max_prompt_tokens`, within its KV pool), at most
         LONGEST_PROFILED_PROMPT; decode steps also at the longest context per sequence the pool
         holds for the largest batch twice over, at most half the prompt limit (its requests
-        generate while the batch prefills) and LONGEST_PROFILED_CONTEXT. On prompts of
+        generate while the batch prefills) and LONGEST_PROFILED_CONTEXT; on a model whose cold
+        prefill passes LONGEST_PROFILED_PREFILL_S sooner, both stop there. On prompts of
         <= 384 tokens only, a quadratic fit put the benchmark model's 3,024-token prompt 18% and
         its 20,826-token one 30% above a fit over 256..8,192 tokens (issue 11)."""
         base = cls()
@@ -81,7 +93,8 @@ class ProfileGrid:
                       kv_pool_tokens // (2 * max(base.decode_batch_sizes)))
         contexts = [c for c in base.decode_context_lens if c < context] + [max(1, context)]
         return cls(input_lens=tuple(sorted(set(lens))),
-                   decode_context_lens=tuple(sorted(set(contexts))))
+                   decode_context_lens=tuple(sorted(set(contexts))),
+                   longest_prefill_s=LONGEST_PROFILED_PREFILL_S)
 
 
 @dataclass(frozen=True)
@@ -128,13 +141,14 @@ def cache_path(cache_dir: Path, model: str, dtype: str, num_threads: int) -> Pat
 
 
 def measure_prefill(engine: Engine, grid: ProfileGrid, seed: int = 0) -> list[PrefillPoint]:
-    """Seconds of one prefill step per (input_len, cached prefix_len) of the grid."""
+    """Seconds of one prefill step per (input_len, cached prefix_len) of the grid (its longer
+    lengths left out past `grid.longest_prefill_s`)."""
     rng = np.random.default_rng(seed)
     ids = CountingIds("profile-prefill")
     vocab = min(engine.model_config.vocab_size, 256)
     _prefill_s(engine, ids, rng.integers(0, vocab, 16).tolist())  # warm-up
     points = []
-    for n in grid.input_lens:
+    for i, n in enumerate(grid.input_lens):
         for frac in grid.prefix_fracs:
             best, cached = float("inf"), 0
             for _ in range(grid.repeats):
@@ -145,6 +159,9 @@ def measure_prefill(engine: Engine, grid: ProfileGrid, seed: int = 0) -> list[Pr
                 elapsed, cached = _prefill_s(engine, ids, prompt)
                 best = min(best, elapsed)
             points.append(PrefillPoint(n, cached, best))
+        cold_s = max(p.time_s for p in points if p.input_len == n)  # its least cached point
+        if grid.longest_prefill_s is not None and i >= 2 and cold_s > grid.longest_prefill_s:
+            break
     return points
 
 
@@ -159,8 +176,10 @@ def _prefill_s(engine: Engine, ids: CountingIds, prompt: list[int]) -> tuple[flo
     return time.perf_counter() - start, cached
 
 
-def measure_decode(engine: Engine, grid: ProfileGrid, seed: int = 1) -> list[DecodePoint]:
-    """Seconds of one decode step of `b` sequences of `c` context tokens each.
+def measure_decode(engine: Engine, grid: ProfileGrid, seed: int = 1,
+                   max_batch_tokens: int | None = None) -> list[DecodePoint]:
+    """Seconds of one decode step of `b` sequences of `c` context tokens each (a point whose
+    batch would hold more than `max_batch_tokens` prompt tokens is left out).
 
     Every one of the `b` requests is still running in each timed step: a prompt set larger than
     the step's token budget prefills over several steps, while the requests prefilled first
@@ -175,6 +194,8 @@ def measure_decode(engine: Engine, grid: ProfileGrid, seed: int = 1) -> list[Dec
     points = []
     for b in grid.decode_batch_sizes:
         for c in grid.decode_context_lens:
+            if max_batch_tokens is not None and b * c > max_batch_tokens:
+                continue
             prefill_steps = -(-b * c // max(1, budget - b)) + 1
             params = SamplingParams(max_tokens=prefill_steps + grid.repeats + 1, ignore_eos=True)
             rids = [ids.next_id() for _ in range(b)]
@@ -209,7 +230,9 @@ def run_profile(model: str, engine_config: EngineConfig,
     if grid is None:  # a prompt of n tokens and its one sampled token: n + 1 <= max_model_len
         grid = ProfileGrid.spanning(engine.max_model_len - 1, engine.num_blocks * engine.block_size)
     prefill = measure_prefill(engine, grid)
-    decode = measure_decode(engine, grid)
+    longest = max(p.input_len for p in prefill)  # a timed grid: as long a batch as was affordable
+    decode = measure_decode(engine, grid,
+                            max_batch_tokens=longest if grid.longest_prefill_s else None)
     return Profile(engine.model_config.name, engine_config.dtype, torch.get_num_threads(),
                    PrefillTimePredictor.fit(prefill), DecodeStepPredictor.fit(decode),
                    prefill, decode)

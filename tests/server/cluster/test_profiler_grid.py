@@ -64,3 +64,27 @@ def test_an_older_cache_is_measured_again_with_the_default_grid(tmp_path: Path) 
 def test_a_grid_of_too_few_or_too_short_prompts_is_refused(bad: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match="input_lens: give at least 3 lengths, each >= 2"):
         ProfileGrid(input_lens=bad)
+
+
+def test_a_timed_grid_stops_doubling_after_a_slow_prefill_and_keeps_decode_batches_short(
+        ) -> None:
+    """A model too slow for the spanning grid's long prompts measures 3 lengths (a budget any
+    prefill passes), and no decode batch holding more prompt tokens than the longest of them."""
+    from kvcake.engine.engine import Engine
+    from kvcake.server.cluster.profiler import measure_decode, measure_prefill
+
+    engine = Engine("tiny", EngineConfig(kv_cache_bytes=8 * 2**20, max_num_batched_tokens=128))
+    grid = ProfileGrid(input_lens=(16, 48, 96, 192, 384), prefix_fracs=(0.0, 0.5),
+                       decode_batch_sizes=(1, 4), decode_context_lens=(16, 64), repeats=1,
+                       longest_prefill_s=1e-9)
+    points = measure_prefill(engine, grid)
+    assert sorted({p.input_len for p in points}) == [16, 48, 96]
+    decode = measure_decode(engine, grid, max_batch_tokens=96)
+    # (batch, its context tokens in all): 4 x 64 = 256 prompt tokens is over the 96 measured
+    assert [(d.batch_size, d.context_tokens) for d in decode] == [(1, 16), (1, 64), (4, 64)]
+    assert ProfileGrid.spanning(2047, 4096).longest_prefill_s == 2.0
+
+
+def test_a_grid_refuses_a_prefill_budget_that_is_not_positive() -> None:
+    with pytest.raises(ValueError, match="longest_prefill_s: must be > 0 seconds or None"):
+        ProfileGrid(longest_prefill_s=0.0)
