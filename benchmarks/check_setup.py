@@ -45,31 +45,26 @@ def recorded_replay(system: str, cap_args: Any, regime: Regime, budget: int,
     from kvcake.engine import cpu_ops
     from kvcake.engine.step_trace import ENV
 
-    toml = cap.kvcake_toml
-    threads = {"prefill": 1, "decode": 1, "colocated": 1}  # cap.kvcake_toml's num_threads
+    threads = {"prefill": 1, "decode": 1, "colocated": 1}  # kvcake_toml's num_threads
     env = replay_env.ReplayEnv(cpu_ops.cache_dir(), pin, threads)
-    cap.kvcake_toml = lambda *a: f"pin_workers = {str(pin).lower()}\n" + toml(*a)
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
-            os.environ[ENV] = trace_dir  # the server and its workers inherit it
-            try:
-                env.start()
-                with cap.Served(system, cap_args, regime,
-                                budget if system == "colocated" else None) as served:
-                    assert served.server is not None and served.server.sid is not None
-                    env.attach(served.server.sid)
-                    begun = time.monotonic()
-                    try:
-                        results = served.replay(planned)[0]
-                    finally:
-                        env.stop()
-            finally:
-                del os.environ[ENV]
-            steps = [json.loads(line) for path in sorted(Path(trace_dir).glob("steps-*.jsonl"))
-                     if "decode" in path.stem or system == "colocated"
-                     for line in path.read_text().splitlines()]
-    finally:
-        cap.kvcake_toml = toml
+    with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
+        os.environ[ENV] = trace_dir  # the server and its workers inherit it
+        try:
+            env.start()
+            with cap.Served(system, cap_args, regime, budget if system == "colocated" else None,
+                            pin=pin) as served:
+                assert served.server is not None and served.server.sid is not None
+                env.attach(served.server.sid)
+                begun = time.monotonic()
+                try:
+                    results = served.replay(planned)[0]
+                finally:
+                    env.stop()
+        finally:
+            del os.environ[ENV]
+        steps = [json.loads(line) for path in sorted(Path(trace_dir).glob("steps-*.jsonl"))
+                 if "decode" in path.stem or system == "colocated"
+                 for line in path.read_text().splitlines()]
     report = env.report()
     report["admission"] = cap_args.disagg_admission if system == "disagg" else "none"
     report["decode_steps"] = replay_env.step_split(

@@ -182,30 +182,25 @@ def replay_one(kind: str, pin: bool, cap_args: Any, regime: Any, planned: list[A
                rate: float, budget: int | None, decode_fit: Any | None = None,
                save: Path | None = None, prefill_fit: Any | None = None) -> dict[str, Any]:
     """One replay of `planned` through a fresh `kind` cluster (pin_workers = `pin`)."""
-    toml = cap.kvcake_toml
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load = os.getloadavg()
-    cap.kvcake_toml = lambda *a: f"pin_workers = {str(pin).lower()}\n" + toml(*a)
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
-            os.environ[ENV] = trace_dir  # the server and its workers inherit it
-            try:
-                served = cap.Served(kind, cap_args, regime, budget)
-                if port_in_use(served.port):  # a stale server would answer the health check
-                    raise SystemExit(f"127.0.0.1:{served.port} is in use: stop what listens "
-                                     f"there (an earlier run's server?) or pass another port")
-                with served:
-                    assert served.server is not None and served.server.sid is not None
-                    with WorkerCpu(served.server.sid) as cpu:
-                        begun = time.monotonic()
-                        results, duration = served.replay(planned)
-            finally:
-                del os.environ[ENV]
-            steps = [{**json.loads(line), "worker": path.stem.split("-", 1)[1]}
-                     for path in sorted(Path(trace_dir).glob("steps-*.jsonl"))
-                     for line in path.read_text().splitlines()]
-    finally:
-        cap.kvcake_toml = toml
+    with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
+        os.environ[ENV] = trace_dir  # the server and its workers inherit it
+        try:
+            served = cap.Served(kind, cap_args, regime, budget, pin=pin)
+            if port_in_use(served.port):  # a stale server would answer the health check
+                raise SystemExit(f"127.0.0.1:{served.port} is in use: stop what listens "
+                                 f"there (an earlier run's server?) or pass another port")
+            with served:
+                assert served.server is not None and served.server.sid is not None
+                with WorkerCpu(served.server.sid) as cpu:
+                    begun = time.monotonic()
+                    results, duration = served.replay(planned)
+        finally:
+            del os.environ[ENV]
+        steps = [{**json.loads(line), "worker": path.stem.split("-", 1)[1]}
+                 for path in sorted(Path(trace_dir).glob("steps-*.jsonl"))
+                 for line in path.read_text().splitlines()]
     steps = [s for s in steps if s["t0"] >= begun]  # the replay's, not the warm-up's
     client = [paper_tbt_s(r.gaps_s) for r in results if r.gaps_s]
     summary = cap.probe_summary(results, duration, regime, rate)

@@ -85,10 +85,8 @@ Its runs and what they report: benchmarks/kv_handoff_runs.py.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,30 +97,28 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_vs_vllm: model, servers
 
 import kv_handoff_runs  # noqa: E402
-import serving_vs_vllm as svv  # noqa: E402
+from capacity_regime import (  # noqa: E402
+    load_regime,
+    measure_regime,
+    prepare_model,
+    records_of,
+)
+from capacity_systems import STEPS, Served  # noqa: E402
 
 from kvcake.bench.capacity import find_capacities  # noqa: E402
 from kvcake.bench.prompts import PromptBuilder  # noqa: E402
-from kvcake.bench.regime import Regime, Replay, derive_regime  # noqa: E402
-from kvcake.bench.replay import PlannedRequest, ReplayConfig, replay  # noqa: E402
+from kvcake.bench.regime import Regime  # noqa: E402
+from kvcake.bench.replay import PlannedRequest  # noqa: E402
 from kvcake.bench.stats import RequestResult, is_effective, summarize  # noqa: E402
-from kvcake.engine.config import EngineConfig  # noqa: E402
-from kvcake.sim.trace import TraceRequest, load_trace  # noqa: E402
+from kvcake.sim.trace import TraceRequest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("disagg", "colocated", "vllm")
-STEPS = ("colocated-budget", *SYSTEMS)
+SYSTEMS = STEPS[1:]  # disagg, colocated, vllm: the steps that search a capacity
 BUDGETS = (64, 256, 1024, 2048)
-MAX_MODEL_LEN = 32768
-KV_CACHE = "1GiB"  # per kvcake worker: 262,144 fp32 tokens of this model (vLLM: 2 GiB, 1 server)
 TARGET_SHARE = 0.9
 
 
 # ---- the requests -------------------------------------------------------------------------------
-
-def records_of(trace: Path, num_requests: int) -> list[TraceRequest]:
-    return list(load_trace(trace).sampled(first=num_requests).requests)
-
 
 def arrival_offsets(n: int, seed: int = 0) -> list[float]:
     """Poisson arrivals at rate 1 (seeded): offsets of n requests, the first at 0; divide by r."""
@@ -145,171 +141,6 @@ def shares(results: list[RequestResult], regime: Regime) -> list[float]:
     """Effective share of all sent requests under each TBT SLO (and the TTFT SLO)."""
     return [sum(is_effective(r, regime.ttft_slo_s, slo / 1000.0) for r in results)
             / max(1, len(results)) for slo in regime.tbt_slos_ms]
-
-
-# ---- the regime -----------------------------------------------------------------------------------
-
-def measure_regime(args: argparse.Namespace) -> Regime:
-    """See the module docstring: measured on one 1-thread engine, then derived (pure)."""
-    import torch
-
-    from kvcake.server.cluster.profiler import ProfileGrid, run_profile
-
-    model_config = prepare_model(args)
-    torch.set_num_threads(1)
-    grid = ProfileGrid(input_lens=(256, 1024, 2048, 4096, 8192), prefix_fracs=(0.0, 0.5, 0.9),
-                       decode_batch_sizes=(1, 8, 16), decode_context_lens=(256, 2048),
-                       repeats=2)
-    engine = EngineConfig(kv_cache_bytes=2 * 2**30, max_model_len=MAX_MODEL_LEN)
-    started = time.perf_counter()
-    profile = run_profile(str(args.model_dir), engine, grid)
-    print(f"[regime] profiled in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    (args.out_dir / "profile.json").write_text(profile.to_json())
-    records = records_of(args.trace, args.num_requests)
-    regime = derive_regime(
-        profile.decode.decode_step_time_s, lambda n: profile.prefill.predict(n, 0),
-        Replay(float(np.mean([r.input_len for r in records])),
-               [r.output_len for r in records], num_requests=args.num_requests,
-               max_probes=args.max_probes),
-        max_model_len=MAX_MODEL_LEN)
-    del model_config
-    return regime
-
-
-def prepare_model(args: argparse.Namespace) -> Any:
-    ensure_peer(args)
-    return svv.prepare_model(args.tokenizer_dir, args.model_dir, args.seed)
-
-
-def ensure_peer(args: argparse.Namespace) -> None:
-    """The vLLM CPU venv and the model's config/tokenizer: set up by the peer script if absent."""
-    venv = Path(os.environ.get("VENV", "/tmp/vllmcpu-venv"))
-    have_vllm = (venv / "bin" / "python").is_file() and subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import vllm"], capture_output=True).returncode == 0
-    if have_vllm and (args.tokenizer_dir / "tokenizer.json").is_file():
-        return
-    print(f"[peer] setting up the vLLM CPU peer ({svv.PEERS / 'vllm_cpu_setup.sh'})",
-          file=sys.stderr, flush=True)
-    subprocess.run(["bash", str(svv.PEERS / "vllm_cpu_setup.sh")], check=True,
-                   env={**os.environ, "VENV": str(venv), "MODEL_DIR": str(args.tokenizer_dir)},
-                   stdout=sys.stderr)
-
-
-def load_regime(args: argparse.Namespace) -> Regime:
-    path = args.out_dir / "regime.json"
-    if not path.is_file():
-        raise SystemExit(f"{path} not found: run --measure-regime first (the regime is fixed "
-                         "before any system runs)")
-    return Regime.from_json(path.read_text())
-
-
-# ---- the systems ------------------------------------------------------------------------------------
-
-def conductor_toml(kind: str, admission: str, regime: Regime) -> str:
-    """The Conductor's section: the disaggregated pair's admission (`--disagg-admission`) checks
-    the regime's TTFT SLO and its loosest TBT SLO at arrival (one replay still gives the share at
-    every TBT SLO: an admitted request that misses a tighter one counts as a miss there); the
-    colocated pair never rejects, as vLLM (and the simulator's colocated baselines) do not."""
-    policy = "colocated" if kind == "colocated" else "global_cache"
-    if kind == "colocated" or admission == "none":
-        return f'[conductor]\nadmission = "none"\npolicy = "{policy}"\n'
-    return (f'[conductor]\nadmission = "{admission}"\npolicy = "{policy}"\n'
-            f"ttft_slo_s = {regime.ttft_slo_s!r}\n"
-            f"tbt_slo_s = {max(regime.tbt_slos_ms) / 1000.0!r}\n")
-
-
-def kvcake_toml(kind: str, args: argparse.Namespace, port: int, budget: int | None,
-                regime: Regime) -> str:
-    engine = (f'[engine]\ndtype = "float32"\nmax_model_len = {MAX_MODEL_LEN}\n'
-              f'kv_cache_bytes = "{KV_CACHE}"\n')
-    if budget is not None:
-        engine += f"max_num_batched_tokens = {budget}\n"
-    head = (f'model = "{args.model_dir}"\nmode = "{"colocated" if kind == "colocated" else "disaggregated"}"\n'
-            f'[frontend]\nhost = "127.0.0.1"\nport = {port}\n'
-            f'[store]\nmaster_host = "127.0.0.1"\nmaster_port = {port + 1}\n{engine}'
-            + conductor_toml(kind, args.disagg_admission, regime))
-    if kind == "colocated":
-        return head + (f'[[workers]]\nrole = "colocated"\nport = {port + 2}\nnum_threads = 1\n'
-                       f'[[workers]]\nrole = "colocated"\nport = {port + 3}\nnum_threads = 1\n')
-    return head + (f'[[workers]]\nrole = "prefill"\nport = {port + 2}\nnum_threads = 1\n'
-                   f'store_dram_bytes = "1GiB"\n'
-                   f'[[workers]]\nrole = "decode"\nport = {port + 3}\nnum_threads = 1\n')
-
-
-class Served:
-    """One system started on 127.0.0.1 (context manager: stopped on exit)."""
-
-    def __init__(self, kind: str, args: argparse.Namespace, regime: Regime,
-                 budget: int | None = None) -> None:
-        self.kind, self.args, self.regime, self.budget = kind, args, regime, budget
-        self.port = args.port_base + 10 * STEPS.index(kind if kind in STEPS else "colocated")
-        self.run_dir = args.out_dir / "run"
-        self.server: svv.Server | None = None
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = ""
-
-    def _svv_args(self) -> argparse.Namespace:
-        return argparse.Namespace(model_dir=self.args.model_dir, max_model_len=MAX_MODEL_LEN,
-                                  vllm_bind="0-1", start_timeout_s=600.0)
-
-    def __enter__(self) -> Served:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        if self.kind == "vllm":
-            self.server = svv.start(svv.System("vllm", "float32"), self._svv_args(), self.port,
-                                    self.run_dir)
-        else:
-            toml = self.run_dir / f"{self.kind}.toml"
-            toml.write_text(kvcake_toml(self.kind, self.args, self.port, self.budget,
-                                         self.regime))
-            log = self.run_dir / f"{self.kind}.log"
-            with log.open("wb") as out:
-                proc = subprocess.Popen([sys.executable, "-m", "kvcake", "serve", "--config",
-                                         str(toml)], stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        cwd=ROOT)
-            self.server = svv.Server(svv.System(self.kind, "float32"), self.url, proc, 0.0,
-                                     proc.pid)  # its session (start_new_session)
-            try:
-                svv.wait_healthy(self.url, proc, 600.0, log)
-            except BaseException:
-                self.__exit__()
-                raise
-        import httpx
-
-        self.model = str(httpx.get(f"{self.url}/v1/models", timeout=10.0).json()["data"][0]["id"])
-        print(f"[{self.kind}] healthy after {time.monotonic() - started:.0f} s", file=sys.stderr,
-              flush=True)
-        svv.warm_up(self.url, self.model, self.args.vocab_size, self.args.seed)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            svv.stop(self.server, self._svv_args(), self.port, self.run_dir)
-            self.server = None
-
-    def counters(self) -> dict[str, float]:
-        """The server's prefix-cache and KV counters (/metrics, summed over labels)."""
-        import re
-
-        import httpx
-
-        try:
-            text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
-        except httpx.HTTPError:
-            return {}
-        out: dict[str, float] = {}
-        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total",
-                     "kv_transfer_bytes_total", "kv_stream_hidden_share",
-                     "store_fetched_tokens_total", "num_preemptions_total"):
-            found = re.findall(rf"^(?:vllm:|kvcake:){name}(?:{{[^}}]*}})? (\S+)$", text,
-                               re.MULTILINE)
-            if found:
-                out[name] = sum(float(v) for v in found)
-        return out
-
-    def replay(self, planned: list[PlannedRequest]) -> tuple[list[RequestResult], float]:
-        return asyncio.run(replay(planned, ReplayConfig(self.url, self.model)))
 
 
 def probe_summary(results: list[RequestResult], duration_s: float, regime: Regime,
