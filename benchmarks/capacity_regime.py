@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import serving_vs_vllm as svv  # noqa: E402
+import bench_servers as servers  # noqa: E402
 from capacity_systems import MAX_MODEL_LEN  # noqa: E402
 
 from kvcake.bench.regime import Regime, Replay, derive_regime  # noqa: E402
@@ -60,7 +60,7 @@ def measure_regime(args: argparse.Namespace) -> Regime:
 
 def prepare_model(args: argparse.Namespace) -> Any:
     ensure_peer(args)
-    return svv.prepare_model(args.tokenizer_dir, args.model_dir, args.seed)
+    return servers.prepare_model(args.tokenizer_dir, args.model_dir, args.seed)
 
 
 def ensure_peer(args: argparse.Namespace) -> None:
@@ -70,9 +70,9 @@ def ensure_peer(args: argparse.Namespace) -> None:
         [str(venv / "bin" / "python"), "-c", "import vllm"], capture_output=True).returncode == 0
     if have_vllm and (args.tokenizer_dir / "tokenizer.json").is_file():
         return
-    print(f"[peer] setting up the vLLM CPU peer ({svv.PEERS / 'vllm_cpu_setup.sh'})",
+    print(f"[peer] setting up the vLLM CPU peer ({servers.PEERS / 'vllm_cpu_setup.sh'})",
           file=sys.stderr, flush=True)
-    subprocess.run(["bash", str(svv.PEERS / "vllm_cpu_setup.sh")], check=True,
+    subprocess.run(["bash", str(servers.PEERS / "vllm_cpu_setup.sh")], check=True,
                    env={**os.environ, "VENV": str(venv), "MODEL_DIR": str(args.tokenizer_dir)},
                    stdout=sys.stderr)
 

@@ -1,7 +1,7 @@
 """The systems `benchmarks/serving_disagg_vs_colocated.py` serves, one at a time on 127.0.0.1:
 the cluster TOML of the disaggregated pair (`--disagg-admission` on the regime's SLOs) and of the
 colocated pair (`kvcake_toml`, `conductor_toml`), and `Served`, a started system (kvcake through
-`kvcake serve --config`, vLLM through benchmarks/serving_vs_vllm.py) with its warm-up, counters
+`kvcake serve --config`, vLLM through benchmarks/bench_servers.py) with its warm-up, counters
 and replay.
 """
 
@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import serving_vs_vllm as svv  # noqa: E402
+import bench_servers as servers  # noqa: E402
+from serving_probes import warm_up  # noqa: E402
 
 from kvcake.bench.regime import Regime  # noqa: E402
 from kvcake.bench.replay import PlannedRequest, ReplayConfig, replay  # noqa: E402
@@ -49,7 +50,8 @@ def kvcake_toml(kind: str, args: argparse.Namespace, port: int, budget: int | No
     if budget is not None:
         engine += f"max_num_batched_tokens = {budget}\n"
     pinning = "" if pin is None else f"pin_workers = {str(pin).lower()}\n"
-    head = (pinning + f'model = "{args.model_dir}"\nmode = "{"colocated" if kind == "colocated" else "disaggregated"}"\n'
+    mode = "colocated" if kind == "colocated" else "disaggregated"
+    head = (pinning + f'model = "{args.model_dir}"\nmode = "{mode}"\n'
             f'[frontend]\nhost = "127.0.0.1"\nport = {port}\n'
             f'[store]\nmaster_host = "127.0.0.1"\nmaster_port = {port + 1}\n{engine}'
             + conductor_toml(kind, args.disagg_admission, regime))
@@ -69,11 +71,11 @@ class Served:
         self.kind, self.args, self.regime, self.budget, self.pin = kind, args, regime, budget, pin
         self.port = args.port_base + 10 * STEPS.index(kind if kind in STEPS else "colocated")
         self.run_dir = args.out_dir / "run"
-        self.server: svv.Server | None = None
+        self.server: servers.Server | None = None
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = ""
 
-    def _svv_args(self) -> argparse.Namespace:
+    def _server_args(self) -> argparse.Namespace:
         return argparse.Namespace(model_dir=self.args.model_dir, max_model_len=MAX_MODEL_LEN,
                                   vllm_bind="0-1", start_timeout_s=600.0)
 
@@ -81,8 +83,8 @@ class Served:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         if self.kind == "vllm":
-            self.server = svv.start(svv.System("vllm", "float32"), self._svv_args(), self.port,
-                                    self.run_dir)
+            self.server = servers.start(servers.System("vllm", "float32"), self._server_args(),
+                                        self.port, self.run_dir)
         else:
             toml = self.run_dir / f"{self.kind}.toml"
             toml.write_text(kvcake_toml(self.kind, self.args, self.port, self.budget,
@@ -93,10 +95,10 @@ class Served:
                                          str(toml)], stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         cwd=ROOT)
-            self.server = svv.Server(svv.System(self.kind, "float32"), self.url, proc, 0.0,
+            self.server = servers.Server(servers.System(self.kind, "float32"), self.url, proc, 0.0,
                                      proc.pid)  # its session (start_new_session)
             try:
-                svv.wait_healthy(self.url, proc, 600.0, log)
+                servers.wait_healthy(self.url, proc, 600.0, log)
             except BaseException:
                 self.__exit__()
                 raise
@@ -105,12 +107,12 @@ class Served:
         self.model = str(httpx.get(f"{self.url}/v1/models", timeout=10.0).json()["data"][0]["id"])
         print(f"[{self.kind}] healthy after {time.monotonic() - started:.0f} s", file=sys.stderr,
               flush=True)
-        svv.warm_up(self.url, self.model, self.args.vocab_size, self.args.seed)
+        warm_up(self.url, self.model, self.args.vocab_size, self.args.seed)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.server is not None:
-            svv.stop(self.server, self._svv_args(), self.port, self.run_dir)
+            servers.stop(self.server, self._server_args(), self.port, self.run_dir)
             self.server = None
 
     def counters(self) -> dict[str, float]:

@@ -94,7 +94,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_vs_vllm: model, servers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' own modules
 
 import kv_handoff_runs  # noqa: E402
 from capacity_regime import (  # noqa: E402

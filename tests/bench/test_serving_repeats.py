@@ -144,13 +144,7 @@ def _result(ttft: float, busy: float | None) -> dict[str, object]:
 
 def test_the_benchmark_tables_print_medians_runs_and_positions(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_vs_vllm.py"
-    spec = importlib.util.spec_from_file_location("serving_vs_vllm", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "serving_vs_vllm", bench)  # its dataclasses look it up
-    spec.loader.exec_module(bench)
+    bench: Any = _bench_module("serving_report", monkeypatch)
     k, v = "kvcake-single:float32", "vllm:float32"
     runs = [{"repeat": 1, "order": [k, v], "results": {k: _result(380.0, 0.01),
                                                        v: _result(400.0, None)}},
@@ -159,7 +153,7 @@ def test_the_benchmark_tables_print_medians_runs_and_positions(
     for run in runs:
         run["ratios"] = bench.summary_ratios(run["results"])
     per_system = {label: [r["results"][label] for r in runs] for label in (k, v)}
-    medians = {label: bench.median_result(rs, bench.MEDIAN_PATHS)
+    medians = {label: median_result(rs, bench.MEDIAN_PATHS)
                for label, rs in per_system.items()}
     assert bench.summary_ratios(medians)["probe_ttft_cold"] == pytest.approx(400.0 / 390.0,
                                                                               abs=1e-4)
@@ -173,28 +167,25 @@ def test_the_benchmark_tables_print_medians_runs_and_positions(
     assert f"| 2 | {v} > {k} |" in out
 
 
-def _load_bench(monkeypatch: pytest.MonkeyPatch) -> object:
-    import importlib.util
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_vs_vllm.py"
-    spec = importlib.util.spec_from_file_location("serving_vs_vllm", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "serving_vs_vllm", bench)
-    spec.loader.exec_module(bench)
-    return bench
+def _bench_module(name: str, monkeypatch: pytest.MonkeyPatch) -> object:
+    """One of benchmarks/'s modules, imported as its scripts import each other."""
+    import importlib
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    return importlib.import_module(name)
 
 
 def test_kvcake_bind_choices_pass_the_serve_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """--kvcake-bind default passes nothing (serve's own default); the others name it; the old
     --kvcake-bind-threads is `all`."""
     import argparse
-    bench: Any = _load_bench(monkeypatch)
-    single = bench.System("kvcake-single", "float32")
+    servers: Any = _bench_module("bench_servers", monkeypatch)
+    bench: Any = _bench_module("serving_vs_vllm", monkeypatch)
+    single = servers.System("kvcake-single", "float32")
 
     def argv(bind: str, extra: str = "") -> list[str]:
         args = argparse.Namespace(model_dir=Path("m"), kvcake_threads=2, max_model_len=64,
                                   kvcake_bind=bind, kvcake_serve_args=extra)
-        return bench.kvcake_command(single, args, 1, Path("."))
+        return servers.kvcake_command(single, args, 1, Path("."))
 
     assert not any("bind" in a for a in argv("default"))
     assert argv("off")[-1:] == ["--no-bind-threads"]
@@ -205,4 +196,4 @@ def test_kvcake_bind_choices_pass_the_serve_flags(monkeypatch: pytest.MonkeyPatc
         "--no-bind-threads", "--engine-process", "--switch-interval-ms", "0.5"]
     monkeypatch.setattr(sys, "argv", ["serving_vs_vllm.py", "--kvcake-bind-threads"])
     assert bench.parse_args().kvcake_bind == "all"
-    assert bench.session_run_ns(None) is None
+    assert servers.session_run_ns(None) is None
