@@ -161,3 +161,31 @@ def test_capacities_from_probes_is_below_the_first_failure() -> None:
               {"rate": 1.2, "shares": [0.0, 0.0, 0.92]}]
     assert cap.capacities_from(probes, 3) == [0.2, 0.4, 1.2]
     assert cap.capacities_from(probes[:2], 3) == [None, 0.4, 0.8]
+
+
+def test_only_the_disaggregated_pair_rejects_and_on_the_regimes_slos() -> None:
+    """The cluster TOML each kvcake system is served with: the disaggregated pair's Conductor
+    admits on the regime's TTFT SLO and its loosest TBT SLO (`--disagg-admission`), the
+    colocated pair never rejects; `pin` writes pin_workers, None leaves the cluster default."""
+    import tomllib
+
+    import capacity_systems
+
+    r = regime()
+    args = cap.parse_args(["--out-dir", "/nonexistent-kvcake-dir"])
+    disagg = tomllib.loads(capacity_systems.kvcake_toml("disagg", args, 25010, None, r, pin=True))
+    assert disagg["conductor"] == {"admission": "early", "policy": "global_cache",
+                                   "ttft_slo_s": pytest.approx(r.ttft_slo_s),
+                                   "tbt_slo_s": pytest.approx(max(r.tbt_slos_ms) / 1000.0)}
+    assert disagg["pin_workers"] is True
+    assert [w["role"] for w in disagg["workers"]] == ["prefill", "decode"]
+    colocated = tomllib.loads(capacity_systems.kvcake_toml("colocated", args, 25020, 64, r))
+    assert colocated["conductor"] == {"admission": "none", "policy": "colocated"}
+    assert "pin_workers" not in colocated and colocated["engine"]["max_num_batched_tokens"] == 64
+    off = cap.parse_args(["--out-dir", "/nonexistent-kvcake-dir", "--disagg-admission", "none"])
+    assert tomllib.loads(capacity_systems.kvcake_toml("disagg", off, 25010, None, r))[
+        "conductor"] == {"admission": "none", "policy": "global_cache"}
+    # the simulator's systems are the same
+    configs = simulated_runs.sim_configs(r, 64, 256, "early")
+    assert (configs["disagg"].admission, configs["colocated"].admission) == ("early", "none")
+    assert configs["disagg"].tbt_slo_ms == max(r.tbt_slos_ms)
