@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvcake.bench.regime import Regime
-from kvcake.bench.stats import Outcome, RequestResult, is_effective, paper_tbt_s, tpot_s
+from kvcake.bench.stats import Outcome, RequestResult, effective_shares, paper_tbt_s, tpot_s
 
 DEFAULT_REPEATS = 3
 WITHIN = 0.15  # the issue's target on |sim / live - 1|, live = the pooled value
@@ -202,7 +202,7 @@ def from_json(data: dict[str, Any]) -> RequestResult:
 def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, float]:
     """One replay's (or the pooled replays') metrics: TTFT and TBT percentiles over the requests
     that got a first token, the mean TPOT, and the effective share of all sent requests at each
-    TBT SLO (serving_disagg_vs_colocated.shares)."""
+    TBT SLO (`effective_shares`, as the capacity search counts them)."""
     done = [r for r in results if r.ttft_s is not None]
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tbts = [paper_tbt_s(r.gaps_s) for r in done if r.gaps_s]
@@ -213,7 +213,7 @@ def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, floa
     tpots = [t for r in done if (t := tpot_s(r)) is not None]
     if tpots:  # the mean decode step a request saw (its gaps' mean): what sets the batch
         out["tpot_mean_ms"] = 1000 * float(np.mean(tpots))
-    for k, slo in enumerate(regime.tbt_slos_ms):
-        out[f"effective_share_slo{k + 1}"] = sum(
-            is_effective(r, regime.ttft_slo_s, slo / 1000.0) for r in results) / max(1, len(results))
+    shares = effective_shares(results, regime.ttft_slo_s, [x / 1000.0 for x in regime.tbt_slos_ms])
+    for k, share in enumerate(shares):
+        out[f"effective_share_slo{k + 1}"] = share
     return out

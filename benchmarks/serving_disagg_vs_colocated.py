@@ -109,7 +109,7 @@ from kvcake.bench.capacity import find_capacities  # noqa: E402
 from kvcake.bench.prompts import PromptBuilder  # noqa: E402
 from kvcake.bench.regime import Regime  # noqa: E402
 from kvcake.bench.replay import PlannedRequest  # noqa: E402
-from kvcake.bench.stats import RequestResult, is_effective, summarize  # noqa: E402
+from kvcake.bench.stats import RequestResult, effective_shares, summarize  # noqa: E402
 from kvcake.sim.trace import TraceRequest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,8 +139,7 @@ def workload(records: list[TraceRequest], regime: Regime, vocab_size: int, rate:
 
 def shares(results: list[RequestResult], regime: Regime) -> list[float]:
     """Effective share of all sent requests under each TBT SLO (and the TTFT SLO)."""
-    return [sum(is_effective(r, regime.ttft_slo_s, slo / 1000.0) for r in results)
-            / max(1, len(results)) for slo in regime.tbt_slos_ms]
+    return effective_shares(results, regime.ttft_slo_s, [x / 1000.0 for x in regime.tbt_slos_ms])
 
 
 def probe_summary(results: list[RequestResult], duration_s: float, regime: Regime,

@@ -64,6 +64,14 @@ def is_effective(result: RequestResult, ttft_slo_s: float, tbt_slo_s: float) -> 
             and result.ttft_s <= ttft_slo_s and paper_tbt_s(result.gaps_s) <= tbt_slo_s)
 
 
+def effective_shares(results: Sequence[RequestResult], ttft_slo_s: float,
+                     tbt_slos_s: Sequence[float]) -> list[float]:
+    """The effective share of *all* sent requests (a rejected or failed one is a miss) at each
+    of several TBT SLOs, under one TTFT SLO: what one replay gives a capacity search."""
+    return [sum(is_effective(r, ttft_slo_s, slo) for r in results) / max(1, len(results))
+            for slo in tbt_slos_s]
+
+
 def per_request(results: Sequence[RequestResult]) -> dict[str, list[Any]]:
     """Per-request arrays as `vllm bench serve` saves them (seconds), plus ours."""
     return {

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvcake.bench.stats import Outcome, RequestResult, paper_tbt_s, summarize, tpot_s
+from kvcake.bench.stats import (
+    Outcome,
+    RequestResult,
+    effective_shares,
+    paper_tbt_s,
+    summarize,
+    tpot_s,
+)
 
 
 def test_paper_tbt_is_the_mean_of_the_slowest_tenth() -> None:
@@ -18,6 +25,15 @@ def test_paper_tbt_is_the_mean_of_the_slowest_tenth() -> None:
 def result(ttft: float, gaps: list[float], prompt_len: int = 10) -> RequestResult:
     return RequestResult(Outcome.OK, prompt_len, output_len=len(gaps) + 1, ttft_s=ttft,
                          gaps_s=tuple(gaps), latency_s=ttft + sum(gaps))
+
+
+def test_effective_shares_count_every_sent_request_at_each_tbt_slo() -> None:
+    results = [result(1.0, [0.1, 0.1, 0.4]),  # TBT 0.4
+               result(2.0, [0.05]),  # TBT 0.05
+               result(40.0, [0.05]),  # TTFT miss at any TBT SLO
+               RequestResult(Outcome.REJECTED, 10, error="HTTP 429")]  # a miss, counted
+    assert effective_shares(results, 30.0, [0.01, 0.2, 0.5]) == [0.0, 0.25, 0.5]
+    assert effective_shares([], 30.0, [0.1]) == [0.0]
 
 
 def test_summary_fields_and_values() -> None:
