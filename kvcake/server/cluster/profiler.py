@@ -111,7 +111,8 @@ class Profile:
 
     def to_json(self) -> str:
         return json.dumps({
-            "format": self.format, "model": self.model, "dtype": self.dtype, "num_threads": self.num_threads,
+            "format": self.format, "model": self.model, "dtype": self.dtype,
+            "num_threads": self.num_threads,
             "prefill": json.loads(self.prefill.to_json()),
             "decode": json.loads(self.decode.to_json()),
             "prefill_points": [[p.input_len, p.prefix_len, p.time_s] for p in self.prefill_points],
@@ -242,7 +243,8 @@ def load_or_profile(model: str, engine_config: EngineConfig, cache_dir: Path | N
                     grid: ProfileGrid | None = None, refresh: bool = False,
                     num_threads: int | None = None) -> Profile:
     """The cached profile of (model, dtype, torch threads), measured and cached if absent (or, with
-    the default grid, if it is of an older format than PROFILE_FORMAT). `num_threads` (None: torch's current setting) is set for the measurement, as workers do."""
+    the default grid, if it is of an older format than PROFILE_FORMAT). `num_threads` (None:
+    torch's current setting) is set for the measurement, as workers do."""
     import torch
 
     if num_threads is not None:

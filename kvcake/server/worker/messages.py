@@ -250,14 +250,14 @@ class CppSlotFree:
 NEXT_STAGE_NEW = -1
 
 
-Message = (Hello | PrefillOrder | PrefillStarted | PrefillDone | DecodeOrder | ReserveKv | KvReserved
-           | DecodeAdmitted | Tokens
+Message = (Hello | PrefillOrder | PrefillStarted | PrefillDone | DecodeOrder | ReserveKv
+           | KvReserved | DecodeAdmitted | Tokens
            | RequestFailed | KvEvents | StoreEvents | LoadReport | Ping | Pong | Abort | Shutdown
            | CppOrder | CppHidden | CppSlotFree)
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    Hello, PrefillOrder, PrefillStarted, PrefillDone, DecodeOrder, ReserveKv, KvReserved, DecodeAdmitted,
-    Tokens, RequestFailed,
+    Hello, PrefillOrder, PrefillStarted, PrefillDone, DecodeOrder, ReserveKv, KvReserved,
+    DecodeAdmitted, Tokens, RequestFailed,
     KvEvents, StoreEvents, LoadReport, Ping, Pong, Abort, Shutdown, CppOrder, CppHidden,
     CppSlotFree)}
 
