@@ -305,6 +305,8 @@ class Cluster:
             self.conductor.on_prefill_finished(name, state.request_id, now_s)
             self.conductor.on_decode_joined(name, state.request_id, now_s)
             self._hbm_insert(d, state.arrival.block_keys)
+        if self.config.colocated:
+            self._report_colocated_started(d, now_s)
         for seq in finished:
             state = self.states[seq.req]
             state.finish_s = now_s
@@ -352,8 +354,17 @@ class Cluster:
 
     def _place_colocated(self, state: RequestState, now_s: float) -> list[Event]:
         i = self._prefill_index[state.prefill_instance or ""]
-        return place_colocated(self.decodes[i], self.hbm_caches[i], state,
-                               self.config.block_size, now_s)
+        events = place_colocated(self.decodes[i], self.hbm_caches[i], state,
+                                 self.config.block_size, now_s)
+        self._report_colocated_started(i, now_s)
+        return events
+
+    def _report_colocated_started(self, i: int, now_s: float) -> None:
+        """Tell the Conductor which prefills colocated instance i began (its first chunk is
+        scheduled): the live worker's `PrefillStarted`, from which its queue runs them down."""
+        for seq in self.decodes[i].take_started():
+            self.conductor.on_prefill_started(self.prefill_ids[i], self.states[seq.req].request_id,
+                                              now_s)
 
     def _hbm_insert(self, i: int, keys: Sequence[int]) -> None:
         """Cache a prompt's blocks in the free HBM of colocated instance i (LRU)."""

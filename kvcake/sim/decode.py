@@ -62,6 +62,7 @@ class Seq:
     gaps: GapLog = field(default_factory=GapLog)
     prefill_done_len: int = 0
     prefix_len: int = 0  # colocated: prompt tokens reused from the prefix cache
+    prefill_started: bool = False  # colocated: its first chunk was scheduled
     preemptions: int = 0  # times it was preempted (swapped out) for want of KV
 
     @property
@@ -121,6 +122,7 @@ class DecodeInstance:
         self._run_chunk = 0  # prefill tokens per step of this run
         self._reserved_head: Seq | None = None  # the head prefill whose KV is reserved
         self.joined: list[Seq] = []  # admitted to the batch since the cluster last took them
+        self.started: list[Seq] = []  # colocated: prefills whose first chunk was scheduled since
         self.token = 0
         self.busy_s = 0.0
         self.prefill_compute_s = 0.0
@@ -134,6 +136,12 @@ class DecodeInstance:
         """The sequences that joined the batch (had KV space) since the last call."""
         joined, self.joined = self.joined, []
         return joined
+
+    def take_started(self) -> list[Seq]:
+        """Colocated: the prefills whose first chunk (or whole prompt) was scheduled since the
+        last call, at the start of that step: when a live worker reports `PrefillStarted`."""
+        started, self.started = self.started, []
+        return started
 
     def add(self, now_s: float, seq: Seq) -> Event | None:
         """A sequence whose KV is here; it joins at the next step boundary with room for its
@@ -319,6 +327,9 @@ class DecodeInstance:
         self._run_prefill = head
         self._run_busy = self.host_prefill_busy is not None and self.host_prefill_busy()
         start, total = head.prefill_done_len, head.context_len
+        if start == head.prefix_len and not head.prefill_started:
+            head.prefill_started = True
+            self.started.append(head)
         if self.chunk_budget_tokens is None:  # the whole prompt in one step; decodes stall
             self._run_chunk = total - start
             return StepRun(now_s, 1, self.costs.prefill_s(total, start), 0.0)

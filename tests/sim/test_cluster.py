@@ -121,6 +121,34 @@ def test_colocated_single_instance_golden_stall() -> None:
     assert r0["finish_s"] == pytest.approx(2 * p + s1 + s2, abs=1e-6)
 
 
+def test_colocated_prefills_are_reported_started_at_their_first_chunk() -> None:
+    """As a live colocated worker's `PrefillStarted`: the Conductor's queue of an instance runs
+    a prefill down from its first chunk, so a request queued behind another starts the clock
+    only when the one ahead has its first token."""
+    trace = _trace((0, 1024, 3, [1, 2]), (0, 1024, 3, [3, 4]), (50, 1024, 2, [5, 6]))
+    cfg = SimConfig(num_prefill=1, num_decode=1, policy="colocated", max_batch_size=8,
+                    profile=ROOFLINE, chunk_budget_tokens=512)
+    from kvcake.sim.cluster import Cluster
+    from kvcake.sim.run import arrivals_of
+
+    cluster = Cluster(cfg, arrivals_of(trace))
+    started: list[tuple[str, str, float]] = []
+    report = cluster.conductor.on_prefill_started
+
+    def spy(instance_id: str, request_id: str, now_s: float) -> None:
+        started.append((instance_id, request_id, now_s))
+        report(instance_id, request_id, now_s)
+
+    cluster.conductor.on_prefill_started = spy  # type: ignore[method-assign]
+    cluster.run()
+    r0, r1, r2 = cluster.states
+    assert started[:2] == [("colocated-0", r0.request_id, 0.0),
+                           ("colocated-1", r1.request_id, 0.0)]
+    ahead = r0 if r2.prefill_instance == "colocated-0" else r1
+    assert ahead.first_token_s is not None and ahead.first_token_s > 0.05
+    assert started[2:] == [(r2.prefill_instance, r2.request_id, ahead.first_token_s)]
+
+
 def test_chunked_prefill_does_not_stall_decodes() -> None:
     trace = _trace((0, 1024, 40, [1, 2]), (500, 8192, 2, list(range(10, 26))))
     base = dict(num_prefill=1, num_decode=1, policy="colocated", max_batch_size=8,

@@ -120,3 +120,21 @@ def test_a_sequence_within_its_reservation_never_grows_nor_is_preempted() -> Non
         assert inst.reserved_tokens in (16, 32)  # each holds its 16, never more
         _, _, event = inst.on_step_done(event.time_s, event.token)
     assert inst.preemptions == 0 and a.remaining == b.remaining == 0 and inst.reserved_tokens == 0
+
+
+def test_a_colocated_prefill_is_reported_started_once_at_its_first_chunk() -> None:
+    inst = DecodeInstance(0, _costs(), max_kv_tokens=10_000, max_batch_size=4, colocated=True,
+                          chunk_budget_tokens=104)
+    a = Seq(0, 300, 2, 303, prefix_len=100, prefill_done_len=100)  # 200 tokens: two chunks
+    b = Seq(1, 200, 2, 203)
+    ev = inst.add_prefill(0.0, a)
+    assert ev is not None and inst.take_started() == [a]  # its first chunk, past its prefix
+    assert inst.add_prefill(0.001, b) is None  # a's one-step run ends at the boundary anyway
+    assert inst.take_started() == []  # b waits behind a
+    starts: list[tuple[int, float]] = []
+    while ev is not None:
+        first, _, ev = inst.on_step_done(ev.time_s, ev.token)
+        starts += [(s.req, s.prefill_done_len) for s in inst.take_started()]
+        if first == [a]:
+            assert starts == [(1, 0)]  # b's first chunk follows a's last
+    assert starts == [(1, 0)] and b.prefill_started  # once: not again on b's later chunks
