@@ -29,6 +29,7 @@ from kvcake.bench.regime import Regime  # noqa: E402
 from kvcake.bench.replay import PlannedRequest  # noqa: E402
 from kvcake.bench.stats import RequestResult  # noqa: E402
 from kvcake.sim.live_profile import live_cost_from_dict  # noqa: E402
+from kvcake.sim.profile_mean import mean_profile  # noqa: E402
 from kvcake.sim.trace import Trace, TraceRequest  # noqa: E402
 
 
@@ -154,6 +155,28 @@ class Terms:
                                                        "colocated": terms.colocated["colocated"]}}
             print(f"colocated terms measured from {args.colocated_terms}: "
                   f"{json.dumps(terms.colocated['colocated'])}")
+        return terms
+
+    @classmethod
+    def bracketed(cls, before: Terms, after: Terms) -> Terms:
+        """The host over a run's stretch: the mean of the profiles and step dispersions
+        measured at its two ends (kvcake/sim/profile_mean.py); each end's terms are kept."""
+        profile = mean_profile(before.profile, after.profile)
+        live = profile["live"]
+        terms = cls(profile)
+        if before.host is not None and after.host is not None:
+            terms.host = {"contention": live["contention"],
+                          "decode_step_overhead_s": live["decode_step_overhead_s"],
+                          "step_jitter_quantiles": mean_profile(
+                              before.host["step_jitter_quantiles"],
+                              after.host["step_jitter_quantiles"]),
+                          "before": before.host, "after": after.host}
+        if before.colocated is not None and after.colocated is not None:
+            terms.colocated = {"colocated": live["colocated"],
+                               "step_jitter_quantiles": mean_profile(
+                                   before.colocated["step_jitter_quantiles"],
+                                   after.colocated["step_jitter_quantiles"]),
+                               "before": before.colocated, "after": after.colocated}
         return terms
 
     @property

@@ -114,13 +114,19 @@ def refit_prefill(out_dir: Path, model_dir: Path) -> dict[str, Any]:
 
 def live_profile(out_dir: Path, model_config: dict[str, Any], bandwidth: float,
                  dtype_bytes: int = 4, contention: dict[str, float] | None = None,
-                 ) -> dict[str, Any]:
-    """`profile.json` + the `live` object kvcake/sim/live_profile.py reads; the decode model
-    from `decode_refit.json` when --refit-decode wrote one."""
+                 refits_dir: Path | None = None) -> dict[str, Any]:
+    """`profile.json` + the `live` object kvcake/sim/live_profile.py reads; the decode and
+    prefill models from `decode_refit.json` / `prefill_refit.json` where --refit-decode /
+    --refit-prefill wrote them (in `refits_dir`, default `out_dir`; a refit in `out_dir` must
+    have its counterpart there: the two ends of a bracket are measured alike)."""
     data: dict[str, Any] = json.loads((out_dir / "profile.json").read_text())
     for refit in (DECODE_REFIT, PREFILL_REFIT):
-        if (out_dir / refit).is_file():
-            data.update(json.loads((out_dir / refit).read_text()))
+        path = (refits_dir or out_dir) / refit
+        if refits_dir is not None and (out_dir / refit).is_file() and not path.is_file():
+            raise SystemExit(f"{path} not found: {out_dir / refit} prices the run's start, so "
+                             f"its end needs one too (--refit-into {refits_dir})")
+        if path.is_file():
+            data.update(json.loads(path.read_text()))
     shape = {k: int(model_config[hf]) for k, hf in SHAPE_KEYS.items()}
     kv_per_token = (2 * shape["num_layers"] * shape["num_kv_heads"]
                     * (shape["hidden_size"] // shape["num_heads"]) * dtype_bytes)

@@ -11,6 +11,30 @@ r"""The simulator against the live cluster: the same scaled trace, the same topo
 decode worker runs at (`decode_refit.json`, used instead of `profile.json`'s decode fit);
 `--refit-prefill` the prefill regression over `profile.json`'s grid (`prefill_refit.json`): the
 live profile then prices the current engine while the regime (profile.json's s_d) stays fixed.
+`--terms-after DIR` prices the replays with a bracket: the mean (kvcake/sim/profile_mean.py)
+of the live profile measured just before them (--out-dir's refits, --host-terms,
+--colocated-terms) and the one measured the same way just after them (`--refit-into DIR` and
+`decode_gaps.py --save DIR/gaps`). This VM's speed drifts by 9-14% within 20 minutes (the
+fifteenth session's two checks of the same replays), so a profile from one end prices the
+other end's host; the bracket is the host over the replays' own stretch. `bracket_ends` in the
+JSON has the check with each end alone. The protocol of a bracketed check (fixed 2026-12-07
+before its first run):
+
+    D=/tmp/kvcake-capacity-s16   # regime.json, profile.json, colocated-budget.json as before
+    V=".venv/bin/python"; G="benchmarks/decode_gaps.py --out-dir $D --rate 0.593 --num-requests 40 --pin on"
+    $V benchmarks/sim_vs_live.py --out-dir $D --refit-decode --refit-prefill
+    $V $G --systems disagg,colocated --decode-fit $D/decode_refit.json --save $D/gaps
+    for R in 1 2 3; do for S in disagg colocated; do $V benchmarks/sim_vs_live.py --out-dir $D \
+      --systems $S --replay-rates rate --live-repeats 1 --append-replays --live-only; done; done
+    for R in 1 2; do for S in disagg colocated; do $V benchmarks/sim_vs_live.py --out-dir $D \
+      --systems $S --fit-rate 0.593 --replay-rates fit-rate --live-repeats 1 --append-replays \
+      --live-only; done; done
+    $V benchmarks/sim_vs_live.py --out-dir $D --refit-decode --refit-prefill --refit-into $D/after
+    $V $G --systems disagg,colocated --decode-fit $D/after/decode_refit.json --save $D/after/gaps
+    $V benchmarks/sim_vs_live.py --out-dir $D --host-terms $D/gaps-disagg-pinon.json \
+      --colocated-terms $D/gaps-colocated-pinon.json --terms-after $D/after --fit-rate 0.593 \
+      --sim-only --json
+
 `--check-capacity DIR` also compares the simulator, with the profile fitted here, against every
 probe of a live capacity search of the same regime (`serving_disagg_vs_colocated.py`'s out-dir:
 the same requests and arrival offsets, one rate per probe, each colocated probe at that search's
@@ -163,6 +187,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--live-only and --sim-only exclude each other: pass one")
     if args.append_replays and args.sim_only:
         p.error("--append-replays adds replays; --sim-only replays nothing: pass one")
+    if args.terms_after is not None:
+        missing = [str(args.terms_after / path.name) for path in
+                   (args.host_terms, args.colocated_terms)
+                   if path is not None and not (args.terms_after / path.name).is_file()]
+        if missing:
+            p.error(f"--terms-after: {', '.join(missing)} not found (save the step traces "
+                    "measured after the replays there under the same names)")
     if args.colocated_by_rows and args.colocated_terms is None:
         p.error("--colocated-by-rows needs --colocated-terms SAVED (the step trace it measures)")
     return args
@@ -180,6 +211,14 @@ def _check_flags(p: argparse.ArgumentParser) -> None:
                    help="measure the decode step model again (decode_refit.json), then stop")
     p.add_argument("--refit-prefill", action="store_true",
                    help="measure the prefill regression again (prefill_refit.json), then stop")
+    p.add_argument("--refit-into", type=Path, default=None, metavar="DIR",
+                   help="write --refit-decode / --refit-prefill there (default --out-dir): "
+                        "the fits of a run's end, for --terms-after DIR")
+    p.add_argument("--terms-after", type=Path, default=None, metavar="DIR",
+                   help="price the replays with the mean of the live profile measured before "
+                        "them (--out-dir's refits, --host-terms, --colocated-terms) and the "
+                        "one measured after them (DIR's refits, and DIR's saved step traces of "
+                        "the same file names); each end alone is also checked")
     p.add_argument("--fit-rate", type=float, default=None,
                    help="also replay at this rate (live_fit.json) and fit the per-host "
                         "contention factors to its disaggregated TTFT/TBT p50; the comparison "
@@ -290,6 +329,42 @@ def second_rate(args: argparse.Namespace, setup: Setup, terms: Terms, fit_file: 
     return contention, metrics
 
 
+def after_terms(args: argparse.Namespace, config_json: dict[str, Any],
+                bandwidth: float) -> Terms:
+    """--terms-after DIR: the live profile measured after the replays (DIR's refits and step
+    traces)."""
+    after = argparse.Namespace(**vars(args))
+    for name in ("host_terms", "colocated_terms"):
+        if getattr(args, name) is not None:
+            setattr(after, name, args.terms_after / getattr(args, name).name)
+    return Terms.measure(after, live_profile(args.out_dir, config_json, bandwidth,
+                                             refits_dir=args.terms_after))
+
+
+def bracket_ends(setup: Setup, ends: dict[str, Terms], configs: dict[str, SimConfig],
+                 files: list[tuple[float | None, dict[str, Any] | None]]) -> dict[str, Any]:
+    """--terms-after: the check with each end's profile alone, at every checked rate: its
+    metrics and how many are within the target."""
+    out: dict[str, Any] = {}
+    for end, terms in ends.items():
+        by_rate: dict[str, Any] = {}
+        for rate, live in files:
+            if rate is None or live is None:
+                continue
+            trace = setup.trace(setup.planned(rate))
+            by_rate[f"{rate:.4g}"] = live_replays.annotate(compare(live["metrics"], {
+                name: sim_metrics(trace, setup.regime, config, terms.cost(), terms.jitters[name])
+                for name, config in configs.items() if name in live["metrics"]}),
+                live["replays"])
+        cells = [m for metrics in by_rate.values() for m in metrics.values()
+                 if m["within_target"] is not None]
+        within = sum(1 for m in cells if m["within_target"])
+        print(f"the {end} profile alone: {within} of {len(cells)} metrics within "
+              f"{live_replays.WITHIN:.0%} ({', '.join(by_rate)} req/s)")
+        out[end] = {"within_target": within, "metrics_compared": len(cells), "by_rate": by_rate}
+    return out
+
+
 def capacities(args: argparse.Namespace, setup: Setup, cost: Any) -> dict[str, Any]:
     """--check-capacity: the simulator against every live capacity probe; unless
     --no-capacity, the simulated capacity search (`sim_capacity.json`)."""
@@ -313,10 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup.load(args)
     regime, cap_args = setup.regime, setup.cap_args
     if args.refit_decode or args.refit_prefill:
+        into = args.refit_into or args.out_dir
+        into.mkdir(parents=True, exist_ok=True)
         if args.refit_decode:
-            print(json.dumps(refit_decode(args.out_dir, cap_args.model_dir)))
+            print(json.dumps(refit_decode(into, cap_args.model_dir)))
         if args.refit_prefill:
-            print(json.dumps(refit_prefill(args.out_dir, cap_args.model_dir)))
+            print(json.dumps(refit_prefill(into, cap_args.model_dir)))
         return 0
     rate = args.rate or 0.5 / regime.mean_prefill_s
     live_file, fit_file = live_replays.check_files(rate, args.fit_rate, args.replay_rates,
@@ -328,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     config_json = json.loads((cap_args.model_dir / "config.json").read_text())
     bandwidth, source = transfer_bandwidth(args.out_dir)
     terms = Terms.measure(args, live_profile(args.out_dir, config_json, bandwidth))
+    ends: dict[str, Terms] = {}
+    if args.terms_after is not None:
+        ends = {"before": terms, "after": after_terms(args, config_json, bandwidth)}
+        terms = Terms.bracketed(terms, ends["after"])
     configs = sim_configs(regime, setup.block_len, setup.budget, args.disagg_admission)
     if args.colocated_series is not None or args.batch_series is not None:
         out = saved_run(args, setup, terms, configs)
@@ -355,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     out = {"metrics": metrics, "diagnostics": diag,
            "live_repeats": {s_: len(r) for s_, r in live_reps.items()},
            "live_noise_floor": live_replays.noise_floor(metrics)}
+    if ends:
+        out["bracket_ends"] = bracket_ends(setup, ends, configs,
+                                           [(rate, live_file), (args.fit_rate, fit_file)])
     out |= capacities(args, setup, cost)
     if contention is not None:
         out |= {"contention": contention, "fit_rate": args.fit_rate, "fit_metrics": fit_metrics}

@@ -208,3 +208,33 @@ def test_check_files_replays_each_rate_once(fit_rate: float | None, replay_rates
         assert fit is live
     else:
         assert fit == {"metrics": {"live_fit.json": {}}, "replays": {}}
+
+
+def test_terms_after_needs_the_same_step_traces_at_the_runs_end(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before, after = tmp_path / "gaps-disagg-pinon.json", tmp_path / "after"
+    after.mkdir()
+    before.write_text("{}")
+    argv = ["--out-dir", str(tmp_path), "--host-terms", str(before), "--terms-after", str(after)]
+    with pytest.raises(SystemExit) as exc:
+        sim_vs_live.parse_args(argv)
+    assert exc.value.code == 2
+    assert f"--terms-after: {after / before.name} not found" in capsys.readouterr().err
+    (after / before.name).write_text("{}")
+    assert sim_vs_live.parse_args(argv).terms_after == after
+
+
+def test_a_bracket_needs_each_refit_at_both_ends(tmp_path: Path) -> None:
+    import live_profile_fit
+
+    after = tmp_path / "after"
+    after.mkdir()
+    (tmp_path / "profile.json").write_text(json.dumps({"prefill": {"p": 1.0}}))
+    (tmp_path / live_profile_fit.DECODE_REFIT).write_text(json.dumps({"decode": {"d": 1.0}}))
+    config = {hf: 8 for hf in live_profile_fit.SHAPE_KEYS.values()}
+    with pytest.raises(SystemExit, match=f"{after / live_profile_fit.DECODE_REFIT} not found"):
+        live_profile_fit.live_profile(tmp_path, config, 1e9, refits_dir=after)
+    (after / live_profile_fit.DECODE_REFIT).write_text(json.dumps({"decode": {"d": 2.0}}))
+    at_end = live_profile_fit.live_profile(tmp_path, config, 1e9, refits_dir=after)
+    assert at_end["decode"] == {"d": 2.0} and at_end["prefill"] == {"p": 1.0}
+    assert live_profile_fit.live_profile(tmp_path, config, 1e9)["decode"] == {"d": 1.0}
