@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import serving_disagg_vs_colocated as cap  # noqa: E402
+from capacity_systems import MAX_MODEL_LEN  # noqa: E402
 
 from kvcake.bench.regime import Regime  # noqa: E402
 from kvcake.sim.config import SimConfig  # noqa: E402
@@ -31,7 +31,7 @@ SHAPE_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",  
               "intermediate_size": "intermediate_size", "vocab_size": "vocab_size"}
 
 
-KV_POOL_BYTES = 2**30  # each live worker's pool (serving_disagg_vs_colocated.KV_CACHE)
+KV_POOL_BYTES = 2**30  # each live worker's pool (capacity_systems.KV_CACHE)
 
 
 def memcpy_bandwidth(num_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
@@ -66,7 +66,7 @@ def one_thread_engine(model_dir: Path, kv_cache_bytes: int) -> Any:
 
     torch.set_num_threads(1)
     return Engine(str(model_dir), EngineConfig(kv_cache_bytes=kv_cache_bytes,
-                                               max_model_len=cap.MAX_MODEL_LEN))
+                                               max_model_len=MAX_MODEL_LEN))
 
 
 def refit_decode(out_dir: Path, model_dir: Path) -> dict[str, Any]:
