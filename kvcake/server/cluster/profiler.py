@@ -192,6 +192,7 @@ def measure_decode(engine: Engine, grid: ProfileGrid, seed: int = 1,
     ids = CountingIds("profile-decode")
     vocab = min(engine.model_config.vocab_size, 256)
     budget = engine.config.max_num_batched_tokens
+    _decode_warm_up(engine)
     points = []
     for b in grid.decode_batch_sizes:
         for c in grid.decode_context_lens:
@@ -219,6 +220,17 @@ def measure_decode(engine: Engine, grid: ProfileGrid, seed: int = 1,
                 engine.step()
             points.append(DecodePoint(ran[0], ran[1], best))
     return points
+
+
+def _decode_warm_up(engine: Engine, steps: int = 4) -> None:
+    """A few decode steps of one short request, untimed: on a fresh engine the first steps
+    are slower (2026-12-07: the first point, 1 x 512 tokens, took 6.5 ms against 4.6 ms for
+    1 x 2,048 right after it), which skewed the decode fit of an engine that prefilled nothing
+    before (`benchmarks/live_profile_fit.refit_decode`)."""
+    engine.add_request("profile-decode-warm-up", [1] * 16,
+                       SamplingParams(max_tokens=steps, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
 
 
 def run_profile(model: str, engine_config: EngineConfig,
