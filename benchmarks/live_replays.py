@@ -217,3 +217,30 @@ def live_metrics(results: list[RequestResult], regime: Regime) -> dict[str, floa
     for k, share in enumerate(shares):
         out[f"effective_share_slo{k + 1}"] = share
     return out
+
+
+def compare(live: dict[str, dict[str, float]],
+            sim: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
+    out: dict[str, dict[str, float | None]] = {}
+    for system, metrics in live.items():
+        for name, x in metrics.items():
+            y = sim[system][name]
+            out[f"{system}.{name}"] = {"live": x, "sim": y,
+                                       "rel_err": None if not x else (y - x) / x}
+    return out
+
+
+def print_table(title: str, metrics: dict[str, dict[str, Any]]) -> None:
+    """live is the pooled value; with several replays also their range, relative spread (the
+    live noise floor) and whether the simulated value lies inside the range."""
+    print(f"{title}\n| metric | live (pooled) | sim | sim/live - 1 | live replays (min-max) "
+          "| replays' spread | sim in range |\n|---|---|---|---|---|---|---|")
+    for name, m in metrics.items():
+        err = "-" if m["rel_err"] is None else f"{m['rel_err']:+.1%}"
+        span = spread = inside = "-"
+        if "live_replays" in m:
+            span = f"{m['live_min']:.4g}-{m['live_max']:.4g} ({len(m['live_replays'])})"
+            spread = "-" if m["live_spread"] is None else f"{m['live_spread']:.1%}"
+            inside = "yes" if m["sim_in_live_range"] else "no"
+        print(f"| {name} | {m['live']:.4g} | {m['sim']:.4g} | {err} | {span} | {spread} "
+              f"| {inside} |")

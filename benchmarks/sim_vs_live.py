@@ -11,30 +11,9 @@ r"""The simulator against the live cluster: the same scaled trace, the same topo
 decode worker runs at (`decode_refit.json`, used instead of `profile.json`'s decode fit);
 `--refit-prefill` the prefill regression over `profile.json`'s grid (`prefill_refit.json`): the
 live profile then prices the current engine while the regime (profile.json's s_d) stays fixed.
-`--terms-after DIR` prices the replays with a bracket: the mean (kvcake/sim/profile_mean.py)
-of the live profile measured just before them (--out-dir's refits, --host-terms,
---colocated-terms) and the one measured the same way just after them (`--refit-into DIR` and
-`decode_gaps.py --save DIR/gaps`). This VM's speed drifts by 9-14% within 20 minutes (the
-fifteenth session's two checks of the same replays), so a profile from one end prices the
-other end's host; the bracket is the host over the replays' own stretch. `bracket_ends` in the
-JSON has the check with each end alone. The protocol of a bracketed check (fixed 2026-12-07
-before its first run):
-
-    D=/tmp/kvcake-capacity-s16   # regime.json, profile.json, colocated-budget.json as before
-    V=".venv/bin/python"; G="benchmarks/decode_gaps.py --out-dir $D --rate 0.593 --num-requests 40 --pin on"
-    $V benchmarks/sim_vs_live.py --out-dir $D --refit-decode --refit-prefill
-    $V $G --systems disagg,colocated --decode-fit $D/decode_refit.json --save $D/gaps
-    for R in 1 2 3; do for S in disagg colocated; do $V benchmarks/sim_vs_live.py --out-dir $D \
-      --systems $S --replay-rates rate --live-repeats 1 --append-replays --live-only; done; done
-    for R in 1 2; do for S in disagg colocated; do $V benchmarks/sim_vs_live.py --out-dir $D \
-      --systems $S --fit-rate 0.593 --replay-rates fit-rate --live-repeats 1 --append-replays \
-      --live-only; done; done
-    $V benchmarks/sim_vs_live.py --out-dir $D --refit-decode --refit-prefill --refit-into $D/after
-    $V $G --systems disagg,colocated --decode-fit $D/after/decode_refit.json --save $D/after/gaps
-    $V benchmarks/sim_vs_live.py --out-dir $D --host-terms $D/gaps-disagg-pinon.json \
-      --colocated-terms $D/gaps-colocated-pinon.json --terms-after $D/after --fit-rate 0.593 \
-      --sim-only --json
-
+`--terms-after DIR` prices the replays with the mean of the live profile measured just before
+and just after them, and checks each end alone too (benchmarks/terms_bracket.py: why, and the
+protocol of a bracketed check).
 `--check-capacity DIR` also compares the simulator, with the profile fitted here, against every
 probe of a live capacity search of the same regime (`serving_disagg_vs_colocated.py`'s out-dir:
 the same requests and arrival offsets, one rate per probe, each colocated probe at that search's
@@ -129,6 +108,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocated_terms  # noqa: E402
 import host_terms  # noqa: E402
 import live_replays  # noqa: E402
+import terms_bracket  # noqa: E402
 from check_setup import Setup, Terms  # noqa: E402
 from live_profile_fit import (  # noqa: E402
     fit_contention,
@@ -137,7 +117,7 @@ from live_profile_fit import (  # noqa: E402
     refit_prefill,
     transfer_bandwidth,
 )
-from live_replays import live_metrics  # noqa: E402
+from live_replays import compare, live_metrics, print_table  # noqa: E402
 from simulated_runs import (  # noqa: E402
     capacity_check,
     diagnostics,
@@ -148,33 +128,6 @@ from simulated_runs import (  # noqa: E402
 )
 
 from kvcake.sim.config import SimConfig  # noqa: E402
-
-
-def compare(live: dict[str, dict[str, float]],
-            sim: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
-    out: dict[str, dict[str, float | None]] = {}
-    for system, metrics in live.items():
-        for name, x in metrics.items():
-            y = sim[system][name]
-            out[f"{system}.{name}"] = {"live": x, "sim": y,
-                                       "rel_err": None if not x else (y - x) / x}
-    return out
-
-
-def print_table(title: str, metrics: dict[str, dict[str, Any]]) -> None:
-    """live is the pooled value; with several replays also their range, relative spread (the
-    live noise floor) and whether the simulated value lies inside the range."""
-    print(f"{title}\n| metric | live (pooled) | sim | sim/live - 1 | live replays (min-max) "
-          "| replays' spread | sim in range |\n|---|---|---|---|---|---|---|")
-    for name, m in metrics.items():
-        err = "-" if m["rel_err"] is None else f"{m['rel_err']:+.1%}"
-        span = spread = inside = "-"
-        if "live_replays" in m:
-            span = f"{m['live_min']:.4g}-{m['live_max']:.4g} ({len(m['live_replays'])})"
-            spread = "-" if m["live_spread"] is None else f"{m['live_spread']:.1%}"
-            inside = "yes" if m["sim_in_live_range"] else "no"
-        print(f"| {name} | {m['live']:.4g} | {m['sim']:.4g} | {err} | {span} | {spread} "
-              f"| {inside} |")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -329,42 +282,6 @@ def second_rate(args: argparse.Namespace, setup: Setup, terms: Terms, fit_file: 
     return contention, metrics
 
 
-def after_terms(args: argparse.Namespace, config_json: dict[str, Any],
-                bandwidth: float) -> Terms:
-    """--terms-after DIR: the live profile measured after the replays (DIR's refits and step
-    traces)."""
-    after = argparse.Namespace(**vars(args))
-    for name in ("host_terms", "colocated_terms"):
-        if getattr(args, name) is not None:
-            setattr(after, name, args.terms_after / getattr(args, name).name)
-    return Terms.measure(after, live_profile(args.out_dir, config_json, bandwidth,
-                                             refits_dir=args.terms_after))
-
-
-def bracket_ends(setup: Setup, ends: dict[str, Terms], configs: dict[str, SimConfig],
-                 files: list[tuple[float | None, dict[str, Any] | None]]) -> dict[str, Any]:
-    """--terms-after: the check with each end's profile alone, at every checked rate: its
-    metrics and how many are within the target."""
-    out: dict[str, Any] = {}
-    for end, terms in ends.items():
-        by_rate: dict[str, Any] = {}
-        for rate, live in files:
-            if rate is None or live is None:
-                continue
-            trace = setup.trace(setup.planned(rate))
-            by_rate[f"{rate:.4g}"] = live_replays.annotate(compare(live["metrics"], {
-                name: sim_metrics(trace, setup.regime, config, terms.cost(), terms.jitters[name])
-                for name, config in configs.items() if name in live["metrics"]}),
-                live["replays"])
-        cells = [m for metrics in by_rate.values() for m in metrics.values()
-                 if m["within_target"] is not None]
-        within = sum(1 for m in cells if m["within_target"])
-        print(f"the {end} profile alone: {within} of {len(cells)} metrics within "
-              f"{live_replays.WITHIN:.0%} ({', '.join(by_rate)} req/s)")
-        out[end] = {"within_target": within, "metrics_compared": len(cells), "by_rate": by_rate}
-    return out
-
-
 def capacities(args: argparse.Namespace, setup: Setup, cost: Any) -> dict[str, Any]:
     """--check-capacity: the simulator against every live capacity probe; unless
     --no-capacity, the simulated capacity search (`sim_capacity.json`)."""
@@ -405,10 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     config_json = json.loads((cap_args.model_dir / "config.json").read_text())
     bandwidth, source = transfer_bandwidth(args.out_dir)
     terms = Terms.measure(args, live_profile(args.out_dir, config_json, bandwidth))
-    ends: dict[str, Terms] = {}
-    if args.terms_after is not None:
-        ends = {"before": terms, "after": after_terms(args, config_json, bandwidth)}
-        terms = Terms.bracketed(terms, ends["after"])
+    terms, ends = terms_bracket.bracketed(args, terms, config_json, bandwidth)
     configs = sim_configs(regime, setup.block_len, setup.budget, args.disagg_admission)
     if args.colocated_series is not None or args.batch_series is not None:
         out = saved_run(args, setup, terms, configs)
@@ -437,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
            "live_repeats": {s_: len(r) for s_, r in live_reps.items()},
            "live_noise_floor": live_replays.noise_floor(metrics)}
     if ends:
-        out["bracket_ends"] = bracket_ends(setup, ends, configs,
-                                           [(rate, live_file), (args.fit_rate, fit_file)])
+        out["bracket_ends"] = terms_bracket.bracket_ends(
+            setup, ends, configs, [(rate, live_file), (args.fit_rate, fit_file)])
     out |= capacities(args, setup, cost)
     if contention is not None:
         out |= {"contention": contention, "fit_rate": args.fit_rate, "fit_metrics": fit_metrics}
