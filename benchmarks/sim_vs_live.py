@@ -300,17 +300,23 @@ def capacities(args: argparse.Namespace, setup: Setup, cost: Any) -> dict[str, A
     return out
 
 
+def refit(args: argparse.Namespace, model_dir: Path) -> None:
+    """--refit-decode / --refit-prefill: the fits measured again, into --refit-into (default
+    --out-dir)."""
+    into = args.refit_into or args.out_dir
+    into.mkdir(parents=True, exist_ok=True)
+    if args.refit_decode:
+        print(json.dumps(refit_decode(into, model_dir)))
+    if args.refit_prefill:
+        print(json.dumps(refit_prefill(into, model_dir)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup = Setup.load(args)
     regime, cap_args = setup.regime, setup.cap_args
     if args.refit_decode or args.refit_prefill:
-        into = args.refit_into or args.out_dir
-        into.mkdir(parents=True, exist_ok=True)
-        if args.refit_decode:
-            print(json.dumps(refit_decode(into, cap_args.model_dir)))
-        if args.refit_prefill:
-            print(json.dumps(refit_prefill(into, cap_args.model_dir)))
+        refit(args, cap_args.model_dir)
         return 0
     rate = args.rate or 0.5 / regime.mean_prefill_s
     live_file, fit_file = live_replays.check_files(rate, args.fit_rate, args.replay_rates,
