@@ -40,12 +40,13 @@ def test_queue_limit_one_rejects_while_a_prefill_waits() -> None:
     config = LocalBackendConfig(engine=ENGINE, max_waiting_requests=1)
 
     async def scenario(backend: LocalBackend) -> list[int]:
-        long = GenerateRequest(RequestId("long"), tuple([7] * 512), max_tokens=2)
+        long = GenerateRequest(RequestId("long"), tuple([7] * 512), max_tokens=2, ignore_eos=True)
         stream = await backend.generate(long)
         with pytest.raises(Rejected, match="limit 1"):
             await backend.generate(GenerateRequest(RequestId("late"), (1, 2), max_tokens=2))
         tokens = [t async for event in stream for t in event.token_ids]
-        after = await backend.generate(GenerateRequest(RequestId("after"), (1, 2), max_tokens=3))
+        after = await backend.generate(GenerateRequest(RequestId("after"), (1, 2), max_tokens=3,
+                                                       ignore_eos=True))
         tokens += [t async for event in after for t in event.token_ids]
         return tokens
 

@@ -18,7 +18,8 @@ from kvcake.types import RequestId
 
 def _serve_one(max_tokens: int) -> int:
     async def scenario(backend: LocalBackend) -> int:
-        stream = await backend.generate(GenerateRequest(RequestId("r"), (5, 6, 7), max_tokens))
+        stream = await backend.generate(GenerateRequest(RequestId("r"), (5, 6, 7), max_tokens,
+                                                        temperature=0.0, ignore_eos=True))
         return len([t async for event in stream for t in event.token_ids])
 
     with LocalBackend.from_config(LocalBackendConfig(num_threads=1)) as backend:

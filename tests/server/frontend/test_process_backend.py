@@ -22,7 +22,7 @@ PROMPT = (5, 6, 7, 8, 9)
 async def _events(backend: LocalBackend | ProcessBackend, rid: str, prompt: tuple[int, ...],
                   max_tokens: int) -> list[TokenEvent]:
     stream = await backend.generate(GenerateRequest(RequestId(rid), prompt, max_tokens,
-                                                    temperature=0.0))
+                                                    temperature=0.0, ignore_eos=True))
     return [event async for event in stream]
 
 
