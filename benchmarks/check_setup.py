@@ -39,17 +39,20 @@ def recorded_replay(system: str, cap_args: Any, regime: Regime, budget: int,
     """One replay on a fresh `system` server (pin_workers = `pin`) with what could differ
     between invocations recorded (benchmarks/replay_env.py): workers' threads, affinity and
     placement, the GEMM tables and whether they were measured or loaded, /proc/stat, load,
-    MHz, and the decode worker's step times from its step trace."""
+    MHz, and the decode worker's step times from its step trace; and the live Conductor's
+    decision for each request (`placements`: kvcake/server/cluster/placement_trace.py's lines,
+    in arrival order), to read beside the simulator's."""
     import os
     import tempfile
 
     from kvcake.engine import cpu_ops
     from kvcake.engine.step_trace import ENV
+    from kvcake.server.cluster.placement_trace import ENV as PLACEMENTS
 
     threads = {"prefill": 1, "decode": 1, "colocated": 1}  # kvcake_toml's num_threads
     env = replay_env.ReplayEnv(cpu_ops.cache_dir(), pin, threads)
     with tempfile.TemporaryDirectory(prefix="kvcake-steps-") as trace_dir:
-        os.environ[ENV] = trace_dir  # the server and its workers inherit it
+        os.environ[ENV] = os.environ[PLACEMENTS] = trace_dir  # the server and workers inherit it
         try:
             env.start()
             with cap.Served(system, cap_args, regime, budget if system == "colocated" else None,
@@ -62,7 +65,9 @@ def recorded_replay(system: str, cap_args: Any, regime: Regime, budget: int,
                 finally:
                     env.stop()
         finally:
-            del os.environ[ENV]
+            del os.environ[ENV], os.environ[PLACEMENTS]
+        placements = [json.loads(line) for path in Path(trace_dir).glob("placements-*.jsonl")
+                      for line in path.read_text().splitlines()]
         steps = [json.loads(line) for path in sorted(Path(trace_dir).glob("steps-*.jsonl"))
                  if "decode" in path.stem or system == "colocated"
                  for line in path.read_text().splitlines()]
@@ -70,6 +75,7 @@ def recorded_replay(system: str, cap_args: Any, regime: Regime, budget: int,
     report["admission"] = cap_args.disagg_admission if system == "disagg" else "none"
     report["decode_steps"] = replay_env.step_split(
         steps, [g for r in results for g in r.gaps_s], begun)
+    report["placements"] = sorted(placements, key=lambda line: line["t"])
     return results, report
 
 

@@ -36,11 +36,12 @@ from prometheus_client.registry import Collector
 
 from kvcake.auth import ClusterSecret
 from kvcake.clock import Clock, SystemClock
-from kvcake.conductor import Conductor, ConductorConfig
+from kvcake.conductor import Conductor, ConductorConfig, Placement, ScheduleRequest
 from kvcake.conductor.predictor import DecodeModel, PrefillModel
 from kvcake.server.cluster.flight import Flight, Stage, TransferTotals, sampling_of
 from kvcake.server.cluster.flights import Flights
 from kvcake.server.cluster.monitor import Monitor, MonitorConfig
+from kvcake.server.cluster.placement_trace import PlacementTrace
 from kvcake.server.cluster.router import STORE_HOLDER, Router, schedule_request
 from kvcake.server.cluster.store_audit import StoreAudit
 from kvcake.server.cluster.worker_link import connect_workers
@@ -118,6 +119,7 @@ class DisaggBackend(ModelFront):
         self._store: StoreClient | None = None
         self._monitor: Monitor | None = None
         self.collectors: list[Collector] = []  # more metrics for the frontend's /metrics
+        self._placements: PlacementTrace | None = None  # $KVCAKE_PLACEMENT_TRACE
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> DisaggBackend:
@@ -131,6 +133,7 @@ class DisaggBackend(ModelFront):
 
     def _start(self) -> DisaggBackend:
         cfg = self.config
+        self._placements = PlacementTrace.from_env()
         if cfg.worker_addresses:  # else the first worker that joins gives the layout
             self._init_router(self._workers.connect(cfg.worker_addresses,
                                                     cfg.monitor.worker_timeout_s, cfg.secret))
@@ -207,6 +210,9 @@ class DisaggBackend(ModelFront):
         if self._store is not None:
             self._store.close()
             self._store = None
+        if self._placements is not None:
+            self._placements.close()
+            self._placements = None
 
     def __enter__(self) -> DisaggBackend:
         return self.start()
@@ -250,10 +256,25 @@ class DisaggBackend(ModelFront):
                 raise Rejected(f"{limit} requests are waiting for their first token (limit "
                                f"{limit}); retry later", self.config.conductor.min_retry_after_s,
                                "max_waiting_requests")
-            placement = self._router.place(schedule, self.clock.now_s())
+            placement = self._place(schedule)
             self._book.admit(Flight(request, sink, asyncio.get_running_loop(), placement,
                                     sampling))
         return QueueTokenStream(self.abort, request.request_id, sink)
+
+    def _place(self, schedule: ScheduleRequest) -> Placement:
+        """The Conductor's placement (`Rejected`: HTTP 429), written to the placement trace
+        when one is on. Under the lock."""
+        assert self._router is not None
+        now_s = self.clock.now_s()
+        try:
+            placement = self._router.place(schedule, now_s)
+        except Rejected as rejection:
+            if self._placements is not None:
+                self._placements.rejected(now_s, schedule, rejection)
+            raise
+        if self._placements is not None:
+            self._placements.placed(now_s, schedule, placement)
+        return placement
 
     def stats(self) -> BackendStats:
         with self._lock:
