@@ -66,7 +66,10 @@ metric over the POOLED requests of the N replays (percentiles of N x 40 TTFTs an
 requests' TBTs, shares over N x 40 requests), and, with per-replay results, "live_replays" (each
 replay's value), "live_min" / "live_max", "live_spread" ((max - min) / live) and
 "sim_in_live_range"; "within_target" is |rel_err| <= 0.15 for every metric. The object also
-has "live_repeats" (per system) and "live_noise_floor" (each metric's live_spread).
+has "live_repeats" (per system), "live_noise_floor" (each metric's live_spread) and
+"placements" (benchmarks/placement_check.py: per rate and system, how many of each replay's
+requests the live Conductor and the simulated one placed alike, and the ones they did not; from
+replays recorded since the placement trace, 2026-12-07).
 
 What "within 15%" means: |sim / pooled live - 1| <= 0.15. One 40-request replay cannot pin a
 model to 15% (two quiet replays of the same run differed by 15-45% on a TTFT p90, a TBT p50 and
@@ -108,6 +111,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocated_terms  # noqa: E402
 import host_terms  # noqa: E402
 import live_replays  # noqa: E402
+import placement_check  # noqa: E402
 import terms_bracket  # noqa: E402
 from check_setup import Setup, Terms  # noqa: E402
 from live_profile_fit import (  # noqa: E402
@@ -311,6 +315,21 @@ def refit(args: argparse.Namespace, model_dir: Path) -> None:
         print(json.dumps(refit_prefill(into, model_dir)))
 
 
+def terms_out(args: argparse.Namespace, terms: Terms, contention: dict[str, float] | None,
+              fit_metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """The check's JSON about its terms: the contention fitted at --fit-rate, or the measured
+    host terms and the second rate's metrics; the colocated terms."""
+    out: dict[str, Any] = {}
+    if contention is not None:
+        out |= {"contention": contention, "fit_rate": args.fit_rate, "fit_metrics": fit_metrics}
+    elif terms.host is not None:
+        out |= {"host_terms": terms.host, "second_rate": args.fit_rate,
+                "second_rate_metrics": fit_metrics}
+    if terms.colocated is not None:
+        out["colocated_terms"] = terms.colocated
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup = Setup.load(args)
@@ -355,18 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"simulated at {rate:.3g}/s: {json.dumps(diag)}")
     out = {"metrics": metrics, "diagnostics": diag,
            "live_repeats": {s_: len(r) for s_, r in live_reps.items()},
-           "live_noise_floor": live_replays.noise_floor(metrics)}
+           "live_noise_floor": live_replays.noise_floor(metrics),
+           "placements": placement_check.by_rate(setup, configs, cost,
+                                                 [(rate, live_file), (args.fit_rate, fit_file)])}
+    print(f"placements alike, live and simulated: {json.dumps(out['placements'])}")
     if ends:
         out["bracket_ends"] = terms_bracket.bracket_ends(
             setup, ends, configs, [(rate, live_file), (args.fit_rate, fit_file)])
-    out |= capacities(args, setup, cost)
-    if contention is not None:
-        out |= {"contention": contention, "fit_rate": args.fit_rate, "fit_metrics": fit_metrics}
-    elif terms.host is not None:
-        out |= {"host_terms": terms.host, "second_rate": args.fit_rate,
-                "second_rate_metrics": fit_metrics}
-    if terms.colocated is not None:
-        out["colocated_terms"] = terms.colocated
+    out |= capacities(args, setup, cost) | terms_out(args, terms, contention, fit_metrics)
     if args.json:
         print(json.dumps(out))
     return 0
