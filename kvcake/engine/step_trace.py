@@ -17,10 +17,10 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TextIO
 
 from kvcake.clock import SystemClock
+from kvcake.trace_dir import open_trace
 
 ENV = "KVCAKE_STEP_TRACE"
 
@@ -35,13 +35,8 @@ class StepTrace:
     @classmethod
     def from_env(cls, worker_id: str) -> StepTrace | None:
         """A trace into `$KVCAKE_STEP_TRACE/steps-<worker_id>-<pid>.jsonl`, or None when unset."""
-        directory = os.environ.get(ENV)
-        if not directory:
-            return None
-        path = Path(directory)
-        if not path.is_dir():
-            raise ValueError(f"${ENV}={directory!r}: not a directory; create it or unset {ENV}")
-        return cls((path / f"steps-{worker_id}-{os.getpid()}.jsonl").open("a", buffering=1))
+        out = open_trace(ENV, f"steps-{worker_id}-{os.getpid()}.jsonl")
+        return None if out is None else cls(out)
 
     def record(self, t0: float, t1: float, t2: float, cpu_s: float,
                rows: Sequence[tuple[str, int]],

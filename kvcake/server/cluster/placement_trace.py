@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any, TextIO
 
 from kvcake.conductor import Placement, ScheduleRequest
 from kvcake.server.frontend.backend import Rejected
+from kvcake.trace_dir import open_trace
 
 __all__ = ["ENV", "PlacementTrace"]
 
@@ -40,13 +40,8 @@ class PlacementTrace:
     @classmethod
     def from_env(cls) -> PlacementTrace | None:
         """A trace into `$KVCAKE_PLACEMENT_TRACE/placements-<pid>.jsonl`, or None when unset."""
-        directory = os.environ.get(ENV)
-        if not directory:
-            return None
-        path = Path(directory)
-        if not path.is_dir():
-            raise ValueError(f"${ENV}={directory!r}: not a directory; create it or unset {ENV}")
-        return cls((path / f"placements-{os.getpid()}.jsonl").open("a", buffering=1))
+        out = open_trace(ENV, f"placements-{os.getpid()}.jsonl")
+        return None if out is None else cls(out)
 
     def placed(self, now_s: float, request: ScheduleRequest, placement: Placement) -> None:
         fetch = placement.fetch
