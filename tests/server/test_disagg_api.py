@@ -134,8 +134,8 @@ def fixed_profile(config: ClusterConfig, directory: Path) -> ClusterConfig:
         profile = Profile(config.model, config.engine.dtype, threads,
                           PrefillTimePredictor(1, 1.0, [0.01, 0.0, 0.0]),
                           DecodeStepPredictor([0.001, 0.0, 0.0]))
-        cache_path(directory, config.model, config.engine.dtype, threads).write_text(
-            profile.to_json())
+        cache_path(directory, config.model, config.engine.dtype, threads,
+                   config.engine.max_num_batched_tokens).write_text(profile.to_json())
     return replace(config, profile_dir=str(directory))
 
 

@@ -129,7 +129,8 @@ def run_profile(args: argparse.Namespace) -> int:
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     profile = load_or_profile(args.model, engine, cache_dir, grid,
                               refresh=args.refresh, num_threads=args.num_threads)
-    path = cache_path(cache_dir, args.model, engine.dtype, profile.num_threads)
+    path = cache_path(cache_dir, args.model, engine.dtype, profile.num_threads,
+                      engine.max_num_batched_tokens)
     print(f"profile of {profile.model} ({profile.dtype}, {profile.num_threads} threads): {path}")
     print("input_len prefix_len measured_s predicted_s")
     for p in profile.prefill_points:

@@ -130,15 +130,24 @@ class Profile:
                    int(data.get("format", 1)))
 
 
+DEFAULT_STEP_TOKENS = EngineConfig.max_num_batched_tokens  # the budget profiled without a suffix
+
+
 def default_cache_dir() -> Path:
     """`profiles/` under kvcake's per-machine cache (`$KVCAKE_CACHE_DIR`, as the CPU ops and the
     GEMM tuning tables use it; default `~/.cache/kvcake`)."""
     return cpu_ops.cache_dir() / "profiles"
 
 
-def cache_path(cache_dir: Path, model: str, dtype: str, num_threads: int) -> Path:
+def cache_path(cache_dir: Path, model: str, dtype: str, num_threads: int,
+               max_num_batched_tokens: int = DEFAULT_STEP_TOKENS) -> Path:
+    """The profile of (model, dtype, torch threads, the engine's token budget per step): a
+    budget other than the default prefills a prompt in more, smaller chunks, which takes
+    longer (a colocated worker at 64 tokens), so it is measured and cached apart
+    (`-b<budget>`); the default budget's file keeps its name."""
     safe = model.replace("/", "_").strip("._") or "model"
-    return cache_dir / f"profile-{safe}-{dtype}-t{num_threads}.json"
+    budget = "" if max_num_batched_tokens == DEFAULT_STEP_TOKENS else f"-b{max_num_batched_tokens}"
+    return cache_dir / f"profile-{safe}-{dtype}-t{num_threads}{budget}.json"
 
 
 def measure_prefill(engine: Engine, grid: ProfileGrid, seed: int = 0) -> list[PrefillPoint]:
@@ -254,8 +263,9 @@ def run_profile(model: str, engine_config: EngineConfig,
 def load_or_profile(model: str, engine_config: EngineConfig, cache_dir: Path | None = None,
                     grid: ProfileGrid | None = None, refresh: bool = False,
                     num_threads: int | None = None) -> Profile:
-    """The cached profile of (model, dtype, torch threads), measured and cached if absent (or, with
-    the default grid, if it is of an older format than PROFILE_FORMAT). `num_threads` (None:
+    """The cached profile of (model, dtype, torch threads, step token budget: `cache_path`),
+    measured and cached if absent (or, with the default grid, if it is of an older format than
+    PROFILE_FORMAT). `num_threads` (None:
     torch's current setting) is set for the measurement, as workers do."""
     import torch
 
@@ -264,7 +274,8 @@ def load_or_profile(model: str, engine_config: EngineConfig, cache_dir: Path | N
             raise ValueError(f"num_threads: must be >= 1, got {num_threads}")
         torch.set_num_threads(num_threads)
     directory = cache_dir or default_cache_dir()
-    path = cache_path(directory, model, engine_config.dtype, torch.get_num_threads())
+    path = cache_path(directory, model, engine_config.dtype, torch.get_num_threads(),
+                      engine_config.max_num_batched_tokens)
     if path.is_file() and not refresh:
         try:
             cached = Profile.from_json(path.read_text())

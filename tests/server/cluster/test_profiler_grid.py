@@ -45,7 +45,7 @@ def test_an_older_cache_is_measured_again_with_the_default_grid(tmp_path: Path) 
     explicit = ProfileGrid(input_lens=(16, 48, 96), decode_batch_sizes=(1, 2),
                            decode_context_lens=(32, 64), repeats=1)
     first = load_or_profile("tiny", engine, tmp_path, explicit, num_threads=1)
-    path = cache_path(tmp_path, "tiny", "float32", 1)
+    path = cache_path(tmp_path, "tiny", "float32", 1, 128)
     raw = json.loads(path.read_text())
     assert raw["format"] == PROFILE_FORMAT
     del raw["format"]  # as written before the format existed: prompts of <= 384 tokens
@@ -58,6 +58,34 @@ def test_an_older_cache_is_measured_again_with_the_default_grid(tmp_path: Path) 
     assert fresh.format == PROFILE_FORMAT
     assert max(p.input_len for p in fresh.prefill_points) == 2047  # tiny: 2,048-token context
     assert Profile.from_json(path.read_text()).prefill_points == fresh.prefill_points
+
+
+def test_each_step_token_budget_is_profiled_and_cached_apart(tmp_path: Path) -> None:
+    """A colocated worker prefills in chunks of its budget: its Conductor's profile is
+    measured at that budget, never taken from another budget's cache."""
+    grid = ProfileGrid(input_lens=(16, 48, 96), decode_batch_sizes=(1, 2),
+                       decode_context_lens=(32, 64), repeats=1)
+    default = EngineConfig(kv_cache_bytes=8 * 2**20)
+    small = EngineConfig(kv_cache_bytes=8 * 2**20, max_num_batched_tokens=32)
+    load_or_profile("tiny", default, tmp_path, grid, num_threads=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile-tiny-float32-t1.json"]
+    steps: list[int] = []
+    from kvcake.engine import engine as engine_module
+
+    step = engine_module.Engine.step
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        steps.append(self.config.max_num_batched_tokens)
+        return step(self, *args, **kwargs)
+
+    engine_module.Engine.step = counting  # type: ignore[method-assign]
+    try:
+        load_or_profile("tiny", small, tmp_path, grid, num_threads=1)
+    finally:
+        engine_module.Engine.step = step  # type: ignore[method-assign]
+    assert steps and set(steps) == {32}  # measured again, at its own budget
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "profile-tiny-float32-t1-b32.json", "profile-tiny-float32-t1.json"]
 
 
 @pytest.mark.parametrize("bad", [(1, 2, 3), (16, 48)])
