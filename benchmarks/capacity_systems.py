@@ -29,17 +29,21 @@ MAX_MODEL_LEN = 32768
 KV_CACHE = "1GiB"  # per kvcake worker: 262,144 fp32 tokens of this model (vLLM: 2 GiB, 1 server)
 
 
-def conductor_toml(kind: str, admission: str, regime: Regime) -> str:
+def conductor_toml(kind: str, admission: str, regime: Regime,
+                   prefill_speed_weight: float = 0.0) -> str:
     """The Conductor's section: the disaggregated pair's admission (`--disagg-admission`) checks
     the regime's TTFT SLO and its loosest TBT SLO at arrival (one replay still gives the share at
     every TBT SLO: an admitted request that misses a tighter one counts as a miss there); the
-    colocated pair never rejects, as vLLM (and the simulator's colocated baselines) do not."""
+    colocated pair never rejects, as vLLM (and the simulator's colocated baselines) do not.
+    `prefill_speed_weight` (`--prefill-speed-weight`, both pairs; 0: not written, the default):
+    each Conductor learns its prefill instances' speed (kvcake/conductor/config.py)."""
     policy = "colocated" if kind == "colocated" else "global_cache"
+    speed = f"prefill_speed_weight = {prefill_speed_weight!r}\n" if prefill_speed_weight else ""
     if kind == "colocated" or admission == "none":
-        return f'[conductor]\nadmission = "none"\npolicy = "{policy}"\n'
+        return f'[conductor]\nadmission = "none"\npolicy = "{policy}"\n' + speed
     return (f'[conductor]\nadmission = "{admission}"\npolicy = "{policy}"\n'
             f"ttft_slo_s = {regime.ttft_slo_s!r}\n"
-            f"tbt_slo_s = {max(regime.tbt_slos_ms) / 1000.0!r}\n")
+            f"tbt_slo_s = {max(regime.tbt_slos_ms) / 1000.0!r}\n" + speed)
 
 
 def kvcake_toml(kind: str, args: argparse.Namespace, port: int, budget: int | None,
@@ -54,7 +58,7 @@ def kvcake_toml(kind: str, args: argparse.Namespace, port: int, budget: int | No
     head = (pinning + f'model = "{args.model_dir}"\nmode = "{mode}"\n'
             f'[frontend]\nhost = "127.0.0.1"\nport = {port}\n'
             f'[store]\nmaster_host = "127.0.0.1"\nmaster_port = {port + 1}\n{engine}'
-            + conductor_toml(kind, args.disagg_admission, regime))
+            + conductor_toml(kind, args.disagg_admission, regime, args.prefill_speed_weight))
     if kind == "colocated":
         return head + (f'[[workers]]\nrole = "colocated"\nport = {port + 2}\nnum_threads = 1\n'
                        f'[[workers]]\nrole = "colocated"\nport = {port + 3}\nnum_threads = 1\n')

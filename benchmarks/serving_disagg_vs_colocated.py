@@ -325,6 +325,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the disaggregated pair's admission (Algorithm 1's HTTP 429 on the "
                         "regime's TTFT SLO and loosest TBT SLO; default early, what `kvcake "
                         "serve` runs; none: every request served, as before 2026-12-07)")
+    p.add_argument("--prefill-speed-weight", type=float, default=0.0,
+                   help="both kvcake pairs' Conductors learn each prefill instance's speed from "
+                        "its finished prefills with this weight ([conductor] "
+                        "prefill_speed_weight; default 0: the fitted predictions, as every run "
+                        "before 2026-12-07)")
     p.add_argument("--transport", action="store_true",
                    help="run only the KV hand-off comparison (tiny preset)")
     p.add_argument("--transport-runs", type=int, default=3)

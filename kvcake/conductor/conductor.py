@@ -60,7 +60,7 @@ from kvcake.conductor.pending import PendingBlocks
 from kvcake.conductor.placements import Placements
 from kvcake.conductor.pools import InstancePools
 from kvcake.conductor.predictor import DecodeModel, PrefillModel
-from kvcake.conductor.prefill_plan import Plan, PrefillTimes, turn_down_slow_fetches
+from kvcake.conductor.prefill_plan import Plan, PrefillTimes, at_speed, turn_down_slow_fetches
 from kvcake.conductor.transfers import Transfers
 
 
@@ -239,9 +239,11 @@ class Conductor:
         plan_of = {n: self._plan_prefill(req, match, n, source, predicted)
                    for n in dict.fromkeys(blocks)}
         plans = list(map(plan_of.__getitem__, blocks))
-        books = (map(self._queues.__getitem__, pool) if self._pools.cpp_members
-                 else self._queues.values())
+        books = list(map(self._queues.__getitem__, pool) if self._pools.cpp_members
+                     else self._queues.values())
         queues = list(map(PrefillQueue.queue_s, books, repeat(now_s)))
+        if self.config.prefill_speed_weight:  # each instance's prefill at its learned speed
+            plans = [at_speed(plan, book.speed) for plan, book in zip(plans, books, strict=True)]
         ttfts = [plan[2] + queue_s + plan[3] for plan, queue_s in zip(plans, queues, strict=True)]
         if self.config.fetch_only_if_faster:
             turn_down_slow_fetches(plans, queues, ttfts)
@@ -329,7 +331,8 @@ class Conductor:
     def on_prefill_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
         """The prefill ended; its blocks stop being pending (report them with `on_blocks_stored`,
         for every member of a CPP group)."""
-        self._placements.prefill_finished(instance_id, request_id)
+        self._placements.prefill_finished(instance_id, request_id, now_s,
+                                          self.config.prefill_speed_weight)
 
     def on_transfer_done(self, request_id: str, now_s: float) -> None:
         """The planned fetch of `request_id` completed (or failed): its bytes no longer queue."""

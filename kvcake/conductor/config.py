@@ -104,6 +104,13 @@ class ConductorConfig:
         request's predicted join time, as EARLY does (the requests in prefill booked to have
         joined by then counted), not its load now, under which a burst herds onto one node.
         False (the default): the instance is chosen again among all (its booking moves).
+    prefill_speed_weight: how much each finished prefill's measured duration (from its start to
+        its end, as the caller reports them) over its fitted prediction moves its instance's
+        learned speed (`PrefillQueue.speed`, an exponentially weighted mean from 1); every
+        prefill estimate of that instance (its queue, and a new request's prefill there) is
+        then the fit times that speed. An instance slower than the fit (a colocated worker
+        prefilling in small chunks beside its decodes, a host shared with other work) is then
+        priced as it runs. 0 (the default): the fit as measured, Algorithm 1 as the paper.
     """
 
     policy: Policy = Policy.GLOBAL_CACHE
@@ -126,6 +133,7 @@ class ConductorConfig:
     decode_kv_capacity_tokens: int | None = None
     decode_check_after_prefill: bool = False
     decode_check_keeps_node: bool = False
+    prefill_speed_weight: float = 0.0
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -143,6 +151,10 @@ class ConductorConfig:
                 and 0.0 < self.measured_bandwidth_weight <= 1.0):
             raise ValueError(f"measured_bandwidth_weight must be in (0, 1], "
                              f"got {self.measured_bandwidth_weight!r}")
+        if not (math.isfinite(self.prefill_speed_weight)
+                and 0.0 <= self.prefill_speed_weight <= 1.0):
+            raise ValueError(f"prefill_speed_weight must be in [0, 1] (0: predictions as "
+                             f"fitted), got {self.prefill_speed_weight!r}")
         if self.min_measured_bytes < 0:
             raise ValueError(f"min_measured_bytes must be >= 0, got {self.min_measured_bytes!r}")
         if not self.min_retry_after_s >= 0:

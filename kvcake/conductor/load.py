@@ -22,12 +22,18 @@ from typing import NamedTuple
 
 
 class PrefillQueue:
-    """Predicted prefill work placed on one instance."""
+    """Predicted prefill work placed on one instance.
+
+    `speed`: how long this instance's prefills take over their fitted prediction, learned from
+    the ones that finished (`finish` with a weight > 0: an exponentially weighted mean starting
+    at 1, the fit as measured); the queue's time is its fitted predictions times `speed`.
+    """
 
     def __init__(self) -> None:
-        self._waiting: dict[str, float] = {}
+        self._waiting: dict[str, float] = {}  # request -> fitted prediction (s)
         self._waiting_s = 0.0
         self._running: dict[str, tuple[float, float]] = {}  # request -> (start_s, predicted_s)
+        self.speed = 1.0
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._running)
@@ -49,16 +55,27 @@ class PrefillQueue:
         self._pop_waiting(request_id)
         self._running.pop(request_id, None)
 
+    def finish(self, request_id: str, now_s: float, weight: float) -> None:
+        """The prefill finished: with `weight` > 0 its measured duration over its fitted
+        prediction moves `speed` by that weight (a request that never started, or one predicted
+        at 0 s, teaches nothing)."""
+        running = self._running.get(request_id)
+        if running is not None and weight > 0.0 and running[1] > 0.0:
+            start_s, predicted_s = running
+            self.speed += weight * ((now_s - start_s) / predicted_s - self.speed)
+        self.remove(request_id)
+
     def queue_s(self, now_s: float) -> float:
         """Seconds until this instance has worked off everything placed on it, as predicted.
 
         A running prefill counts for its predicted time not yet elapsed (0 once overdue).
         """
-        left = self._waiting_s
+        speed = self.speed
+        left = self._waiting_s * speed
         if not self._running:
             return left
         for start_s, predicted_s in self._running.values():
-            left += max(0.0, predicted_s - (now_s - start_s))
+            left += max(0.0, predicted_s * speed - (now_s - start_s))
         return left
 
     def _pop_waiting(self, request_id: str) -> float | None:

@@ -36,8 +36,11 @@ class Placements:
         if group:  # the pipeline holds every member for its whole duration
             self._group_of[rid] = group
         queues = self._pools.queues
+        # the queue keeps the fitted prediction (a single instance's estimate was scaled by its
+        # learned speed: `Conductor._estimate_prefills`; a CPP group's is not)
+        fitted_s = chosen.prefill_s if group else chosen.prefill_s / queues[chosen.instance_id].speed
         for member in members:
-            queues[member].add(rid, chosen.prefill_s)
+            queues[member].add(rid, fitted_s)
         context = req.prompt_len + req.max_output_len // 2
         self._pools.decodes[decode_id].expect(rid, now_s + chosen.ttft_s, context,
                                               req.max_output_len)
@@ -51,14 +54,17 @@ class Placements:
         for member in self._group_of.get(request_id, (instance_id,)):
             self._pools.queue(member).start(request_id, now_s)
 
-    def prefill_finished(self, instance_id: str, request_id: str) -> None:
+    def prefill_finished(self, instance_id: str, request_id: str, now_s: float,
+                         speed_weight: float = 0.0) -> None:
+        """`speed_weight`: how much the prefill's measured duration moves its instances' learned
+        speed (`PrefillQueue.finish`; 0: not at all)."""
         group = self._group_of.pop(request_id, None)
         if group is None:
-            self._pools.queue(instance_id).remove(request_id)
+            self._pools.queue(instance_id).finish(request_id, now_s, speed_weight)
         queues = self._pools.queues
         for member in group or ():
             if member in queues:
-                queues[member].remove(request_id)
+                queues[member].finish(request_id, now_s, speed_weight)
         self._pending.release(request_id)
 
     def take_decode(self, request_id: str) -> tuple[int, int] | None:

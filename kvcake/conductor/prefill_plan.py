@@ -15,6 +15,18 @@ Plan = tuple[int, int, float, float, float | None]
 fields of `PrefillEstimate` without its queue; recompute_s is the local alternative when
 fetch_only_if_faster must weigh it (else None)."""
 
+
+
+def at_speed(plan: Plan, speed: float) -> Plan:
+    """The plan on an instance whose prefills take `speed` times the fit (its learned speed:
+    `PrefillQueue.speed`): its prefill and recompute seconds scaled, its fetch not."""
+    if speed == 1.0:
+        return plan
+    local_len, prefix_len, transfer_s, prefill_s, recompute_s = plan
+    return (local_len, prefix_len, transfer_s, prefill_s * speed,
+            None if recompute_s is None else recompute_s * speed)
+
+
 _MAX_PREDICTIONS = 1 << 16  # remembered prefill predictions (a few MB at most)
 
 

@@ -130,6 +130,9 @@ def _register_simulate(subparsers: Any) -> None:
     sim.add_argument("--decode-check-keeps-node", action="store_true",
                      help="the decode check after prefill asks only the decode node chosen at "
                           "arrival (its KV streamed there): decode there or be rejected")
+    sim.add_argument("--prefill-speed-weight", type=float, default=0.0,
+                     help="the Conductor learns each prefill instance's speed from its finished "
+                          "prefills with this weight (0..1; 0: the fitted prediction as is)")
     sim.add_argument("--predicted-output-len", type=_positive_int, default=None,
                      help="output length the Conductor is told (default: the trace's mean)")
     sim.add_argument("--uniform-decode-s", type=_positive_float, default=None,
@@ -224,6 +227,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_node_guard=args.decode_node_guard,
         decode_reselect_at_handoff=args.decode_reselect_at_handoff,
         decode_check_keeps_node=args.decode_check_keeps_node,
+        prefill_speed_weight=args.prefill_speed_weight,
     )
 
 

@@ -70,6 +70,8 @@ class SimConfig:
         baseline pre-selects that node on the forecast at the request's predicted join time, as
         admission "early" does (`DecodeChoice.forecasts_join`). False: the decode instance is
         chosen again among all when the prefill ends.
+    prefill_speed_weight: the Conductor's `prefill_speed_weight` (kvcake/conductor/config.py):
+        each instance's prefill estimates at the speed its finished prefills showed (0: the fit).
     """
 
     num_prefill: int = 8
@@ -102,6 +104,7 @@ class SimConfig:
     decode_node_guard: bool = False
     decode_reselect_at_handoff: bool = False
     decode_check_keeps_node: bool = False
+    prefill_speed_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -133,6 +136,9 @@ class SimConfig:
         if self.predicted_output_len is not None and self.predicted_output_len < 1:
             raise ValueError(f"predicted_output_len must be >= 1 (or unset), "
                              f"got {self.predicted_output_len}")
+        if not 0 <= self.prefill_speed_weight <= 1:
+            raise ValueError(f"prefill_speed_weight must be in [0, 1] (0: the fit as measured), "
+                             f"got {self.prefill_speed_weight}")
         if not 0 <= self.prefill_prediction_error < 1:
             raise ValueError(f"prefill_prediction_error must be in [0, 1) (0.1 = +-10%), "
                              f"got {self.prefill_prediction_error}")

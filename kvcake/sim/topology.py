@@ -132,6 +132,7 @@ def build_conductor(config: SimConfig, cost: CostModel, topology: Topology,
         decode_kv_capacity_tokens=kv_capacity_tokens(cost),
         decode_check_after_prefill=config.decode_check_after_prefill,
         decode_check_keeps_node=config.decode_check_keeps_node,
+        prefill_speed_weight=config.prefill_speed_weight,
     )
     return Conductor(conductor_config, topology.prefill_ids, topology.decode_ids, predictor, cost,
                      cost.model.kv_bytes_per_token)

@@ -662,3 +662,43 @@ def test_move_decode_moves_the_booking_to_the_node_that_takes_the_request() -> N
     assert c.decode_load(other).num_booked == 1 and c.decode_load(admitted.instance_id).num_booked == 0
     c.on_decode_joined(other, "a", 0.2)
     assert c.decode_load(other).batch_size == 1 and a.request_id == "a"
+
+
+def test_a_learned_prefill_speed_prices_an_instance_as_it_runs() -> None:
+    """prefill_speed_weight: a colocated instance whose prefills take twice the fit is priced
+    so; the queue of a prefill running past its fitted time is not empty."""
+    conductor = make("colocated", num_prefill=2, num_decode=0, admission="none",
+                     prefill_speed_weight=0.5)
+    first = placed(conductor.schedule(request("a", 1000), 0.0))
+    assert first.prefill_id == "p0" and first.predicted_ttft_s == pytest.approx(1.0)
+    conductor.on_prefill_started("p0", "a", 0.0)
+    conductor.on_prefill_finished("p0", "a", 2.0)  # 2 s for 1 s fitted: speed 1.5
+    assert conductor.prefill_queue("p0").speed == 1.5
+    # Both idle, no shared prefix: p0 is priced at 1.5x the fit, so p1 (at the fit) wins.
+    second = placed(conductor.schedule(request("b", 1000, first_key=100), 2.0))
+    assert second.prefill_id == "p1" and second.predicted_ttft_s == pytest.approx(1.0)
+    by_id = {c.instance_id: c for c in second.prefill_candidates}
+    assert by_id["p0"].prefill_s == pytest.approx(1.5) and by_id["p1"].prefill_s == 1.0
+    # b runs on p1 at the fit; c (0.8 s fitted) costs 1.2 s on idle p0, 0.5 + 0.8 s on p1.
+    conductor.on_prefill_started("p1", "b", 2.0)
+    assert conductor.queue_s("p1", 2.5) == pytest.approx(0.5)
+    third = placed(conductor.schedule(request("c", 800, first_key=200), 2.5))
+    assert third.prefill_id == "p0" and third.predicted_ttft_s == pytest.approx(1.2)
+    assert conductor.queue_s("p0", 2.5) == pytest.approx(1.2)  # its fitted 0.8 s at 1.5x
+    conductor.on_prefill_started("p0", "c", 2.5)
+    assert conductor.queue_s("p0", 3.5) == pytest.approx(0.2)  # 1 s of 1.2 s gone
+
+
+def test_without_a_speed_weight_the_fit_is_kept() -> None:
+    conductor = make("colocated", num_prefill=2, num_decode=0, admission="none")
+    placed(conductor.schedule(request("a", 1000), 0.0))
+    conductor.on_prefill_started("p0", "a", 0.0)
+    conductor.on_prefill_finished("p0", "a", 2.0)
+    assert conductor.prefill_queue("p0").speed == 1.0
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
+def test_a_speed_weight_outside_0_1_is_refused_by_name(bad: float) -> None:
+    with pytest.raises(ValueError, match=r"^prefill_speed_weight must be in \[0, 1\]"):
+        ConductorConfig(prefill_speed_weight=bad)
+
