@@ -25,8 +25,11 @@ class PrefillQueue:
     """Predicted prefill work placed on one instance.
 
     `speed`: how long this instance's prefills take over their fitted prediction, learned from
-    the ones that finished (`finish` with a weight > 0: an exponentially weighted mean starting
-    at 1, the fit as measured); the queue's time is its fitted predictions times `speed`.
+    the ones that finished (`finish` with a weight > 0): the exponentially weighted mean of
+    their measured durations over that of their fitted ones, so a long prefill counts for more
+    than a short one whose measured time is mostly fixed costs (messages, the KV hand-off); 1
+    (the fit as measured) until one finished. The queue's time is its fitted predictions times
+    `speed`.
     """
 
     def __init__(self) -> None:
@@ -34,6 +37,8 @@ class PrefillQueue:
         self._waiting_s = 0.0
         self._running: dict[str, tuple[float, float]] = {}  # request -> (start_s, predicted_s)
         self.speed = 1.0
+        self._measured_s = 0.0  # weighted mean of finished prefills' measured durations
+        self._fitted_s = 0.0  # ... and of their fitted predictions
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._running)
@@ -56,13 +61,16 @@ class PrefillQueue:
         self._running.pop(request_id, None)
 
     def finish(self, request_id: str, now_s: float, weight: float) -> None:
-        """The prefill finished: with `weight` > 0 its measured duration over its fitted
-        prediction moves `speed` by that weight (a request that never started, or one predicted
-        at 0 s, teaches nothing)."""
+        """The prefill finished: with `weight` > 0 its measured duration and its fitted
+        prediction enter their weighted means with that weight, and `speed` is their ratio (a
+        request that never started, or one predicted at 0 s, teaches nothing)."""
         running = self._running.get(request_id)
         if running is not None and weight > 0.0 and running[1] > 0.0:
             start_s, predicted_s = running
-            self.speed += weight * ((now_s - start_s) / predicted_s - self.speed)
+            first = self._fitted_s == 0.0  # the first one sets both means
+            self._measured_s += (1.0 if first else weight) * (now_s - start_s - self._measured_s)
+            self._fitted_s += (1.0 if first else weight) * (predicted_s - self._fitted_s)
+            self.speed = self._measured_s / self._fitted_s
         self.remove(request_id)
 
     def queue_s(self, now_s: float) -> float:

@@ -672,7 +672,7 @@ def test_a_learned_prefill_speed_prices_an_instance_as_it_runs() -> None:
     first = placed(conductor.schedule(request("a", 1000), 0.0))
     assert first.prefill_id == "p0" and first.predicted_ttft_s == pytest.approx(1.0)
     conductor.on_prefill_started("p0", "a", 0.0)
-    conductor.on_prefill_finished("p0", "a", 2.0)  # 2 s for 1 s fitted: speed 1.5
+    conductor.on_prefill_finished("p0", "a", 1.5)  # 1.5 s for 1 s fitted: speed 1.5
     assert conductor.prefill_queue("p0").speed == 1.5
     # Both idle, no shared prefix: p0 is priced at 1.5x the fit, so p1 (at the fit) wins.
     second = placed(conductor.schedule(request("b", 1000, first_key=100), 2.0))

@@ -35,15 +35,15 @@ def test_a_finished_prefill_teaches_its_instance_its_speed() -> None:
     assert q.speed == 1.0 and q.queue_s(14.0) == 3.0
     q.add("c", 1.0)
     q.start("b", now_s=14.0)
-    q.finish("b", now_s=20.0, weight=0.5)  # took 6 s for 3 predicted: 2x
-    assert q.speed == 1.5 and q.queue_s(20.0) == 1.5  # c: 1 s fitted, at 1.5x
+    q.finish("b", now_s=20.0, weight=0.5)  # the first: 6 s for 3 fitted sets speed 2x
+    assert q.speed == 2.0 and q.queue_s(20.0) == 2.0  # c: 1 s fitted, at 2x
     q.start("c", now_s=20.0)
-    assert q.queue_s(21.0) == pytest.approx(0.5)  # 1.5 s predicted, 1 s gone
-    q.finish("c", now_s=20.5, weight=0.5)  # 0.5 s for 1 predicted: 0.5x
-    assert q.speed == 1.0 and len(q) == 0
+    assert q.queue_s(21.5) == pytest.approx(0.5)  # 2 s predicted, 1.5 s gone
+    q.finish("c", now_s=20.5, weight=0.5)  # 0.5 s for 1 s: means 3.25 / 2.0 s
+    assert q.speed == pytest.approx(1.625) and len(q) == 0
     q.add("d", 2.0)
     q.finish("d", now_s=30.0, weight=0.5)  # never started: teaches nothing
-    assert q.speed == 1.0 and len(q) == 0
+    assert q.speed == pytest.approx(1.625) and len(q) == 0
 
 
 def test_decode_forecast_drops_finished_and_adds_joined() -> None:
