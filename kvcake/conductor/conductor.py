@@ -98,7 +98,7 @@ class Conductor:
         self._decode_choice = DecodeChoice(config, self._decodes, decode_model)
         self._admission = AdmissionControl(config, self._decodes)
         self._placements = Placements(self._pools, self.pending, self._transfers,
-                                      config.index_on_placement)
+                                      config.index_on_placement, config.prefill_speed_weight)
         self._prefill_times = PrefillTimes(prefill_model, config.cpp_nodes,
                                            config.cpp_chunk_tokens)
         for instance_id in prefill_ids:
@@ -331,8 +331,7 @@ class Conductor:
     def on_prefill_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
         """The prefill ended; its blocks stop being pending (report them with `on_blocks_stored`,
         for every member of a CPP group)."""
-        self._placements.prefill_finished(instance_id, request_id, now_s,
-                                          self.config.prefill_speed_weight)
+        self._placements.prefill_finished(instance_id, request_id, now_s)
 
     def on_transfer_done(self, request_id: str, now_s: float) -> None:
         """The planned fetch of `request_id` completed (or failed): its bytes no longer queue."""

@@ -21,11 +21,14 @@ class Placements:
     the prefill instance's local prefix (`pending`) at once, for the requests placed after it."""
 
     def __init__(self, pools: InstancePools, pending: PendingBlocks, transfers: Transfers,
-                 index_on_placement: bool) -> None:
+                 index_on_placement: bool, speed_weight: float = 0.0) -> None:
         self._pools = pools
         self._pending = pending
         self._transfers = transfers
         self._index_on_placement = index_on_placement
+        # how much a finished prefill's measured duration moves its instances' learned speed
+        # (`PrefillQueue.finish`; 0: not at all)
+        self._speed_weight = speed_weight
         self.placed: dict[str, tuple[str, str]] = {}  # request -> (prefill_id, decode_id)
         self._group_of: dict[str, tuple[str, ...]] = {}  # CPP request -> its group
 
@@ -54,17 +57,14 @@ class Placements:
         for member in self._group_of.get(request_id, (instance_id,)):
             self._pools.queue(member).start(request_id, now_s)
 
-    def prefill_finished(self, instance_id: str, request_id: str, now_s: float,
-                         speed_weight: float = 0.0) -> None:
-        """`speed_weight`: how much the prefill's measured duration moves its instances' learned
-        speed (`PrefillQueue.finish`; 0: not at all)."""
+    def prefill_finished(self, instance_id: str, request_id: str, now_s: float) -> None:
         group = self._group_of.pop(request_id, None)
         if group is None:
-            self._pools.queue(instance_id).finish(request_id, now_s, speed_weight)
+            self._pools.queue(instance_id).finish(request_id, now_s, self._speed_weight)
         queues = self._pools.queues
         for member in group or ():
             if member in queues:
-                queues[member].finish(request_id, now_s, speed_weight)
+                queues[member].finish(request_id, now_s, self._speed_weight)
         self._pending.release(request_id)
 
     def take_decode(self, request_id: str) -> tuple[int, int] | None:

@@ -130,18 +130,7 @@ def _register_simulate(subparsers: Any) -> None:
     sim.add_argument("--decode-check-keeps-node", action="store_true",
                      help="the decode check after prefill asks only the decode node chosen at "
                           "arrival (its KV streamed there): decode there or be rejected")
-    sim.add_argument("--prefill-speed-weight", type=float, default=0.0,
-                     help="the Conductor learns each prefill instance's speed from its finished "
-                          "prefills with this weight (0..1; 0: the fitted prediction as is)")
-    sim.add_argument("--predicted-output-len", type=_positive_int, default=None,
-                     help="output length the Conductor is told (default: the trace's mean)")
-    sim.add_argument("--uniform-decode-s", type=_positive_float, default=None,
-                     help="the Conductor's uniform decode time t_d per request (default: "
-                          "predicted steps)")
-    sim.add_argument("--prefill-prediction-error", type=float, default=0.0,
-                     help="seeded multiplicative error of prefill predictions (0.1 = +-10%%)")
-    sim.add_argument("--kvcache-balancing-threshold", type=float,
-                     default=_D.kvcache_balancing_threshold)
+    _add_prediction_flags(sim)
     sim.add_argument("--local-cache-tokens", type=parse_tokens, default=None,
                      help="prefix cache per prefill node (default: the node's DRAM)")
     sim.add_argument("--store-tokens", type=parse_tokens, default=_D.store_tokens,
@@ -165,6 +154,23 @@ def _register_simulate(subparsers: Any) -> None:
     sim.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT and TBT here")
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=_simulate)
+
+
+def _add_prediction_flags(sim: argparse.ArgumentParser) -> None:
+    """What the simulated Conductor predicts with: the told output length, t_d, prediction
+    error, the fetch threshold and the learned prefill speed."""
+    sim.add_argument("--prefill-speed-weight", type=float, default=0.0,
+                     help="the Conductor learns each prefill instance's speed from its finished "
+                          "prefills with this weight (0..1; 0: the fitted prediction as is)")
+    sim.add_argument("--predicted-output-len", type=_positive_int, default=None,
+                     help="output length the Conductor is told (default: the trace's mean)")
+    sim.add_argument("--uniform-decode-s", type=_positive_float, default=None,
+                     help="the Conductor's uniform decode time t_d per request (default: "
+                          "predicted steps)")
+    sim.add_argument("--prefill-prediction-error", type=float, default=0.0,
+                     help="seeded multiplicative error of prefill predictions (0.1 = +-10%%)")
+    sim.add_argument("--kvcache-balancing-threshold", type=float,
+                     default=_D.kvcache_balancing_threshold)
 
 
 def _register_reproduce(subparsers: Any) -> None:
