@@ -104,11 +104,11 @@ class ConductorConfig:
         request's predicted join time, as EARLY does (the requests in prefill booked to have
         joined by then counted), not its load now, under which a burst herds onto one node.
         False (the default): the instance is chosen again among all (its booking moves).
-    prefill_speed_weight: how much each finished prefill's measured duration (from its start to
-        its end, as the caller reports them) over its fitted prediction moves its instance's
-        learned speed (`PrefillQueue.speed`, an exponentially weighted mean from 1); every
-        prefill estimate of that instance (its queue, and a new request's prefill there) is
-        then the fit times that speed. An instance slower than the fit (a colocated worker
+    prefill_speed_weight: the weight of each finished prefill (its measured duration, from its
+        start to its end as the caller reports them, and its fitted prediction) in its
+        instance's learned speed (`PrefillQueue.speed`: the ratio of the exponentially weighted
+        means of the two; 1 until one finished); every prefill estimate of that instance (its
+        queue, and a new request's prefill there) is then the fit times that speed. An instance slower than the fit (a colocated worker
         prefilling in small chunks beside its decodes, a host shared with other work) is then
         priced as it runs. 0 (the default): the fit as measured, Algorithm 1 as the paper.
     """

@@ -122,7 +122,7 @@ class DecodeInstance:
         self._run_chunk = 0  # prefill tokens per step of this run
         self._reserved_head: Seq | None = None  # the head prefill whose KV is reserved
         self.joined: list[Seq] = []  # admitted to the batch since the cluster last took them
-        self.started: list[Seq] = []  # colocated: prefills whose first chunk was scheduled since
+        self.started: list[Seq] = []  # colocated: first chunk scheduled since the last take
         self.token = 0
         self.busy_s = 0.0
         self.prefill_compute_s = 0.0
