@@ -73,6 +73,7 @@ def recorded_replay(system: str, cap_args: Any, regime: Regime, budget: int,
                  for line in path.read_text().splitlines()]
     report = env.report()
     report["admission"] = cap_args.disagg_admission if system == "disagg" else "none"
+    report["prefill_speed_weight"] = cap_args.prefill_speed_weight
     report["decode_steps"] = replay_env.step_split(
         steps, [g for r in results for g in r.gaps_s], begun)
     report["placements"] = sorted(placements, key=lambda line: line["t"])
@@ -94,7 +95,8 @@ class Setup:
     @classmethod
     def load(cls, args: argparse.Namespace) -> Setup:
         cap_args = cap.parse_args(["--out-dir", str(args.out_dir),
-                                   "--disagg-admission", args.disagg_admission])
+                                   "--disagg-admission", args.disagg_admission,
+                                   "--prefill-speed-weight", str(args.prefill_speed_weight)])
         regime = cap.load_regime(cap_args)
         budget_path = args.out_dir / "colocated-budget.json"
         if not budget_path.is_file():

@@ -157,20 +157,39 @@ def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
     return {"metrics": got, "replays": reps, "runs": runs}
 
 
+def ran_with(live: dict[str, Any] | None, systems: Sequence[str], key: str,
+             default: Any) -> set[Any]:
+    """The values of `key` that the replays of `systems` in `live` (replay_file's answer)
+    recorded in their "env"; a replay recorded before the key existed ran with `default`."""
+    if live is None:
+        return set()
+    return {run.get("env", {}).get(key, default)
+            for system in systems for run in live.get("runs", {}).get(system, [])}
+
+
 def check_admission(live: dict[str, Any] | None, admission: str) -> None:
     """Exit when a disaggregated replay in `live` (replay_file's answer) ran with another
     admission than `admission`, the one the simulator is about to run: the two would not be the
     same system. A replay that did not record one ran before the flag existed: none."""
-    if live is None:
-        return
-    ran = {run.get("env", {}).get("admission", "none")
-           for run in live.get("runs", {}).get("disagg", [])}
+    ran = ran_with(live, ("disagg",), "admission", "none")
     if len(ran) > 1:
         raise SystemExit(f"the live disaggregated replays ran with admissions "
                          f"{' and '.join(sorted(ran))}, mixed in one file: replay them again")
     if ran - {admission}:
         raise SystemExit(f"the live disaggregated replays ran with admission {ran.pop()}, not "
                          f"{admission}: pass --disagg-admission to match, or replay them again")
+
+
+def check_speed_weight(live: dict[str, Any] | None, weight: float) -> None:
+    """Exit when a replay in `live`, of either system, ran its Conductor with another
+    `prefill_speed_weight` than `weight`, the one the simulator is about to run. A replay that
+    did not record one ran before the flag existed: 0, the fitted predictions."""
+    ran = ran_with(live, ("disagg", "colocated"), "prefill_speed_weight", 0.0)
+    if ran - {weight}:
+        weights = " and ".join(f"{w:g}" for w in sorted(ran))
+        raise SystemExit(f"the live replays ran with prefill_speed_weight {weights}, not "
+                         f"{weight:g}: pass --prefill-speed-weight to match, or replay them "
+                         "again")
 
 
 def check_files(rate: float, fit_rate: float | None, replay_rates: str,

@@ -256,6 +256,7 @@ def run_step(step: str, args: argparse.Namespace, regime: Regime) -> dict[str, A
         result["chunk_budget"] = budget
         if step == "disagg":
             result["admission"] = args.disagg_admission
+        result["prefill_speed_weight"] = args.prefill_speed_weight
     result |= {"started": begun, "load_before": load_before, "load_after": os.getloadavg(),
                "wall_s": time.perf_counter() - started}
     (args.out_dir / f"{step}.json").write_text(json.dumps(result, indent=1) + "\n")

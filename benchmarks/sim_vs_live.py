@@ -57,7 +57,10 @@ times (default 3, fixed before any pooled result: benchmarks/live_replays.py say
 each replay, the same requests and arrival times each time. Simulated: the same requests
 (scaled prompt and block lengths, the same hash ids, the same arrival times and output lengths) on
 `kvcake simulate`'s cluster of the same shape (1 prefill + 1 decode node with a store tier; 2
-colocated nodes with chunked prefill at the same budget and a prefix cache), admission off.
+colocated nodes with chunked prefill at the same budget and a prefix cache; it never rejects).
+`--disagg-admission` and `--prefill-speed-weight` (serving_disagg_vs_colocated.py's flags) run
+the live Conductors and the simulated ones alike; each live replay records both, and the check
+refuses live files replayed with others (a file from before a flag ran with its default).
 Compared: TTFT p50/p90, TBT p50/p90 (the paper's TBT: mean of a request's slowest 10% of gaps;
 requests with at least one gap), the mean TPOT (when the live file has it: the mean decode step a
 request saw) and the effective share at each TBT SLO. `--json` prints
@@ -234,6 +237,10 @@ def _live_flags(p: argparse.ArgumentParser) -> None:
                    help="the disaggregated pair's admission, live and simulated "
                         "(serving_disagg_vs_colocated.py's flag; none: the live files of "
                         "checks before 2026-12-07)")
+    p.add_argument("--prefill-speed-weight", type=float, default=0.0,
+                   help="both pairs' Conductor learns each prefill instance's speed with this "
+                        "weight, live and simulated (serving_disagg_vs_colocated.py's flag; 0, "
+                        "the default: the fitted predictions, as every check before 2026-12-08)")
 
 
 def saved_run(args: argparse.Namespace, setup: Setup, terms: Terms,
@@ -286,7 +293,8 @@ def second_rate(args: argparse.Namespace, setup: Setup, terms: Terms, fit_file: 
     return contention, metrics
 
 
-def capacities(args: argparse.Namespace, setup: Setup, cost: Any) -> dict[str, Any]:
+def capacities(args: argparse.Namespace, setup: Setup, cost: Any,
+               configs: dict[str, SimConfig]) -> dict[str, Any]:
     """--check-capacity: the simulator against every live capacity probe; unless
     --no-capacity, the simulated capacity search (`sim_capacity.json`)."""
     out: dict[str, Any] = {}
@@ -296,8 +304,7 @@ def capacities(args: argparse.Namespace, setup: Setup, cost: Any) -> dict[str, A
                                                cost, setup.budget, vocab_size)
         print_capacity_check(out["capacity_check"])
     if not args.no_capacity:
-        capacity = sim_capacity(setup.records, regime, cost, setup.budget, vocab_size,
-                                args.disagg_admission)
+        capacity = sim_capacity(setup.records, regime, cost, configs, vocab_size)
         (args.out_dir / "sim_capacity.json").write_text(json.dumps(capacity) + "\n")
         print(f"simulated capacity (req/s) per TBT SLO "
               f"{[round(x, 1) for x in regime.tbt_slos_ms]}: {json.dumps(capacity)}")
@@ -344,11 +351,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for checked in (live_file, fit_file):
         live_replays.check_admission(checked, args.disagg_admission)
+        live_replays.check_speed_weight(checked, args.prefill_speed_weight)
     config_json = json.loads((cap_args.model_dir / "config.json").read_text())
     bandwidth, source = transfer_bandwidth(args.out_dir)
     terms = Terms.measure(args, live_profile(args.out_dir, config_json, bandwidth))
     terms, ends = terms_bracket.bracketed(args, terms, config_json, bandwidth)
-    configs = sim_configs(regime, setup.block_len, setup.budget, args.disagg_admission)
+    configs = sim_configs(regime, setup.block_len, setup.budget, args.disagg_admission,
+                          args.prefill_speed_weight)
     if args.colocated_series is not None or args.batch_series is not None:
         out = saved_run(args, setup, terms, configs)
         if args.json:
@@ -381,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if ends:
         out["bracket_ends"] = terms_bracket.bracket_ends(
             setup, ends, configs, [(rate, live_file), (args.fit_rate, fit_file)])
-    out |= capacities(args, setup, cost) | terms_out(args, terms, contention, fit_metrics)
+    out |= capacities(args, setup, cost, configs) | terms_out(args, terms, contention, fit_metrics)
     if args.json:
         print(json.dumps(out))
     return 0

@@ -50,14 +50,16 @@ def sim_trace(records: list[TraceRequest], planned: list[PlannedRequest],
     return Trace(tuple(out), "sim_vs_live", block_size=block_len)
 
 
-def sim_configs(regime: Regime, block_len: int, budget: int,
-                admission: str = "none") -> dict[str, SimConfig]:
+def sim_configs(regime: Regime, block_len: int, budget: int, admission: str = "none",
+                prefill_speed_weight: float = 0.0) -> dict[str, SimConfig]:
     """The live systems as the simulator runs them: the disaggregated pair with the live run's
     admission (`--disagg-admission`) on the regime's TTFT SLO and loosest TBT SLO, as
     serving_disagg_vs_colocated.conductor_toml configures the live Conductor; the colocated pair
-    never rejects."""
+    never rejects. Both Conductors learn each prefill instance's speed with the live run's
+    `prefill_speed_weight` (`--prefill-speed-weight`; 0: the fitted predictions)."""
     common = {"ttft_slo_s": regime.ttft_slo_s, "tbt_slo_ms": max(regime.tbt_slos_ms),
-              "block_size": block_len, "seed": 0}
+              "block_size": block_len, "seed": 0,
+              "prefill_speed_weight": prefill_speed_weight}
     pool_tokens = live_profile_fit.KV_POOL_BYTES // 4096
     return {
         "disagg": SimConfig(num_prefill=1, num_decode=1, policy="global_cache",
@@ -140,13 +142,14 @@ def diagnostics(trace: Trace, config: SimConfig, cost: Any, step: float = 1.1) -
     return out
 
 
-def sim_capacity(records: list[TraceRequest], regime: Regime, cost: Any, budget: int,
-                 vocab_size: int, admission: str = "none") -> dict[str, list[float | None]]:
-    """The simulator's capacity per TBT SLO for the same regime: the capacity benchmark's search
-    (start rate, probes, 90% target) over the same requests, each probe one simulated run."""
+def sim_capacity(records: list[TraceRequest], regime: Regime, cost: Any,
+                 configs: dict[str, SimConfig], vocab_size: int) -> dict[str, list[float | None]]:
+    """The simulator's capacity per TBT SLO for the same regime, each of `configs` (sim_configs'
+    systems): the capacity benchmark's search (start rate, probes, 90% target) over the same
+    requests, each probe one simulated run."""
     block_len = PromptBuilder(scale_tokens=regime.scale_tokens).block_len
     out: dict[str, list[float | None]] = {}
-    for name, config in sim_configs(regime, block_len, budget, admission).items():
+    for name, config in configs.items():
         def probe(rate: float, config: SimConfig = config) -> list[float]:
             planned = cap.workload(records, regime, vocab_size, rate, seed=0)
             return sim_shares(simulate(config, sim_trace(records, planned, block_len),
@@ -185,7 +188,8 @@ def capacity_check(cap_dir: Path, regime: Regime, records: list[TraceRequest], c
             continue
         data = json.loads(path.read_text())
         config = sim_configs(regime, block_len, int(data.get("chunk_budget") or budget),
-                             data.get("admission", "none"))[system]  # as the probes ran
+                             data.get("admission", "none"),
+                             data.get("prefill_speed_weight", 0.0))[system]  # as probes ran
         rows, hits = [], []
         for probe in sorted(data["probes"], key=lambda p: p["rate"]):
             planned = cap.workload(records, regime, vocab_size, probe["rate"], seed=0)

@@ -188,4 +188,34 @@ def test_only_the_disaggregated_pair_rejects_and_on_the_regimes_slos() -> None:
     # the simulator's systems are the same
     configs = simulated_runs.sim_configs(r, 64, 256, "early")
     assert (configs["disagg"].admission, configs["colocated"].admission) == ("early", "none")
+    assert {c.prefill_speed_weight for c in configs.values()} == {0.0}  # the fitted predictions
+    learned = simulated_runs.sim_configs(r, 64, 256, "early", prefill_speed_weight=0.2)
+    assert {c.prefill_speed_weight for c in learned.values()} == {0.2}  # both pairs, as live
     assert configs["disagg"].tbt_slo_ms == max(r.tbt_slos_ms)
+
+
+def test_a_capacity_check_simulates_the_probes_with_their_speed_weight(tmp_path: Path) -> None:
+    """A search run with --prefill-speed-weight records it; the check's simulated probes run
+    with it (a file without it ran before the flag: 0)."""
+    r = regime()
+    (tmp_path / "regime.json").write_text(r.to_json())
+    probe = {"rate": 4.0, "median_ttft_ms": 100.0, "p90_ttft_ms": 300.0, "median_tbt_ms": 10.0,
+             "p90_tbt_ms": 20.0}
+    slow = profile_dict()  # prefills started while the host decodes take 12x the fit
+    slow["live"]["contention"] = {"decode": 1.0, "prefill": 1.0,  # type: ignore[index]
+                                  "prefill_decode_busy": 12.0}
+    cost = live_cost_from_dict(slow).as_cost_model()
+    block = round(512 * r.scale_tokens)
+    trace = simulated_runs.sim_trace(RECORDS, cap.workload(RECORDS, r, 258, 4.0, seed=0), block)
+    ttft_p90: dict[float, float] = {}
+    for weight in (0.0, 0.5):
+        config = simulated_runs.sim_configs(r, block, 256, "early", weight)["disagg"]
+        ttft_p90[weight] = simulated_runs.sim_metrics(trace, r, config, cost)["ttft_p90_ms"]
+    assert ttft_p90[0.0] != ttft_p90[0.5]  # the learned speed changes this run
+    for recorded, weight in (({}, 0.0), ({"prefill_speed_weight": 0.5}, 0.5)):
+        (tmp_path / "disagg.json").write_text(json.dumps(
+            {"probes": [probe], "admission": "early"} | recorded))
+        check = simulated_runs.capacity_check(tmp_path, r, RECORDS, cost, budget=256,
+                                              vocab_size=258)
+        assert check["disagg"]["probes"][0]["ttft_p90_ms"]["sim"] == pytest.approx(
+            ttft_p90[weight])

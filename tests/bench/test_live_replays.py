@@ -184,6 +184,27 @@ def test_a_check_refuses_live_replays_of_another_admission() -> None:
         live_replays.check_admission(runs(None, "early"), "early")
 
 
+def test_a_check_refuses_live_replays_of_another_speed_weight() -> None:
+    def runs(disagg: list[float | None], colocated: list[float | None]) -> dict[str, object]:
+        def env(w: float | None) -> dict[str, object]:
+            return {"env": {} if w is None else {"prefill_speed_weight": w}}
+        return {"runs": {"disagg": [env(w) for w in disagg],
+                         "colocated": [env(w) for w in colocated]}}
+
+    live_replays.check_speed_weight(runs([0.2, 0.2], [0.2]), 0.2)
+    live_replays.check_speed_weight(runs([None], [None]), 0.0)  # recorded before the flag: 0
+    live_replays.check_speed_weight(None, 0.2)  # no second rate
+    with pytest.raises(SystemExit, match="ran with prefill_speed_weight 0, not 0.2: pass "
+                                         "--prefill-speed-weight to match"):
+        live_replays.check_speed_weight(runs([None], [None]), 0.2)
+    with pytest.raises(SystemExit, match="ran with prefill_speed_weight 0.2, not 0:"):
+        live_replays.check_speed_weight(runs([], [0.2]), 0.0)  # the colocated pair's too
+    with pytest.raises(SystemExit, match="prefill_speed_weight 0 and 0.2, not 0.2"):
+        live_replays.check_speed_weight(runs([None, 0.2], []), 0.2)  # mixed in one file
+    with pytest.raises(SystemExit, match="prefill_speed_weight 0 and 0.2, not 0:"):
+        live_replays.check_speed_weight(runs([0.0], [0.2]), 0.0)
+
+
 @pytest.mark.parametrize(("fit_rate", "replay_rates", "expected"), [
     (None, "both", [(0.8, "live.json", True)]),
     (0.4, "both", [(0.8, "live.json", True), (0.4, "live_fit.json", True)]),
