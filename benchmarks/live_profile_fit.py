@@ -112,6 +112,15 @@ def refit_prefill(out_dir: Path, model_dir: Path) -> dict[str, Any]:
     return data
 
 
+def refit(into: Path, model_dir: Path, decode: bool, prefill: bool) -> None:
+    """`sim_vs_live.py --refit-decode / --refit-prefill`: the chosen fits measured again, written
+    into `into` (--refit-into, default --out-dir) and printed."""
+    into.mkdir(parents=True, exist_ok=True)
+    for wanted, measure in ((decode, refit_decode), (prefill, refit_prefill)):
+        if wanted:
+            print(json.dumps(measure(into, model_dir)))
+
+
 def live_profile(out_dir: Path, model_config: dict[str, Any], bandwidth: float,
                  dtype_bytes: int = 4, contention: dict[str, float] | None = None,
                  refits_dir: Path | None = None) -> dict[str, Any]:

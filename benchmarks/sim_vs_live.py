@@ -120,8 +120,7 @@ from check_setup import Setup, Terms  # noqa: E402
 from live_profile_fit import (  # noqa: E402
     fit_contention,
     live_profile,
-    refit_decode,
-    refit_prefill,
+    refit,
     transfer_bandwidth,
 )
 from live_replays import compare, live_metrics, print_table  # noqa: E402
@@ -311,17 +310,6 @@ def capacities(args: argparse.Namespace, setup: Setup, cost: Any,
     return out
 
 
-def refit(args: argparse.Namespace, model_dir: Path) -> None:
-    """--refit-decode / --refit-prefill: the fits measured again, into --refit-into (default
-    --out-dir)."""
-    into = args.refit_into or args.out_dir
-    into.mkdir(parents=True, exist_ok=True)
-    if args.refit_decode:
-        print(json.dumps(refit_decode(into, model_dir)))
-    if args.refit_prefill:
-        print(json.dumps(refit_prefill(into, model_dir)))
-
-
 def terms_out(args: argparse.Namespace, terms: Terms, contention: dict[str, float] | None,
               fit_metrics: dict[str, Any] | None) -> dict[str, Any]:
     """The check's JSON about its terms: the contention fitted at --fit-rate, or the measured
@@ -342,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup.load(args)
     regime, cap_args = setup.regime, setup.cap_args
     if args.refit_decode or args.refit_prefill:
-        refit(args, cap_args.model_dir)
+        refit(args.refit_into or args.out_dir, cap_args.model_dir, args.refit_decode,
+              args.refit_prefill)
         return 0
     rate = args.rate or 0.5 / regime.mean_prefill_s
     live_file, fit_file = live_replays.check_files(rate, args.fit_rate, args.replay_rates,
