@@ -128,13 +128,12 @@ class Setup:
             envs.append(env)
             return results
 
-        return live_replays.replay_file(args.out_dir / name, rate,
-                                        [x for x in args.systems.split(",") if x],
-                                        args.live_repeats, replay_once,
+        target = live_replays.ReplayFile(
+            args.out_dir / name, rate, tuple(x for x in args.systems.split(",") if x),
+            args.live_repeats, replay=replay and not args.sim_only, append=args.append_replays)
+        return live_replays.replay_file(target, replay_once,
                                         lambda rs: live_metrics(rs, self.regime),
-                                        replay=replay and not args.sim_only,
-                                        extras=lambda: envs.pop(),
-                                        append=args.append_replays)
+                                        extras=lambda: envs.pop())
 
 
 @dataclass

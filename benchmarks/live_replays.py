@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,21 +104,34 @@ def stamp() -> dict[str, Any]:
             "load": list(os.getloadavg())}
 
 
-def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
-                replay_once: Callable[[str], list[RequestResult]],
+@dataclass(frozen=True)
+class ReplayFile:
+    """What `replay_file` replays into: the live file `path` of `rate`; with `replay`, each
+    of `systems` replayed `repeats` times; `append`: pooled with the replays the file holds."""
+
+    path: Path
+    rate: float
+    systems: tuple[str, ...]
+    repeats: int
+    replay: bool = True
+    append: bool = False
+
+
+def replay_file(target: ReplayFile, replay_once: Callable[[str], list[RequestResult]],
                 metrics_of: Callable[[list[RequestResult]], dict[str, float]],
-                replay: bool = True, when: Callable[[], dict[str, Any]] = stamp,
-                extras: Callable[[], dict[str, Any]] | None = None,
-                append: bool = False) -> dict[str, Any]:
-    """The live metrics at `rate` ({"metrics": pooled, "replays": each replay's}, per system).
-    With `replay`, each of `systems` is replayed `repeats` times (`replay_once(system)`: one
-    replay on a fresh server) and pooled; the other systems' come from `path`, an earlier run's
+                when: Callable[[], dict[str, Any]] = stamp,
+                extras: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The live metrics at the target's `rate` ({"metrics": pooled, "replays": each replay's},
+    per system). With its `replay`, each of its `systems` is replayed `repeats` times
+    (`replay_once(system)`: one replay on a fresh server) and pooled; the other systems' come
+    from its `path`, an earlier run's
     file, if it is of the same rate (else it is not reused). `path` is written after each
     system with every replay's per-request records (`requests`) and `runs` (`when()` before and
     after each replay, and `extras()`'s after it as "env": what the replay ran on).
     `append`: this call's replays of a system are pooled with those `path` already holds for it
     (an earlier invocation's, same rate): N replays split across separate invocations and lock
     holds, so a speed that differs between invocations is in the pooled value, not beside it."""
+    path, rate, repeats = target.path, target.rate, target.repeats
     old = json.loads(path.read_text()) if path.is_file() else {}
     if old and not math.isclose(float(old.get("rate", rate)), rate, rel_tol=1e-9):
         print(f"[live] {path} is of rate {old['rate']}, not {rate:.6g}: not reused",
@@ -126,11 +140,11 @@ def replay_file(path: Path, rate: float, systems: Sequence[str], repeats: int,
     got: dict[str, dict[str, float]] = dict(old.get("metrics", {}))
     reps: dict[str, list[dict[str, float]]] = dict(old.get("replays", {}))
     runs, requests = dict(old.get("runs", {})), dict(old.get("requests", {}))
-    if not replay:
+    if not target.replay:
         return {"metrics": got, "replays": reps, "runs": runs}
-    for system in systems:
+    for system in target.systems:
         results: list[list[RequestResult]] = []
-        if append and requests.get(system):
+        if target.append and requests.get(system):
             results = [[from_json(r) for r in one] for one in requests[system]]
             runs[system] = list(runs.get(system, []))
         else:

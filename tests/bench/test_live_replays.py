@@ -145,8 +145,8 @@ def test_replay_file_pools_each_system_and_keeps_the_others(tmp_path: Path) -> N
         calls.append(system)
         return next(served)
 
-    got = live_replays.replay_file(path, 0.5, ["disagg"], 2, replay_once,
-                                   lambda rs: live_replays.live_metrics(rs, r),
+    got = live_replays.replay_file(live_replays.ReplayFile(path, 0.5, ("disagg",), 2),
+                                   replay_once, lambda rs: live_replays.live_metrics(rs, r),
                                    when=lambda: {"at": "t"})
     assert calls == ["disagg", "disagg"]
     assert got["metrics"]["disagg"]["ttft_p50_ms"] == pytest.approx(450.0)
@@ -157,12 +157,14 @@ def test_replay_file_pools_each_system_and_keeps_the_others(tmp_path: Path) -> N
     assert len(saved["runs"]["disagg"]) == 2
     assert [live_replays.from_json(x) for x in saved["requests"]["disagg"][1]] == REPLAY_B
     # read back without replaying: the same figures
-    again = live_replays.replay_file(path, 0.5, ["disagg"], 2, replay_once,
-                                     lambda rs: live_replays.live_metrics(rs, r), replay=False)
+    again = live_replays.replay_file(
+        live_replays.ReplayFile(path, 0.5, ("disagg",), 2, replay=False), replay_once,
+        lambda rs: live_replays.live_metrics(rs, r))
     assert again == json.loads(json.dumps(got)) and len(calls) == 2
     # a file of another rate is not reused
-    other = live_replays.replay_file(path, 0.25, ["disagg"], 2, replay_once,
-                                     lambda rs: {}, replay=False)
+    other = live_replays.replay_file(
+        live_replays.ReplayFile(path, 0.25, ("disagg",), 2, replay=False), replay_once,
+        lambda rs: {})
     assert other == {"metrics": {}, "replays": {}, "runs": {}}
 
 

@@ -137,8 +137,8 @@ def test_extras_land_in_the_live_file_runs(tmp_path: Path) -> None:
     replays = iter([REPLAY_A, REPLAY_B])
     envs = iter([{"steal": 0.1}, {"steal": 0.2}])
     path = tmp_path / "live.json"
-    live_replays.replay_file(path, 1.0, ["disagg"], 2, lambda _s: next(replays),
-                             lambda rs: {"n": float(len(rs))},
+    live_replays.replay_file(live_replays.ReplayFile(path, 1.0, ("disagg",), 2),
+                             lambda _s: next(replays), lambda rs: {"n": float(len(rs))},
                              when=lambda: {"at": "t"}, extras=lambda: next(envs))
     runs = json.loads(path.read_text())["runs"]["disagg"]
     assert [r["env"] for r in runs] == [{"steal": 0.1}, {"steal": 0.2}]
@@ -216,21 +216,23 @@ def test_append_pools_replays_across_invocations(tmp_path: Path) -> None:
 
     path = tmp_path / "live.json"
     n = lambda rs: {"n": float(len(rs))}  # noqa: E731
-    live_replays.replay_file(path, 1.0, ["disagg"], 1, lambda _s: REPLAY_A, n,
-                             when=lambda: {"at": "first"})
-    got = live_replays.replay_file(path, 1.0, ["disagg"], 1, lambda _s: REPLAY_B, n,
-                                   when=lambda: {"at": "second"}, append=True)
+    live_replays.replay_file(live_replays.ReplayFile(path, 1.0, ("disagg",), 1),
+                             lambda _s: REPLAY_A, n, when=lambda: {"at": "first"})
+    got = live_replays.replay_file(
+        live_replays.ReplayFile(path, 1.0, ("disagg",), 1, append=True), lambda _s: REPLAY_B, n,
+        when=lambda: {"at": "second"})
     assert got["metrics"]["disagg"] == {"n": 8.0}  # 4 + 4 requests pooled
     assert got["replays"]["disagg"] == [{"n": 4.0}, {"n": 4.0}]
     data = json.loads(path.read_text())
     assert [r["before"]["at"] for r in data["runs"]["disagg"]] == ["first", "second"]
     assert data["repeats"] == 2 and len(data["requests"]["disagg"]) == 2
     # without append a new invocation replaces the system's replays
-    got = live_replays.replay_file(path, 1.0, ["disagg"], 1, lambda _s: REPLAY_B, n)
+    got = live_replays.replay_file(live_replays.ReplayFile(path, 1.0, ("disagg",), 1),
+                                   lambda _s: REPLAY_B, n)
     assert got["replays"]["disagg"] == [{"n": 4.0}]
     # another rate's file is not pooled with
-    got = live_replays.replay_file(path, 2.0, ["disagg"], 1, lambda _s: REPLAY_A, n,
-                                   append=True)
+    got = live_replays.replay_file(
+        live_replays.ReplayFile(path, 2.0, ("disagg",), 1, append=True), lambda _s: REPLAY_A, n)
     assert got["replays"]["disagg"] == [{"n": 4.0}]
 
 
