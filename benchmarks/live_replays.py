@@ -124,10 +124,10 @@ def replay_file(target: ReplayFile, replay_once: Callable[[str], list[RequestRes
     """The live metrics at the target's `rate` ({"metrics": pooled, "replays": each replay's},
     per system). With its `replay`, each of its `systems` is replayed `repeats` times
     (`replay_once(system)`: one replay on a fresh server) and pooled; the other systems' come
-    from its `path`, an earlier run's
-    file, if it is of the same rate (else it is not reused). `path` is written after each
-    system with every replay's per-request records (`requests`) and `runs` (`when()` before and
-    after each replay, and `extras()`'s after it as "env": what the replay ran on).
+    from its `path`, an earlier run's file, if it is of the same rate (else it is not reused).
+    `path` is written after each system with every replay's per-request records (`requests`)
+    and `runs` (`when()` before and after each replay, and `extras()`'s after it as "env": what
+    the replay ran on).
     `append`: this call's replays of a system are pooled with those `path` already holds for it
     (an earlier invocation's, same rate): N replays split across separate invocations and lock
     holds, so a speed that differs between invocations is in the pooled value, not beside it."""

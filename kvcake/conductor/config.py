@@ -110,7 +110,8 @@ class ConductorConfig:
         means of the two; 1 until one finished); every prefill estimate of that instance (its
         queue, and a new request's prefill there) is then the fit times that speed. An
         instance slower than the fit (a colocated worker prefilling in small chunks beside its
-        decodes, a host shared with other work) is then priced as it runs. 0 (the default): the fit as measured, Algorithm 1 as the paper.
+        decodes, a host shared with other work) is then priced as it runs. 0 (the default):
+        the fit as measured, Algorithm 1 as the paper.
         Measured live at 0.2 (docs/benchmarks.md, seventeenth session): the 1P+1D pair gained
         at loose TBT SLOs and lost at the tight one, two colocated workers lost at every SLO
         (their speeds follow the host's from minute to minute), so it stays off by default.

@@ -16,7 +16,6 @@ fields of `PrefillEstimate` without its queue; recompute_s is the local alternat
 fetch_only_if_faster must weigh it (else None)."""
 
 
-
 def at_speed(plan: Plan, speed: float) -> Plan:
     """The plan on an instance whose prefills take `speed` times the fit (its learned speed:
     `PrefillQueue.speed`): its prefill and recompute seconds scaled, its fetch not."""
